@@ -1,0 +1,162 @@
+"""Reading conversations: JSONL or Parquet, OpenAI `messages` or ShareGPT `conversations`.
+
+Rows stream one at a time (a million-row file never sits in memory as a list). A bad row raises
+`DataError` naming file, line and problem; with `skip_invalid` it is skipped and counted in
+`RowStats` instead. Nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+ROLE_ALIASES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+}
+
+
+class DataError(ValueError):
+    pass
+
+
+@dataclass
+class Conversation:
+    source: str
+    """file:line of the row."""
+    id: str
+    messages: list[dict]
+    """[{"role": system|user|assistant, "content": str}, ...]"""
+
+
+@dataclass
+class RowStats:
+    ok: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    @property
+    def total(self) -> int:
+        return self.ok + sum(self.skipped.values())
+
+    def to_dict(self) -> dict:
+        return {"rows": self.total, "ok": self.ok, "skipped": dict(self.skipped)}
+
+
+def _text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise DataError(f"{where}: only text content parts are supported, got {part!r:.80}")
+        return "".join(parts)
+    raise DataError(f"{where}: content must be a string, got {type(content).__name__}")
+
+
+def normalise_messages(row: dict, where: str) -> list[dict]:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: row must be a JSON object, got {type(row).__name__}")
+    if "messages" in row:
+        turns, role_key, text_key, field_name = row["messages"], "role", "content", "messages"
+    elif "conversations" in row:
+        turns, role_key, text_key, field_name = row["conversations"], "from", "value", "conversations"
+    else:
+        raise DataError(f"{where}: no 'messages' or 'conversations' field (keys: {sorted(row)[:8]})")
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: field '{field_name}' is empty or not a list")
+    messages = []
+    for i, turn in enumerate(turns):
+        at = f"{where}: {field_name}[{i}]"
+        if not isinstance(turn, dict):
+            raise DataError(f"{at}: turn must be an object")
+        raw_role = turn.get(role_key, turn.get("role"))
+        role = ROLE_ALIASES.get(str(raw_role).lower()) if raw_role is not None else None
+        if role is None:
+            raise DataError(f"{at}: unknown role {raw_role!r} (known: {sorted(set(ROLE_ALIASES))})")
+        content = turn.get(text_key, turn.get("content"))
+        messages.append({"role": role, "content": _text(content, at)})
+    return messages
+
+
+def _row_id(row, fallback: str) -> str:
+    if isinstance(row, dict):
+        for key in ("id", "conversation_id", "uuid"):
+            if row.get(key) is not None:
+                return str(row[key])
+    return fallback
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield where, DataError(f"{where}: not valid UTF-8 ({err.reason} at byte {err.start})")
+                continue
+            try:
+                yield where, json.loads(text)
+            except json.JSONDecodeError as err:
+                yield where, DataError(f"{where}: not valid JSON: {err.msg} (column {err.colno})")
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
+    import pyarrow.parquet as pq
+
+    row = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            row += 1
+            yield f"{path}:row {row}", record
+
+
+def iter_rows(path: str | Path) -> Iterator[tuple[str, object]]:
+    """(location, parsed row or DataError) for every row of a JSONL or Parquet file."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    if path.suffix == ".parquet":
+        return _parquet_rows(path)
+    if path.suffix in (".jsonl", ".json", ".ndjson"):
+        return _jsonl_rows(path)
+    raise DataError(f"{path}: unsupported data format (use .jsonl or .parquet)")
+
+
+def iter_conversations(
+    paths: list[str | Path] | str | Path,
+    skip_invalid: bool = False,
+    stats: RowStats | None = None,
+    require_assistant: bool = True,
+) -> Iterator[Conversation]:
+    stats = stats if stats is not None else RowStats()
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        for where, row in iter_rows(path):
+            try:
+                if isinstance(row, DataError):
+                    raise row
+                messages = normalise_messages(row, where)
+                if require_assistant and not any(m["role"] == "assistant" for m in messages):
+                    raise DataError(f"{where}: no assistant turn to learn from")
+            except DataError as err:
+                if not skip_invalid:
+                    raise
+                stats.skipped[str(err).split(": ", 1)[-1].split(" (")[0]] += 1
+                continue
+            stats.ok += 1
+            yield Conversation(source=where, id=_row_id(row, where), messages=messages)

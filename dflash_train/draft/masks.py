@@ -1,0 +1,137 @@
+"""Anchors, labels and attention masks of the DFlash training objective.
+
+Layout of one training sequence (length T, N anchors, block size B):
+  keys    = [context positions 0..T-1 ; block tokens (anchor j, slot k) at index T + j*B + k]
+  queries = the N*B block tokens
+Block j is `[token[a_j], MASK x (B-1)]` at positions a_j .. a_j+B-1; slot k (>= 1) predicts
+token[a_j + k]. A query of block j sees context keys with position STRICTLY below a_j (at inference
+the target has not yet run on the anchor token, so its features do not exist) and every key of its
+own block (bidirectional), never another block. Everything mask-related lives in this file so the
+dense (CPU) and flex (GPU) paths cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random anchor positions inside responses, up to `num_anchors` per sequence.
+
+    An anchor i needs loss_mask[i] and loss_mask[i+1]: the block starts on a response token and
+    has at least one response token to predict. Returns (anchors [b, N] sorted, padded with 0;
+    valid [b, N] bool). Padded anchors sit at position 0, so they see no context.
+    """
+    b, t = loss_mask.shape
+    lm = loss_mask.bool()
+    eligible = torch.zeros_like(lm)
+    eligible[:, :-1] = lm[:, :-1] & lm[:, 1:]
+    # Random keys; ineligible positions get +inf so a sort puts eligible ones first, in random order.
+    keys = torch.rand(b, t, generator=generator, device="cpu").to(loss_mask.device)
+    keys = keys.masked_fill(~eligible, math.inf)
+    n = min(num_anchors, t)
+    picked = keys.argsort(dim=1)[:, :n]
+    valid = eligible.gather(1, picked)
+    anchors = torch.where(valid, picked, torch.zeros_like(picked))
+    # Sort valid anchors ascending, padding last (keeps blocks in position order, as at inference).
+    order_key = torch.where(valid, anchors, torch.full_like(anchors, t + 1))
+    order = order_key.argsort(dim=1)
+    anchors, valid = anchors.gather(1, order), valid.gather(1, order)
+    if n < num_anchors:
+        pad = num_anchors - n
+        anchors = torch.cat([anchors, anchors.new_zeros(b, pad)], dim=1)
+        valid = torch.cat([valid, valid.new_zeros(b, pad)], dim=1)
+    return anchors, valid
+
+
+def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[b, N] anchors -> [b, N*B] absolute positions a_j + k of the block tokens."""
+    offsets = torch.arange(block_size, device=anchors.device)
+    return (anchors[:, :, None] + offsets).flatten(1)
+
+
+def block_inputs(
+    input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
+) -> torch.Tensor:
+    """Block token ids [b, N*B]: the anchor's own token in slot 0, MASK in the others."""
+    ids = torch.full(
+        (*anchors.shape, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device
+    )
+    ids[:, :, 0] = input_ids.gather(1, anchors)
+    return ids.flatten(1)
+
+
+def block_labels(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    gamma: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels and loss weights [b, N*B] for every block slot.
+
+    Slot k predicts token[a + k]; it counts when k >= 1, the block is valid, a + k is inside the
+    sequence and a response token. Weight w_k = exp(-(k-1)/gamma): early slots matter most since
+    acceptance stops at the first miss.
+    """
+    b, t = input_ids.shape
+    pos = block_positions(anchors, block_size)  # [b, N*B]
+    inside = pos < t
+    pos_c = pos.clamp(max=t - 1)
+    labels = input_ids.gather(1, pos_c)
+    k = torch.arange(block_size, device=input_ids.device).repeat(anchors.shape[1])
+    decay = torch.exp(-(k - 1).clamp(min=0).double() / gamma).to(torch.float32)
+    counted = (
+        (k >= 1)[None, :]
+        & inside
+        & loss_mask.bool().gather(1, pos_c)
+        & valid.repeat_interleave(block_size, dim=1)
+    )
+    weights = torch.where(counted, decay[None, :].expand(b, -1), torch.zeros((), dtype=torch.float32))
+    return labels, weights
+
+
+def dense_mask(anchors: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
+    """Bool mask [b, 1, N*B, T + N*B] (True = attend) for SDPA."""
+    b, n = anchors.shape
+    q = n * block_size
+    q_block = torch.arange(q, device=anchors.device) // block_size  # [Q]
+    q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [b, Q]
+    ctx = torch.arange(context_len, device=anchors.device)
+    sees_ctx = ctx[None, None, :] < q_anchor[:, :, None]  # [b, Q, T]
+    sees_block = (q_block[:, None] == q_block[None, :]).expand(b, q, q)  # [b, Q, Q]
+    return torch.cat([sees_ctx, sees_block], dim=2)[:, None]
+
+
+def mask_mod_for(anchors: torch.Tensor, block_size: int, context_len: int):
+    """The same rule as `dense_mask`, as a flex_attention mask_mod (index arithmetic only)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_block = q_idx // block_size
+        in_ctx = kv_idx < context_len
+        ctx_ok = kv_idx < anchors[b, q_block]
+        block_ok = (kv_idx - context_len) // block_size == q_block
+        return torch.where(in_ctx, ctx_ok, block_ok)
+
+    return mask_mod
+
+
+def flex_block_mask(anchors: torch.Tensor, block_size: int, context_len: int):
+    """BlockMask for flex_attention; built on the anchors' device, once per batch."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, n = anchors.shape
+    q_len = n * block_size
+    return create_block_mask(
+        mask_mod_for(anchors, block_size, context_len),
+        B=b,
+        H=None,
+        Q_LEN=q_len,
+        KV_LEN=context_len + q_len,
+        device=anchors.device,
+    )

@@ -1,0 +1,224 @@
+"""The DFlash draft model: one self-contained definition, readable top to bottom.
+
+Design choices (they match the format SGLang, vLLM and z-lab load; see DESIGN.md):
+- Qwen3-style decoder layers: pre-norm RMSNorm, GQA attention with per-head q/k RMSNorm, RoPE,
+  SiLU-gated MLP, final `norm`.
+- Context = target hidden states of `target_layer_ids`, concatenated [.., K*H] -> `fc` -> `hidden_norm`.
+- Injection: in EVERY layer keys/values are k_proj/v_proj of [context ; block], queries come from
+  the block only; only block tokens flow through the residual stream. k_norm applies to context and
+  block keys alike; values get no norm.
+- RoPE at absolute positions: context keys at their token positions, block slot k of anchor a at a+k.
+- No embeddings and no LM head: the target's (frozen) are passed in, never stored here.
+Shape names: b batch, Q block (query) tokens, C context tokens, H hidden, K captured layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DraftModelConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    block_size: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    layer_types: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        for i in self.target_layer_ids:
+            if not 0 <= i < self.num_target_layers:
+                raise ValueError(
+                    f"target_layer_ids {self.target_layer_ids}: {i} is outside the target's "
+                    f"{self.num_target_layers} layers (ids are 0-based layer outputs)"
+                )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} outside vocabulary {self.vocab_size}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Evenly spaced from 1 to L-3 (Qwen3-8B, 5 layers: [1, 9, 17, 25, 33]); one layer: L//2."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin [b, 1, S, D] for absolute positions [b, S] (rotate-half convention, as HF)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class DraftKVCache:
+    """Per-layer keys/values of the context seen so far (inference only).
+
+    Block keys are never cached: the next round's block is new tokens at new positions.
+    """
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+
+    def extend(self, layer: int, k_ctx: torch.Tensor, v_ctx: torch.Tensor):
+        if self.k[layer] is not None:
+            k_ctx = torch.cat([self.k[layer], k_ctx], dim=2)
+            v_ctx = torch.cat([self.v[layer], v_ctx], dim=2)
+        self.k[layer], self.v[layer] = k_ctx, v_ctx
+        return k_ctx, v_ctx
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[2]
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DraftModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)  # [b, n, S, D]
+
+    def forward(self, x_BQH, ctx_BCH, rope_q, rope_k, mask, cache=None, layer=0):
+        b, q_len, _ = x_BQH.shape
+        kv_in = torch.cat([ctx_BCH, x_BQH], dim=1)
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x_BQH), self.num_heads)), *rope_q)
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(kv_in), self.num_kv_heads)), *rope_k)
+        v = self._heads(self.v_proj(kv_in), self.num_kv_heads)
+        if cache is not None:
+            c = ctx_BCH.shape[1]
+            k_ctx, v_ctx = cache.extend(layer, k[:, :, :c], v[:, :, :c])
+            k = torch.cat([k_ctx, k[:, :, c:]], dim=2)
+            v = torch.cat([v_ctx, v[:, :, c:]], dim=2)
+        if mask is None or isinstance(mask, torch.Tensor):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DraftModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h_BQH, ctx_BCH, rope_q, rope_k, mask, cache=None, layer=0):
+        # The context enters k/v as fc+hidden_norm left it: only block tokens get input_layernorm.
+        x = self.input_layernorm(h_BQH)
+        h_BQH = h_BQH + self.self_attn(x, ctx_BCH, rope_q, rope_k, mask, cache, layer)
+        return h_BQH + self.mlp(self.post_attention_layernorm(h_BQH))
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, cfg: DraftModelConfig):
+        super().__init__()
+        self.config = cfg
+        num_ctx = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(num_ctx * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02):
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def forward(
+        self,
+        context_BCKH: torch.Tensor,
+        block_embeds_BQH: torch.Tensor,
+        context_positions: torch.Tensor,
+        block_positions: torch.Tensor,
+        mask=None,
+        cache: DraftKVCache | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [b, Q, H] of the block tokens (logits: target lm_head).
+
+        mask: dense bool [b, 1, Q, C+Q], a flex BlockMask, or None (all visible: inference, where
+        every cached and new context token precedes the block).
+        """
+        cfg = self.config
+        ctx = self.hidden_norm(self.fc(context_BCKH))
+        dtype = block_embeds_BQH.dtype
+        rope_q = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta, dtype)
+        rope_k = rope_cos_sin(
+            torch.cat([context_positions, block_positions], dim=1), cfg.head_dim, cfg.rope_theta, dtype
+        )
+        h = block_embeds_BQH
+        for i, layer in enumerate(self.layers):
+            h = layer(h, ctx, rope_q, rope_k, mask, cache, i)
+        return self.norm(h)

