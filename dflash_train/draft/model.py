@@ -92,6 +92,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+_COMPILED_FLEX = None
+
+
+def _flex_attention(on_cuda: bool):
+    """flex_attention only runs fused when compiled; on CPU (tests, forward only) eager is enough."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not on_cuda:
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
 class DraftKVCache:
     """Per-layer keys/values of the context seen so far (inference only).
 
@@ -147,9 +162,7 @@ class DFlashAttention(nn.Module):
         if mask is None or isinstance(mask, torch.Tensor):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         else:
-            from torch.nn.attention.flex_attention import flex_attention
-
-            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+            out = _flex_attention(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 

@@ -1,0 +1,44 @@
+"""Token-budget batching: length-grouped, deterministic from (seed, epoch), resumable by index.
+
+A batch holds at most `max_batch_size` sequences and at most `token_budget` padded tokens
+(count x longest). Sequences of similar length are grouped (within shuffled windows, so batches
+still vary between epochs) to waste little padding. Every sample appears exactly once per epoch.
+The batch list of an epoch is a pure function of (lengths, seed, epoch): a resumed run rebuilds
+it and continues at the saved (epoch, batch index), on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+WINDOW_BATCHES = 64
+"""Length grouping happens inside windows of this many batches' worth of samples."""
+
+
+def make_batches(
+    lengths: np.ndarray, token_budget: int, max_batch_size: int, seed: int, epoch: int
+) -> list[np.ndarray]:
+    lengths = np.asarray(lengths)
+    if len(lengths) and lengths.max() > token_budget:
+        raise ValueError(f"a sample of {lengths.max()} tokens exceeds token_budget {token_budget}")
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths))
+    window = max_batch_size * WINDOW_BATCHES
+    batches: list[np.ndarray] = []
+    for start in range(0, len(order), window):
+        chunk = order[start : start + window]
+        chunk = chunk[np.argsort(-lengths[chunk], kind="stable")]
+        current: list[int] = []
+        longest = 0
+        for idx in chunk:
+            longest_if_added = max(longest, int(lengths[idx]))
+            if current and (
+                len(current) == max_batch_size or longest_if_added * (len(current) + 1) > token_budget
+            ):
+                batches.append(np.array(current))
+                current, longest_if_added = [], int(lengths[idx])
+            current.append(int(idx))
+            longest = longest_if_added
+        if current:
+            batches.append(np.array(current))
+    return [batches[i] for i in rng.permutation(len(batches))]

@@ -1,0 +1,151 @@
+"""Tokenised training data: built from conversation files, or prepared once into Parquet shards.
+
+A prepared dataset is a directory with `dataset.json` (tokenizer/chat-template fingerprint,
+max_length, length statistics, row accounting) and `shard_*.parquet` (input_ids, loss_mask).
+Training refuses a dataset prepared for another tokenizer: the token ids would be meaningless.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_train.data.chat import tokenize_conversation
+from dflash_train.data.formats import DataError, RowStats, iter_conversations
+
+SHARD_ROWS = 50_000
+
+
+@dataclass
+class TokenizedDataset:
+    input_ids: list[np.ndarray] = field(default_factory=list)
+    loss_mask: list[np.ndarray] = field(default_factory=list)
+    stats: RowStats = field(default_factory=RowStats)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.array([len(x) for x in self.input_ids], dtype=np.int64)
+
+    def append(self, ids, mask) -> None:
+        self.input_ids.append(np.asarray(ids, dtype=np.int32))
+        self.loss_mask.append(np.asarray(mask, dtype=np.int8))
+
+    def length_stats(self) -> dict:
+        lengths = self.lengths
+        if not len(lengths):
+            return {"sequences": 0}
+        return {
+            "sequences": int(len(lengths)),
+            "tokens": int(lengths.sum()),
+            "loss_tokens": int(sum(int(m.sum()) for m in self.loss_mask)),
+            "mean": float(lengths.mean()),
+            "p50": int(np.percentile(lengths, 50)),
+            "p95": int(np.percentile(lengths, 95)),
+            "max": int(lengths.max()),
+        }
+
+
+def tokenize_files(files, tokenizer, max_length: int, skip_invalid: bool, template_kwargs=None) -> TokenizedDataset:
+    ds = TokenizedDataset()
+    for conv in iter_conversations(files, skip_invalid=skip_invalid, stats=ds.stats):
+        tok = tokenize_conversation(tokenizer, conv.messages, max_length, conv.source, template_kwargs)
+        # An anchor needs two consecutive response tokens; a row without them teaches nothing.
+        mask = np.asarray(tok.loss_mask)
+        if not (mask[:-1] & mask[1:]).any():
+            reason = "no response tokens within max_length"
+            if not skip_invalid:
+                raise DataError(f"{conv.source}: {reason} ({max_length}); set data.skip_invalid to skip such rows")
+            ds.stats.ok -= 1
+            ds.stats.skipped[reason] += 1
+            continue
+        ds.append(tok.input_ids, tok.loss_mask)
+    return ds
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_prepared(ds: TokenizedDataset, out_dir: str | Path, fingerprint: str, max_length: int) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for i, start in enumerate(range(0, max(len(ds), 1), SHARD_ROWS)):
+        sl = slice(start, start + SHARD_ROWS)
+        table = pa.table(
+            {
+                "input_ids": pa.array([x.tolist() for x in ds.input_ids[sl]], type=pa.list_(pa.int32())),
+                "loss_mask": pa.array([x.tolist() for x in ds.loss_mask[sl]], type=pa.list_(pa.int8())),
+            }
+        )
+        name = f"shard_{i:05d}.parquet"
+        _write_atomic(out / name, lambda p, t=table: pq.write_table(t, p))
+        shards.append(name)
+    meta = {
+        "tokenizer_fingerprint": fingerprint,
+        "max_length": max_length,
+        "shards": shards,
+        "rows": ds.stats.to_dict(),
+        "lengths": ds.length_stats(),
+    }
+    # dataset.json last: its presence marks a complete dataset.
+    _write_atomic(out / "dataset.json", lambda p: p.write_text(json.dumps(meta, indent=2)))
+    return out
+
+
+def load_prepared(path: str | Path, fingerprint: str) -> TokenizedDataset:
+    path = Path(path)
+    meta_file = path / "dataset.json"
+    if not meta_file.is_file():
+        raise DataError(f"{path}: not a prepared dataset (no dataset.json; an interrupted prepare?)")
+    meta = json.loads(meta_file.read_text())
+    if meta["tokenizer_fingerprint"] != fingerprint:
+        raise DataError(
+            f"{meta_file}: tokenised for another target (tokenizer fingerprint "
+            f"{meta['tokenizer_fingerprint']} != this target's {fingerprint}); run `dflash-train prepare` again"
+        )
+    ds = TokenizedDataset()
+    for shard in meta["shards"]:
+        table = pq.read_table(path / shard)
+        for ids, mask in zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()):
+            ds.append(ids, mask)
+    ds.stats.ok = len(ds)
+    return ds
+
+
+def load_training_data(data_cfg, tokenizer, fingerprint: str) -> TokenizedDataset:
+    """Every entry of data.train_files: a prepared dataset dir, or a conversation file."""
+    if not data_cfg.train_files:
+        raise DataError("data.train_files is empty: give conversation files or a prepared dataset")
+    total = TokenizedDataset()
+    raw = [f for f in data_cfg.train_files if not Path(f).is_dir()]
+    for entry in data_cfg.train_files:
+        if Path(entry).is_dir():
+            part = load_prepared(entry, fingerprint)
+            total.input_ids += part.input_ids
+            total.loss_mask += part.loss_mask
+            total.stats.ok += part.stats.ok
+    if raw:
+        part = tokenize_files(
+            raw, tokenizer, data_cfg.max_length, data_cfg.skip_invalid, data_cfg.chat_template_kwargs
+        )
+        total.input_ids += part.input_ids
+        total.loss_mask += part.loss_mask
+        total.stats.ok += part.stats.ok
+        total.stats.skipped += part.stats.skipped
+    if not len(total):
+        raise DataError(f"no usable training rows in {data_cfg.train_files} ({total.stats.to_dict()})")
+    return total

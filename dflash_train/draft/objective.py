@@ -1,0 +1,67 @@
+"""The draft side of one training micro-batch: anchors -> blocks -> mask -> forward -> loss.
+
+Shared by the single-process trainer and the drafter ranks of distributed training, so both
+compute exactly the same function of (tokens, features, anchor seed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_train.draft import masks
+from dflash_train.draft.loss import BlockLoss, block_loss
+from dflash_train.draft.model import DFlashDraftModel
+
+
+@dataclass
+class BlockTask:
+    """Everything about a micro-batch that is known before the drafter runs."""
+
+    input_ids: torch.Tensor  # [b, T]
+    anchors: torch.Tensor  # [b, N]
+    valid: torch.Tensor  # [b, N]
+    labels: torch.Tensor  # [b, N*B]
+    weights: torch.Tensor  # [b, N*B] loss weights (0 = not counted)
+
+
+def make_task(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    block_size: int,
+    gamma: float,
+    anchor_seed: int,
+) -> BlockTask:
+    """Anchors come from a generator seeded per micro-batch: resume and rank layout cannot change them."""
+    gen = torch.Generator().manual_seed(anchor_seed)
+    anchors, valid = masks.sample_anchors(loss_mask, num_anchors, gen)
+    labels, weights = masks.block_labels(input_ids, loss_mask, anchors, valid, block_size, gamma)
+    return BlockTask(input_ids, anchors, valid, labels, weights)
+
+
+def attention_mask_for(task: BlockTask, block_size: int, context_len: int, use_flex: bool):
+    if use_flex:
+        return masks.flex_block_mask(task.anchors, block_size, context_len)
+    return masks.dense_mask(task.anchors, block_size, context_len)
+
+
+def draft_loss(
+    drafter: DFlashDraftModel,
+    task: BlockTask,
+    features: torch.Tensor,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    use_flex: bool,
+    ce_chunk_size: int,
+) -> BlockLoss:
+    cfg = drafter.config
+    b, t = task.input_ids.shape
+    block_ids = masks.block_inputs(task.input_ids, task.anchors, cfg.block_size, cfg.mask_token_id)
+    block_embeds = embed_weight[block_ids]
+    ctx_pos = torch.arange(t, device=features.device).expand(b, t)
+    blk_pos = masks.block_positions(task.anchors, cfg.block_size)
+    mask = attention_mask_for(task, cfg.block_size, t, use_flex)
+    hidden = drafter(features, block_embeds, ctx_pos, blk_pos, mask)
+    return block_loss(hidden, lm_head_weight, task.labels, task.weights, cfg.block_size, ce_chunk_size)

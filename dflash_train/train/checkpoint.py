@@ -1,0 +1,154 @@
+"""Atomic local checkpoints: drafter weights + optimizer + scheduler + RNG + data cursor + config.
+
+Layout: <run_dir>/checkpoints/step_00000100/
+  model.safetensors   drafter only (DESIGN.md tensor names; never embed_tokens / lm_head)
+  draft_config.json   enough to rebuild the drafter without the run config
+  optimizer.pt        optimizer + scheduler state
+  trainer_state.json  step, data cursor, RNG states, target identity, config
+A checkpoint is written into a hidden temp dir, fsynced, then renamed: a crash at any moment
+leaves either the previous checkpoints or a complete new one, never a half-written one.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def rng_state() -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np_state = state["numpy"]
+    np.random.set_state((np_state[0], np.asarray(np_state[1], dtype=np.uint32), *np_state[2:]))
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(
+            [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]]
+        )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    _fsync_dir(path)
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    drafter: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    trainer_state: dict,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    root = checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp_step_{step:08d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    weights = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "draft_config.json").write_text(json.dumps(drafter.config.to_dict(), indent=2))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+    state = dict(trainer_state, step=step, rng=rng_state())
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, default=str))
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
+    _fsync_tree(tmp)
+    if final.exists():  # re-saving the same step (e.g. final == periodic): replace atomically
+        old = root / f".old_step_{step:08d}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
+    return final
+
+
+def prune_checkpoints(
+    run_dir: str | Path, keep_last: int, can_delete: Callable[[Path], bool] = lambda p: True
+) -> list[Path]:
+    """Delete all but the newest `keep_last`; never the newest; skip those `can_delete` protects
+    (e.g. not yet verified in remote storage)."""
+    found = list_checkpoints(run_dir)
+    removed = []
+    for path in found[: max(len(found) - keep_last, 0)]:
+        if path != found[-1] and can_delete(path):
+            shutil.rmtree(path)
+            removed.append(path)
+    return removed
+
+
+def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
+    path = Path(path)
+    if not (path / "trainer_state.json").is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint (no trainer_state.json)")
+    return {
+        "path": path,
+        "model": load_file(path / "model.safetensors", device=str(map_location)),
+        "draft_config": json.loads((path / "draft_config.json").read_text()),
+        "optim": torch.load(path / "optimizer.pt", map_location=map_location, weights_only=False),
+        "state": json.loads((path / "trainer_state.json").read_text()),
+    }
+
+
+def check_resume_compatible(saved: dict, current: dict) -> None:
+    """Refuse to resume when what defines the drafter's task changed."""
+    problems = [
+        f"  {key}: checkpoint has {saved.get(key)!r}, config now has {current[key]!r}"
+        for key in current
+        if saved.get(key) != current[key]
+    ]
+    if problems:
+        raise ValueError("cannot resume: the checkpoint was trained for a different setup:\n" + "\n".join(problems))

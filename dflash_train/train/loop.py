@@ -1,0 +1,269 @@
+"""The single-process training loop: build -> (resume) -> steps -> checkpoints -> summary.
+
+One optimizer step = `grad_accum` micro-batches. Loss weights are known before the drafter runs,
+so the step's GLOBAL weight sum is computed first and every micro-batch's weighted CE sum is divided
+by it: the loss is exactly sum(w * CE) / sum(w) over the whole step, however it is split.
+The hot path has no host sync; metrics are pulled to the host every `log_every` steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from dflash_train.config import RunConfig, dump_config
+from dflash_train.data.batching import make_batches
+from dflash_train.data.dataset import TokenizedDataset, load_training_data
+from dflash_train.draft.loss import acceptance_metrics
+from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig, default_target_layer_ids
+from dflash_train.draft.objective import draft_loss, make_task
+from dflash_train.target import Target, load_target, resolve_mask_token_id
+from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.metrics import MetricsFile
+from dflash_train.train.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger("dflash_train")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda requested but no CUDA GPU is visible")
+    return torch.device(name)
+
+
+def draft_model_config(cfg: RunConfig, target: Target) -> DraftModelConfig:
+    tc = target.model.config
+    heads = tc.num_attention_heads
+    rope = getattr(tc, "rope_parameters", None) or {}
+    layer_ids = cfg.draft.target_layer_ids or default_target_layer_ids(target.num_layers, cfg.draft.num_layers)
+    target.check_layer_ids(layer_ids)
+    return DraftModelConfig(
+        hidden_size=target.hidden_size,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
+        intermediate_size=cfg.draft.intermediate_size or tc.intermediate_size,
+        num_hidden_layers=cfg.draft.num_layers,
+        vocab_size=target.vocab_size,
+        block_size=cfg.draft.block_size,
+        target_layer_ids=list(layer_ids),
+        num_target_layers=target.num_layers,
+        mask_token_id=resolve_mask_token_id(cfg.draft.mask_token_id, target.tokenizer, target.vocab_size),
+        rms_norm_eps=tc.rms_norm_eps,
+        rope_theta=rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)),
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
+    )
+
+
+def anchor_seed(seed: int, epoch: int, batch_index: int) -> int:
+    return int(np.random.SeedSequence([seed, epoch, batch_index]).generate_state(1)[0])
+
+
+def collate(ds: TokenizedDataset, indices, device) -> dict:
+    length = max(len(ds.input_ids[i]) for i in indices)
+    ids = torch.zeros(len(indices), length, dtype=torch.long)
+    loss_mask = torch.zeros(len(indices), length, dtype=torch.long)
+    attn = torch.zeros(len(indices), length, dtype=torch.long)
+    for row, i in enumerate(indices):
+        n = len(ds.input_ids[i])
+        ids[row, :n] = torch.from_numpy(ds.input_ids[i].astype(np.int64))
+        loss_mask[row, :n] = torch.from_numpy(ds.loss_mask[i].astype(np.int64))
+        attn[row, :n] = 1
+    return {
+        "input_ids": ids.to(device, non_blocking=True),
+        "loss_mask": loss_mask.to(device, non_blocking=True),
+        "attention_mask": attn.to(device, non_blocking=True),
+        "indices": list(indices),
+        "num_tokens": int(sum(len(ds.input_ids[i]) for i in indices)),
+    }
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, target: Target | None = None, dataset: TokenizedDataset | None = None):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.run_dir = Path(cfg.run_dir)
+        torch.manual_seed(cfg.seed)
+        self.target = target or load_target(cfg.target, self.device)
+        self.drafter = DFlashDraftModel(draft_model_config(cfg, self.target)).to(self.device)
+        self.dataset = dataset or load_training_data(
+            cfg.data, self.target.tokenizer, self.target.identity["tokenizer"]
+        )
+        self.use_flex = cfg.draft.attention == "flex" or (cfg.draft.attention == "auto" and self.device.type == "cuda")
+        self.epoch_batches = [
+            make_batches(self.dataset.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.seed, e)
+            for e in range(cfg.train.epochs)
+        ]
+        micro_total = sum(len(b) for b in self.epoch_batches)
+        self.total_steps = cfg.train.max_steps or max(micro_total // cfg.train.grad_accum, 1)
+        self.optimizer = build_optimizer(self.drafter.parameters(), cfg.train, self.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps)
+        self.step = 0
+        self.cursor = (0, 0)  # (epoch, batch index) of the next micro-batch
+        self.feature_cache: dict[int, torch.Tensor] = {}
+        self.autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+        )
+
+    # ---- identity and resume -------------------------------------------------------------
+    def compatibility(self) -> dict:
+        d = self.drafter.config
+        return {
+            "block_size": d.block_size,
+            "target_layer_ids": d.target_layer_ids,
+            "num_draft_layers": d.num_hidden_layers,
+            "mask_token_id": d.mask_token_id,
+            "target": self.target.identity,
+        }
+
+    def resume(self, path: str | Path) -> None:
+        saved = ckpt.load_checkpoint(path, map_location=self.device)
+        state = saved["state"]
+        ckpt.check_resume_compatible(state["compatibility"], self.compatibility())
+        self.drafter.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optim"]["optimizer"])
+        self.scheduler.load_state_dict(saved["optim"]["scheduler"])
+        self.step = state["step"]
+        self.cursor = tuple(state["cursor"])
+        ckpt.set_rng_state(state["rng"])
+        log.info("resumed from %s at step %d", saved["path"], self.step)
+
+    def save(self) -> Path:
+        state = {
+            "cursor": list(self.cursor),
+            "compatibility": self.compatibility(),
+            "total_steps": self.total_steps,
+            "data_rows": self.dataset.stats.to_dict(),
+        }
+        path = ckpt.save_checkpoint(
+            self.run_dir, self.step, self.drafter, self.optimizer, self.scheduler, state,
+            extra_files={"config.yaml": dump_config(self.cfg)},
+        )
+        ckpt.prune_checkpoints(self.run_dir, self.cfg.checkpoint.keep_last)
+        return path
+
+    # ---- data -------------------------------------------------------------------------------
+    def next_micro_batch(self) -> tuple[dict, int]:
+        epoch, index = self.cursor
+        while index >= len(self.epoch_batches[epoch % len(self.epoch_batches)]):
+            epoch, index = epoch + 1, 0
+        batches = self.epoch_batches[epoch % len(self.epoch_batches)]
+        self.cursor = (epoch, index + 1)
+        return collate(self.dataset, batches[index], self.device), anchor_seed(self.cfg.seed, epoch, index)
+
+    def features(self, batch: dict) -> torch.Tensor:
+        layer_ids = self.drafter.config.target_layer_ids
+        if not self.cfg.data.cache_features:
+            return self.target.features(batch["input_ids"], batch["attention_mask"], layer_ids)
+        missing = [i for i in batch["indices"] if i not in self.feature_cache]
+        if missing:
+            sub = collate(self.dataset, missing, self.device)
+            feats = self.target.features(sub["input_ids"], sub["attention_mask"], layer_ids)
+            for row, i in enumerate(missing):
+                self.feature_cache[i] = feats[row, : len(self.dataset.input_ids[i])]
+        t = batch["input_ids"].shape[1]
+        out = []
+        for i in batch["indices"]:
+            f = self.feature_cache[i]
+            out.append(torch.nn.functional.pad(f, (0, 0, 0, t - f.shape[0])))
+        return torch.stack(out)
+
+    # ---- one optimizer step ----------------------------------------------------------------
+    def train_step(self) -> dict:
+        tc = self.cfg.train
+        d = self.drafter.config
+        micro = []
+        for _ in range(tc.grad_accum):
+            batch, seed = self.next_micro_batch()
+            task = make_task(batch["input_ids"], batch["loss_mask"], tc.num_anchors, d.block_size, tc.gamma, seed)
+            micro.append((batch, task))
+        denom = sum(task.weights.sum() for _, task in micro).clamp(min=1e-12)
+        loss_sum = torch.zeros((), device=self.device)
+        correct = torch.zeros(d.block_size, device=self.device)
+        counted = torch.zeros(d.block_size, device=self.device)
+        for batch, task in micro:
+            feats = self.features(batch)
+            with self.autocast:
+                out = draft_loss(
+                    self.drafter, task, feats, self.target.embed_weight, self.target.lm_head_weight,
+                    self.use_flex, tc.ce_chunk_size,
+                )
+            (out.weighted_ce_sum / denom).backward()
+            loss_sum += out.weighted_ce_sum.detach()
+            correct += out.correct_per_slot
+            counted += out.counted_per_slot
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), tc.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {
+            "loss": loss_sum / denom,
+            "correct": correct,
+            "counted": counted,
+            "grad_norm": grad_norm,
+            "tokens": sum(b["num_tokens"] for b, _ in micro),
+        }
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def fit(self, progress: bool = True) -> dict:
+        tc = self.cfg.train
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
+        metrics = MetricsFile(self.run_dir, resume_step=self.step)
+        window: list[dict] = []
+        last_record: dict = {}
+        t0 = time.perf_counter()
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not progress, desc="train", dynamic_ncols=True)
+        while self.step < self.total_steps:
+            window.append(self.train_step())
+            bar.update(1)
+            if self.step % tc.log_every == 0 or self.step == self.total_steps:
+                last_record = self._log(window, time.perf_counter() - t0, metrics)
+                bar.set_postfix(loss=f"{last_record['loss']:.3f}", tau_hat=f"{last_record['tau_hat']:.2f}",
+                                tok_s=f"{last_record['tokens_per_s']:.0f}")
+                window, t0 = [], time.perf_counter()
+            if self.step % self.cfg.checkpoint.every == 0 and self.step < self.total_steps:
+                self.save()
+        bar.close()
+        final = self.save()
+        metrics.close()
+        summary = {"steps": self.step, "checkpoint": str(final), "data_rows": self.dataset.stats.to_dict(),
+                   "data_lengths": self.dataset.length_stats(), "last": last_record}
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def _log(self, window: list[dict], seconds: float, metrics: MetricsFile) -> dict:
+        correct = sum(w["correct"] for w in window)
+        counted = sum(w["counted"] for w in window)
+        record = {
+            "step": self.step,
+            "epoch": self.cursor[0],
+            "loss": float(torch.stack([w["loss"] for w in window]).mean()),
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(torch.stack([torch.as_tensor(w["grad_norm"]) for w in window]).mean()),
+            "tokens_per_s": sum(w["tokens"] for w in window) / max(seconds, 1e-9),
+            **acceptance_metrics(correct, counted),
+        }
+        metrics.write(record)
+        return record
+
+
+def train(cfg: RunConfig, resume: str | None = None, target: Target | None = None, progress: bool = True) -> dict:
+    trainer = Trainer(cfg, target=target)
+    if resume:
+        path = ckpt.latest_checkpoint(cfg.run_dir) if resume == "auto" else Path(resume)
+        if path is None:
+            log.info("--resume auto: no checkpoint in %s, starting fresh", cfg.run_dir)
+        else:
+            trainer.resume(path)
+    return trainer.fit(progress=progress)

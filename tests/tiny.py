@@ -1,0 +1,38 @@
+"""Tiny offline building blocks for tests: a byte-level ChatML tokenizer and random-init targets."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from dflash_train.target import Target
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer(chat_template: str = CHATML) -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: 256 byte tokens + 3 specials (vocab 259), no merges."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "pad_token": "<pad>"})
+    fast.chat_template = chat_template
+    return fast
+
+
+def tiny_target(num_layers: int = 4, hidden: int = 64, vocab: int = 272, seed: int = 0) -> Target:
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3ForCausalLM(config).eval().requires_grad_(False)
+    return Target(model=model, tokenizer=tiny_tokenizer(), name="tiny-qwen3", device=torch.device("cpu"))
