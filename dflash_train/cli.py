@@ -1,0 +1,80 @@
+"""`dflash-train` command line: a thin layer over library functions (tests call those directly)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from dflash_train.config import ConfigError, load_config
+
+
+def _config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("-c", "--config", required=required, help="YAML run config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
+
+
+def cmd_train(args) -> int:
+    from dflash_train.train.loop import train
+
+    cfg = load_config(args.config, args.overrides)
+    summary = train(cfg, resume=args.resume)
+    print(json.dumps(summary["last"], indent=2))
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from dflash_train.data.dataset import save_prepared, tokenize_files
+    from dflash_train.target import resolve_target_path, tokenizer_fingerprint
+    from transformers import AutoTokenizer
+
+    cfg = load_config(args.config, args.overrides)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(cfg.target.path))
+    ds = tokenize_files(
+        cfg.data.train_files, tokenizer, cfg.data.max_length, cfg.data.skip_invalid, cfg.data.chat_template_kwargs
+    )
+    out = save_prepared(ds, args.out, tokenizer_fingerprint(tokenizer), cfg.data.max_length)
+    print(json.dumps({"out": str(out), "rows": ds.stats.to_dict(), "lengths": ds.length_stats()}, indent=2))
+    return 0
+
+
+def cmd_quickstart(args) -> int:
+    from dflash_train.quickstart import run_quickstart
+
+    run_quickstart(device=args.device, overrides=args.overrides)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-train", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("quickstart", help="regenerate data, train and evaluate a drafter for SmolLM2 (CPU is enough)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("overrides", nargs="*", help="dotted overrides of configs/quickstart.yaml")
+    p.set_defaults(func=cmd_quickstart)
+
+    p = sub.add_parser("train", help="train a drafter")
+    _config_args(p)
+    p.add_argument("--resume", help="'auto' (newest checkpoint of the run dir) or a checkpoint dir")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("prepare", help="tokenise conversations into Parquet shards for training")
+    _config_args(p)
+    p.add_argument("--out", required=True, help="output dataset directory")
+    p.set_defaults(func=cmd_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
