@@ -24,7 +24,8 @@ _VOLATILE_ROOTS = (Path("/tmp"), Path("/var/tmp"))
 
 
 def cache_root(root: str | Path | None = None) -> Path:
-    """`root` if given (config value), else $DFLASH_TRAIN_CACHE/compile, else ~/.cache/dflash-train/compile."""
+    """`root` if given (a config value), else $DFLASH_TRAIN_CACHE/compile, else
+    ~/.cache/dflash-train/compile."""
     if root is not None:
         return Path(root).expanduser()
     base = os.environ.get("DFLASH_TRAIN_CACHE")

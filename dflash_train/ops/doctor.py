@@ -63,7 +63,9 @@ def project_requirements(repo_root: Path) -> list[Requirement]:
         texts = metadata.requires("dflash-train") or []
     except metadata.PackageNotFoundError:
         pyproject = repo_root / "pyproject.toml"
-        texts = tomllib.loads(pyproject.read_text())["project"]["dependencies"] if pyproject.is_file() else []
+        if not pyproject.is_file():
+            return []
+        texts = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
     reqs = [Requirement(t) for t in texts]
     # Extras carry an `extra == "..."` marker that is false for the base install.
     return [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
@@ -86,7 +88,8 @@ def check_torch(found: dict[str, list[str]]) -> Check:
     if version < TORCH_FLOOR:
         return Check("torch", "fail", f"{version} < {TORCH_FLOOR} (floor)")
     build = env.torch_build()
-    return Check("torch", "ok", f"{version} (CUDA {build['cuda'] or 'none'}, cuDNN {build['cudnn'] or 'none'})")
+    detail = f"{version} (CUDA {build['cuda'] or 'none'}, cuDNN {build['cudnn'] or 'none'})"
+    return Check("torch", "ok", detail)
 
 
 def check_pins(found: dict[str, list[str]], repo_root: Path) -> Check:
@@ -138,9 +141,12 @@ def check_cuda_runtimes(found: dict[str, list[str]]) -> Check:
 
 def check_gpus(gpu_list: list[dict], config: RunConfig | None) -> Check:
     if gpu_list:
-        return Check("gpus", "ok", "; ".join(f"{g['name']} {g['memory_gib']} GiB sm{g['capability']}" for g in gpu_list))
+        listing = "; ".join(f"{g['name']} {g['memory_gib']} GiB sm{g['capability']}" for g in gpu_list)
+        return Check("gpus", "ok", listing)
     wants_cuda = config is not None and config.device == "cuda"
-    return Check("gpus", "warn" if wants_cuda else "ok", "no GPU: CPU mode" + (" but device=cuda" if wants_cuda else ""))
+    if wants_cuda:
+        return Check("gpus", "warn", "no GPU visible but device=cuda")
+    return Check("gpus", "ok", "no GPU: CPU mode")
 
 
 def check_code(repo_root: Path) -> Check:

@@ -17,8 +17,8 @@ import torch
 from packaging.utils import canonicalize_name
 
 TRACKED_PACKAGES = ("torch", "triton", "transformers", "safetensors", "pydantic", "pyarrow")
-# Inference stacks that pin their own torch/CUDA builds and monkey-patch kernels; they belong in
-# a serving env. The slow run had sglang, vllm and flashinfer installed next to the trainer.
+# Inference stacks pin their own torch/CUDA builds and kernels; they belong in a serving env.
+# The slow run had sglang, vllm and flashinfer installed next to the trainer.
 FOREIGN_PACKAGES = (
     "sglang", "vllm", "flashinfer", "flashinfer-python", "flashinfer-cubin", "lmdeploy",
     "tensorrt-llm", "tensorrt", "xformers", "sgl-kernel", "deepspeed-mii", "exllamav2",
@@ -65,7 +65,9 @@ def _installs_torch(dist: metadata.Distribution) -> bool:
 def torch_installs(paths: list[str] | None = None) -> list[str]:
     """Every distribution that provides the `torch` package: two of them means two builds fight over it."""
     dists = metadata.distributions(path=_search_path(paths))
-    return sorted(f"{d.metadata['Name']}=={d.version} in {d.locate_file('')}" for d in dists if _installs_torch(d))
+    return sorted(
+        f"{d.metadata['Name']}=={d.version} in {d.locate_file('')}" for d in dists if _installs_torch(d)
+    )
 
 
 def cuda_runtime_majors(found: dict[str, list[str]]) -> dict[str, list[str]]:
