@@ -1,0 +1,41 @@
+import json
+import platform
+
+from dflash_train.config import RunConfig
+from dflash_train.ops.manifest import build_manifest, config_fingerprint, write_manifest
+
+
+def _config(**overrides) -> dict:
+    return RunConfig(**overrides).model_dump(mode="json")
+
+
+def test_manifest_records_environment_and_round_trips(tmp_path):
+    config = _config(run_dir=str(tmp_path / "run"))
+    manifest = build_manifest(config, ["dflash-train", "train", "-c", "x.yaml"], tmp_path / "run")
+    path = write_manifest(tmp_path / "run", manifest)
+    assert json.loads(path.read_text()) == manifest
+    assert manifest["python"] == platform.python_version()
+    assert manifest["packages"]["torch"].startswith("2.") and "transformers" in manifest["packages"]
+    assert manifest["command"] == ["dflash-train", "train", "-c", "x.yaml"]
+    assert manifest["config"] == config
+    assert manifest["hardware_fingerprint"].startswith(("cpu:", "gpu:"))
+    assert manifest["start_time"].endswith("+00:00")
+
+
+def test_config_fingerprint_ignores_run_specific_keys_only():
+    base = config_fingerprint(_config(run_dir="runs/a"))
+    assert config_fingerprint(_config(run_dir="runs/b", seed=3, tracking={"run_name": "x"})) == base
+    assert config_fingerprint(_config(run_dir="runs/a", train={"lr": 1e-4})) != base
+    drop = ["train.lr", "run_dir"]
+    assert config_fingerprint(_config(train={"lr": 1e-4}), drop) == config_fingerprint(_config(), drop)
+
+
+def test_no_secret_values_in_the_manifest(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "supersecret-id")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "supersecret")
+    argv = ["dflash-train", "train", "--wandb-api-key=supersecret", "tracking.token=supersecret"]
+    manifest = build_manifest(_config(), argv, tmp_path)
+    text = write_manifest(tmp_path, manifest).read_text()
+    assert "supersecret" not in text
+    assert manifest["credentials"]["s3"] is True
+    assert manifest["command"][2] == "--wandb-api-key=<redacted>"
