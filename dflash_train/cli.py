@@ -46,6 +46,21 @@ def cmd_quickstart(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from dflash_train.ops.doctor import format_report, run_doctor
+
+    report = run_doctor(load_config(args.config, args.overrides) if args.config else None)
+    print(report.to_json() if args.json else format_report(report))
+    return report.exit_code
+
+
+def cmd_diff_runs(args) -> int:
+    from dflash_train.ops.diff_runs import diff_runs
+
+    print(diff_runs(args.run_a, args.run_b))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-train", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -65,6 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--out", required=True, help="output dataset directory")
     p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("doctor", help="check the environment, code and compile cache before a run")
+    _config_args(p, required=False)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("diff-runs", help="what differs between two runs' manifests")
+    p.add_argument("run_a")
+    p.add_argument("run_b")
+    p.set_defaults(func=cmd_diff_runs)
     return parser
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -24,6 +25,9 @@ from dflash_train.data.dataset import TokenizedDataset, load_training_data
 from dflash_train.draft.loss import acceptance_metrics
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig, default_target_layer_ids
 from dflash_train.draft.objective import draft_loss, make_task
+from dflash_train.ops import compile_cache
+from dflash_train.ops.guard import ThroughputGuard
+from dflash_train.ops.manifest import build_manifest, write_manifest
 from dflash_train.target import Target, load_target, resolve_mask_token_id
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.metrics import MetricsFile
@@ -110,9 +114,24 @@ class Trainer:
         self.step = 0
         self.cursor = (0, 0)  # (epoch, batch index) of the next micro-batch
         self.feature_cache: dict[int, torch.Tensor] = {}
+        self.compile_state = self._activate_compile_cache()
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
         )
+
+    def _activate_compile_cache(self) -> str | None:
+        """Compiled paths (flex on GPU, train.compile) get the persistent keyed cache, never /tmp."""
+        if not (self.use_flex and self.device.type == "cuda") and not self.cfg.train.compile:
+            return None
+        key = compile_cache.cache_key()
+        state = compile_cache.cache_state(key)
+        compile_cache.activate(key)
+        self.compile_key = key
+        return state
+
+    @property
+    def attention_backend(self) -> str:
+        return "flex" if self.use_flex else "sdpa"
 
     # ---- identity and resume -------------------------------------------------------------
     def compatibility(self) -> dict:
@@ -219,6 +238,9 @@ class Trainer:
         tc = self.cfg.train
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
+        manifest = build_manifest(self.cfg.model_dump(mode="json"), sys.argv, self.run_dir)
+        write_manifest(self.run_dir, manifest)
+        self.guard = ThroughputGuard(self.run_dir.parent, manifest, warmup_steps=self.step + 2 * tc.log_every)
         metrics = MetricsFile(self.run_dir, resume_step=self.step)
         window: list[dict] = []
         last_record: dict = {}
@@ -252,9 +274,16 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": float(torch.stack([torch.as_tensor(w["grad_norm"]) for w in window]).mean()),
             "tokens_per_s": sum(w["tokens"] for w in window) / max(seconds, 1e-9),
+            "attention_backend": self.attention_backend,
             **acceptance_metrics(correct, counted),
         }
         metrics.write(record)
+        warning = self.guard.check(
+            self.step, record["tokens_per_s"],
+            {"compile_cache_state": self.compile_state, "attention_backend": self.attention_backend},
+        )
+        if warning:
+            tqdm.write(warning)
         return record
 
 
