@@ -138,6 +138,21 @@ def iter_rows(path: str | Path) -> Iterator[tuple[str, object]]:
     raise DataError(f"{path}: unsupported data format (use .jsonl or .parquet)")
 
 
+def expand_paths(paths) -> list[Path]:
+    """Files as given; a directory (e.g. `dflash-train generate` output) -> its committed shards."""
+    out = []
+    for p in [paths] if isinstance(paths, (str, Path)) else paths:
+        p = Path(p)
+        if p.is_dir():
+            shards = sorted(f for f in p.glob("shard-*") if f.suffix in (".jsonl", ".parquet"))
+            if not shards:
+                raise DataError(f"{p}: directory holds no shard-*.jsonl / shard-*.parquet files")
+            out += shards
+        else:
+            out.append(p)
+    return out
+
+
 def iter_conversations(
     paths: list[str | Path] | str | Path,
     skip_invalid: bool = False,
@@ -145,8 +160,12 @@ def iter_conversations(
     require_assistant: bool = True,
 ) -> Iterator[Conversation]:
     stats = stats if stats is not None else RowStats()
-    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+    for path in expand_paths(paths):
         for where, row in iter_rows(path):
+            # Rows that regeneration already marked failed are accounted there; count, don't train.
+            if isinstance(row, dict) and row.get("status", "ok") != "ok":
+                stats.skipped[f"generation {row['status']}"] += 1
+                continue
             try:
                 if isinstance(row, DataError):
                     raise row

@@ -35,6 +35,9 @@ from dflash_train.train.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("dflash_train")
 
+HELDOUT_SALT = 2**31 - 1
+"""Anchor seeds of held-out evaluation never coincide with those of a training epoch."""
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -232,6 +235,29 @@ class Trainer:
             "grad_norm": grad_norm,
             "tokens": sum(b["num_tokens"] for b, _ in micro),
         }
+
+    @torch.no_grad()
+    def evaluate(self, dataset: TokenizedDataset) -> dict:
+        """Held-out loss, per-slot accuracy and tau_hat of the current drafter (no update)."""
+        tc, d = self.cfg.train, self.drafter.config
+        batches = make_batches(dataset.lengths, self.cfg.data.token_budget, self.cfg.data.max_batch_size, 0, 0)
+        loss_sum = torch.zeros((), device=self.device)
+        weight_sum = torch.zeros((), device=self.device)
+        correct = torch.zeros(d.block_size, device=self.device)
+        counted = torch.zeros(d.block_size, device=self.device)
+        for index, indices in enumerate(batches):
+            batch = collate(dataset, indices, self.device)
+            task = make_task(batch["input_ids"], batch["loss_mask"], tc.num_anchors, d.block_size, tc.gamma,
+                             anchor_seed(self.cfg.seed, HELDOUT_SALT, index))
+            feats = self.target.features(batch["input_ids"], batch["attention_mask"], d.target_layer_ids)
+            with self.autocast:
+                out = draft_loss(self.drafter, task, feats, self.target.embed_weight, self.target.lm_head_weight,
+                                 self.use_flex and self.device.type == "cuda", tc.ce_chunk_size)
+            loss_sum += out.weighted_ce_sum
+            weight_sum += task.weights.sum()
+            correct += out.correct_per_slot
+            counted += out.counted_per_slot
+        return {"loss": float(loss_sum / weight_sum.clamp(min=1e-12)), **acceptance_metrics(correct, counted)}
 
     # ---- the loop ---------------------------------------------------------------------------
     def fit(self, progress: bool = True) -> dict:

