@@ -39,6 +39,12 @@ class TokenizedDataset:
         self.input_ids.append(np.asarray(ids, dtype=np.int32))
         self.loss_mask.append(np.asarray(mask, dtype=np.int8))
 
+    def extend(self, other: TokenizedDataset) -> None:
+        self.input_ids += other.input_ids
+        self.loss_mask += other.loss_mask
+        self.stats.ok += other.stats.ok
+        self.stats.skipped += other.stats.skipped
+
     def length_stats(self) -> dict:
         lengths = self.lengths
         if not len(lengths):
@@ -131,21 +137,14 @@ def load_training_data(data_cfg, tokenizer, fingerprint: str) -> TokenizedDatase
     if not data_cfg.train_files:
         raise DataError("data.train_files is empty: give conversation files or a prepared dataset")
     total = TokenizedDataset()
-    raw = [f for f in data_cfg.train_files if not Path(f).is_dir()]
-    for entry in data_cfg.train_files:
-        if Path(entry).is_dir():
-            part = load_prepared(entry, fingerprint)
-            total.input_ids += part.input_ids
-            total.loss_mask += part.loss_mask
-            total.stats.ok += part.stats.ok
+    prepared = [f for f in data_cfg.train_files if (Path(f) / "dataset.json").is_file()]
+    raw = [f for f in data_cfg.train_files if f not in prepared]
+    for entry in prepared:
+        total.extend(load_prepared(entry, fingerprint))
     if raw:
-        part = tokenize_files(
+        total.extend(tokenize_files(
             raw, tokenizer, data_cfg.max_length, data_cfg.skip_invalid, data_cfg.chat_template_kwargs
-        )
-        total.input_ids += part.input_ids
-        total.loss_mask += part.loss_mask
-        total.stats.ok += part.stats.ok
-        total.stats.skipped += part.stats.skipped
+        ))
     if not len(total):
         raise DataError(f"no usable training rows in {data_cfg.train_files} ({total.stats.to_dict()})")
     return total
