@@ -1,0 +1,174 @@
+"""Training throughput: isolated target, isolated drafter, end-to-end colocated, MFU.
+
+GPU (the performance issue's shape): Qwen3-8B-shaped random-init target (no download), 5-layer
+drafter, max_length 3072, 512 anchors, block 16, lengths drawn from a realistic spread.
+    python bench/throughput.py --out bench_h200.json
+CPU (kept working by CI): a tiny config.
+    python bench/throughput.py --tiny --steps 3
+MFU counts 2 x params x tokens (x3 with backward) plus attention, against a bf16 matmul rate
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from dflash_train.config import build_config
+from dflash_train.draft.model import DFlashDraftModel
+from dflash_train.draft.objective import draft_loss, make_task
+from dflash_train.target import Target
+from dflash_train.train.loop import draft_model_config
+from dflash_train.train.optim import build_optimizer
+
+SHAPES = {
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512),
+}
+
+
+class _NoTokenizer(PreTrainedTokenizerFast):
+    """Random-token benchmark: only the mask-token lookup touches the tokenizer."""
+
+    def __init__(self):
+        pass
+
+    mask_token_id = None
+
+    def __len__(self):
+        return 151669
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t) / steps
+
+
+def matmul_tflops(device) -> float:
+    if device.type != "cuda":
+        return None
+    n = 8192
+    a, b = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    sec = timed(lambda: a @ b, device, 20, 5)
+    return 2 * n**3 / sec / 1e12
+
+
+def make_batch(shape: str, batch: int, max_length: int, device, gen):
+    # Realistic spread: lengths 40%..100% of max_length, prompt = first 15%.
+    lengths = torch.randint(int(0.4 * max_length), max_length + 1, (batch,), generator=gen)
+    t = int(lengths.max())
+    vocab = SHAPES[shape]["vocab_size"] - 300
+    ids = torch.randint(0, vocab, (batch, t), generator=gen)
+    pos = torch.arange(t)[None]
+    attn = (pos < lengths[:, None]).long()
+    loss_mask = attn * (pos >= (0.15 * lengths[:, None]).long())
+    return ids.to(device), attn.to(device), loss_mask.to(device), int(lengths.sum())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument("--max-length", type=int, default=3072)
+    ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the draft layers")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    shape = "tiny" if args.tiny else "qwen3-8b"
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    max_length = 128 if args.tiny else args.max_length
+    anchors = 16 if args.tiny else args.anchors
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(Qwen3Config(**SHAPES[shape], tie_word_embeddings=False, max_position_embeddings=32768))
+    model.to(dtype).eval().requires_grad_(False)
+    target = Target(model=model, tokenizer=_NoTokenizer(), name=f"{shape}-random", device=device)
+    cfg = build_config({"device": device.type, "draft": {"num_layers": 2 if args.tiny else args.draft_layers,
+                        "block_size": 16, "mask_token_id": SHAPES[shape]["vocab_size"] - 1},
+                        "train": {"num_anchors": anchors}})
+    drafter = DFlashDraftModel(draft_model_config(cfg, target)).to(device)
+    if args.compile:
+        for i, layer in enumerate(drafter.layers):
+            drafter.layers[i] = torch.compile(layer)
+    opt = build_optimizer(drafter.parameters(), cfg.train, device)
+    use_flex = device.type == "cuda"
+    layer_ids = drafter.config.target_layer_ids
+    gen = torch.Generator().manual_seed(0)
+    ids, attn, loss_mask, tokens = make_batch(shape, args.batch, max_length, device, gen)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+    def target_step():
+        return target.features(ids, attn, layer_ids)
+
+    feats = target_step()
+    task = make_task(ids, loss_mask, anchors, 16, 7.0, 0)
+
+    def draft_step(features=None):
+        with autocast:
+            out = draft_loss(drafter, task, feats if features is None else features, target.embed_weight,
+                             target.lm_head_weight, use_flex, 4096)
+        (out.weighted_ce_sum / task.weights.sum()).backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    warm = 2 if args.tiny else 3
+    t_target = timed(target_step, device, args.steps, warm)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t_draft = timed(draft_step, device, args.steps, warm)
+    t_e2e = timed(lambda: draft_step(target_step()), device, args.steps, 1)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+
+    n_target = sum(p.numel() for p in model.model.layers.parameters())
+    n_draft = sum(p.numel() for p in drafter.parameters())
+    h, v = target.hidden_size, target.vocab_size
+    q_tokens = args.batch * anchors * 16
+    flop_target = 2 * n_target * tokens  # forward only
+    flop_draft = 3 * (2 * n_draft * q_tokens + 2 * h * v * q_tokens + 2 * drafter.fc.weight.numel() * tokens)
+    peak_tflops = matmul_tflops(device)
+    harmonic = 1 / (1 / (tokens / t_target) + 1 / (tokens / t_draft))
+    result = {
+        "shape": shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "seq_tokens_per_step": tokens, "anchors": anchors, "block_size": 16,
+        "draft_layers": drafter.config.num_hidden_layers, "compile": args.compile,
+        "target_tokens_per_s": tokens / t_target, "drafter_tokens_per_s": tokens / t_draft,
+        "e2e_tokens_per_s": tokens / t_e2e, "harmonic_tokens_per_s": harmonic,
+        "e2e_vs_harmonic": (tokens / t_e2e) / harmonic,
+        "matmul_tflops": peak_tflops,
+        "target_mfu": peak_tflops and flop_target / t_target / 1e12 / peak_tflops,
+        "drafter_mfu": peak_tflops and flop_draft / t_draft / 1e12 / peak_tflops,
+        "e2e_mfu": peak_tflops and (flop_target + flop_draft) / t_e2e / 1e12 / peak_tflops,
+        "peak_memory_gib": peak,
+        "recompiles": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+    }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
