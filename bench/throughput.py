@@ -109,8 +109,8 @@ def main(argv=None):
                         "train": {"num_anchors": anchors}})
     drafter = DFlashDraftModel(draft_model_config(cfg, target)).to(device)
     if args.compile:
-        for i, layer in enumerate(drafter.layers):
-            drafter.layers[i] = torch.compile(layer)
+        for layer in drafter.layers:
+            layer.compile()
     opt = build_optimizer(drafter.parameters(), cfg.train, device)
     use_flex = device.type == "cuda"
     layer_ids = drafter.config.target_layer_ids

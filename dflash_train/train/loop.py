@@ -118,6 +118,9 @@ class Trainer:
         self.cursor = (0, 0)  # (epoch, batch index) of the next micro-batch
         self.feature_cache: dict[int, torch.Tensor] = {}
         self.compile_state = self._activate_compile_cache()
+        if cfg.train.compile:
+            for layer in self.drafter.layers:
+                layer.compile()  # in place: state_dict names stay DESIGN.md's
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
         )
