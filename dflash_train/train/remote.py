@@ -14,10 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
 MARKER = "CHECKPOINT.sha256.json"
 MARKER_FORMAT = "dflash-checkpoint-sha256/1"
@@ -34,8 +34,9 @@ _PERMANENT_CODES = {
     "AllAccessDisabled": "access to the bucket is disabled",
     "InvalidBucketName": "invalid bucket name",
 }
-# HEAD responses carry no body, hence no error code: only the status tells.
-_PERMANENT_STATUS = {403: "access denied (403: wrong credentials or permissions)", 404: "not found (404)"}
+# HEAD responses carry no body, hence no error code: only the status tells. A 404 is permanent only
+# where the caller says what was not found (a NoSuchUpload after a server restart is worth a retry).
+_PERMANENT_STATUS = {403: "access denied (403: wrong credentials or permissions)"}
 
 
 def step_of(name: str) -> int | None:
@@ -101,9 +102,7 @@ def _import_boto3():
         import botocore.config
         import botocore.exceptions
     except ImportError:
-        raise ImportError(
-            "S3 checkpoints need boto3: pip install 'dflash-train[s3]'"
-        ) from None
+        raise ImportError("S3 checkpoints need boto3: pip install 'dflash-train[s3]'") from None
     return boto3, botocore
 
 
@@ -123,6 +122,7 @@ class S3Store:
         read_timeout: float = 120.0,
         max_attempts: int = 3,
     ):
+        """`max_attempts`: botocore's own tries per request (standard retry mode), initial included."""
         boto3, botocore = _import_boto3()
         from boto3.s3.transfer import TransferConfig
 
@@ -130,15 +130,16 @@ class S3Store:
         self._errors = botocore.exceptions
         # Path-style addressing for custom endpoints: MinIO/SeaweedFS/Ceph behind an IP or a single
         # host name cannot serve virtual-host buckets.
-        client_config = botocore.config.Config(
+        self._client_config = botocore.config.Config(
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
-            retries={"max_attempts": max_attempts, "mode": "standard"},
+            retries={"total_max_attempts": max_attempts, "mode": "standard"},
             s3={"addressing_style": "path"} if endpoint_url else None,
         )
-        self.client = boto3.session.Session().client(
-            "s3", endpoint_url=endpoint_url, region_name=region, config=client_config
+        self._new_client = lambda config: boto3.session.Session().client(
+            "s3", endpoint_url=endpoint_url, region_name=region, config=config
         )
+        self.client = self._new_client(self._client_config)
         self.transfer_config = TransferConfig(
             multipart_threshold=multipart_threshold,
             multipart_chunksize=multipart_chunksize,
@@ -166,7 +167,9 @@ class S3Store:
         except err.ClientError as e:
             code = e.response.get("Error", {}).get("Code", "")
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            reason = _PERMANENT_CODES.get(code) or (status == 404 and not_found) or _PERMANENT_STATUS.get(status)
+            reason = (
+                _PERMANENT_CODES.get(code) or (status == 404 and not_found) or _PERMANENT_STATUS.get(status)
+            )
             transient = reason is None
             reason = reason or f"S3 error {code or '?'} (HTTP {status})"
             raise RemoteStorageError(f"{action} failed: {reason} ({where})", transient=transient) from e
@@ -181,16 +184,21 @@ class S3Store:
                 f"{action} failed: endpoint unreachable ({where})", transient=True
             ) from e
         except err.BotoCoreError as e:
-            raise RemoteStorageError(
-                f"{action} failed: {type(e).__name__} ({where})", transient=True
-            ) from e
+            raise RemoteStorageError(f"{action} failed: {type(e).__name__} ({where})", transient=True) from e
 
     # ---- operations -----------------------------------------------------------------------------
 
-    def check_access(self) -> None:
-        """Cheap (one HEAD): credentials accepted and bucket exists, else RemoteStorageError."""
+    def check_access(self, timeout: float = 5.0) -> None:
+        """Cheap: credentials accepted and bucket exists, else RemoteStorageError. One HEAD, no
+        retries, bounded by `timeout`: the trainer calls it at start only to warn early."""
+        import botocore.config
+
+        quick = botocore.config.Config(
+            connect_timeout=timeout, read_timeout=timeout, retries={"total_max_attempts": 1}
+        )
+        client = self._new_client(self._client_config.merge(quick))
         with self._translate("checking access", not_found="bucket does not exist"):
-            self.client.head_bucket(Bucket=self.url.bucket)
+            client.head_bucket(Bucket=self.url.bucket)
 
     def upload_checkpoint(self, local_dir: Path, entries: list[FileEntry]) -> None:
         """Upload every file (multipart, bounded concurrency), check sizes, then the marker last."""
@@ -217,7 +225,9 @@ class S3Store:
         marker = {"format": MARKER_FORMAT, "checkpoint": name, "files": [asdict(e) for e in entries]}
         key = self.url.key(name, MARKER)
         with self._translate("writing the commit marker", key):
-            self.client.put_object(Bucket=self.url.bucket, Key=key, Body=json.dumps(marker, indent=1).encode())
+            self.client.put_object(
+                Bucket=self.url.bucket, Key=key, Body=json.dumps(marker, indent=1).encode()
+            )
 
     def _size(self, key: str) -> int:
         with self._translate("checking an uploaded object", key):
@@ -230,7 +240,9 @@ class S3Store:
         seen: set[str] = set()
         marked: set[str] = set()
         with self._translate("listing checkpoints", start):
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.url.bucket, Prefix=start):
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.url.bucket, Prefix=start
+            ):
                 for obj in page.get("Contents", []):
                     name, _, rest = obj["Key"][len(start) :].partition("/")
                     if step_of(name) is None or not rest:
@@ -267,19 +279,26 @@ class S3Store:
             for e in entries:
                 target = dest_dir / e.name
                 target.parent.mkdir(parents=True, exist_ok=True)
-                futures.append((e, manager.download(self.url.bucket, self.url.key(name, e.name), str(target))))
+                futures.append(
+                    (e, manager.download(self.url.bucket, self.url.key(name, e.name), str(target)))
+                )
             for entry, future in futures:
                 with self._translate("downloading", self.url.key(name, entry.name)):
                     future.result()
 
     def delete_checkpoint(self, name: str) -> None:
-        """Marker first: an interrupted delete leaves an incomplete checkpoint, never a broken 'complete' one."""
+        """Marker first: an interrupted delete leaves an incomplete checkpoint, never a 'complete' one
+        with files missing."""
         marker_key = self.url.key(name, MARKER)
         with self._translate("deleting the commit marker", marker_key):
             self.client.delete_object(Bucket=self.url.bucket, Key=marker_key)
         start = self.url.key(name) + "/"
         with self._translate("deleting checkpoint files", start):
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.url.bucket, Prefix=start):
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.url.bucket, Prefix=start
+            ):
                 keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
                 if keys:
-                    self.client.delete_objects(Bucket=self.url.bucket, Delete={"Objects": keys, "Quiet": True})
+                    self.client.delete_objects(
+                        Bucket=self.url.bucket, Delete={"Objects": keys, "Quiet": True}
+                    )

@@ -12,11 +12,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from dflash_train.train.remote import FileEntry, RemoteStorageError, S3Store, S3Url, sha256_file, step_of
-
 
 # ---- resume ----------------------------------------------------------------------------------
 

@@ -97,7 +97,11 @@ class BackgroundUploader:
                 if not err.transient or attempt == self.max_attempts or self._closed.is_set():
                     log.warning(
                         "checkpoint %s NOT uploaded to %s after %d attempt(s); local copy %s kept: %s",
-                        name, self.store.where(name), attempt, local_dir, err,
+                        name,
+                        self.store.where(name),
+                        attempt,
+                        local_dir,
+                        err,
                     )
                     self.failed.append(name)
                     return False

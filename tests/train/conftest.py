@@ -25,8 +25,16 @@ MiB = 1024 * 1024
 # Every listener of `weed mini`, so that nothing lands on a fixed default port (two runs at once, or
 # a port in use) and no gRPC port is derived as http+10000 (beyond 65535 for high ephemeral ports).
 _PORT_FLAGS = [
-    "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
-    "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
 ]
 
 
@@ -60,9 +68,16 @@ class WeedS3:
         assert self.proc is None
         (self.root / "data").mkdir(parents=True, exist_ok=True)
         args = [
-            self.weed, "mini", f"-dir={self.root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
-            "-s3.port.iceberg=0", "-s3.port.lance=0",
+            self.weed,
+            "mini",
+            f"-dir={self.root / 'data'}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
             *(f"-{flag}={port}" for flag, port in self.ports.items()),
         ]
         env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
@@ -72,6 +87,8 @@ class WeedS3:
 
     def _wait_writable(self, timeout: float) -> None:
         """Up = a real object round-trips (the S3 port opens before the volume server registers)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
         client = self.client()
         deadline = time.monotonic() + timeout
         while True:
@@ -82,10 +99,12 @@ class WeedS3:
                     client.create_bucket(Bucket="probe")
                 client.put_object(Bucket="probe", Key="probe", Body=b"ok")
                 return
-            except Exception:
+            except (BotoCoreError, ClientError):
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"S3 on {self.endpoint} not ready in {timeout}s; see {self.root / 'weed.log'}")
+                    raise RuntimeError(
+                        f"S3 on {self.endpoint} not ready in {timeout}s; see {self.root / 'weed.log'}"
+                    )
                 time.sleep(0.2)
 
     def stop(self) -> None:
@@ -100,8 +119,11 @@ class WeedS3:
         from botocore.config import Config
 
         return boto3.client(
-            "s3", endpoint_url=self.endpoint, region_name="us-east-1",
-            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=secret,
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=secret,
             config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}, connect_timeout=2),
         )
 
@@ -157,8 +179,13 @@ def make_checkpoint():
     def make(root: Path, step: int, *, big: bool = False) -> Path:
         ckpt = Path(root) / f"step_{step:08d}"
         (ckpt / "rng").mkdir(parents=True)
-        sizes = {"optimizer.pt": 70_001, "trainer_state.json": 300, "config.yaml": 1200,
-                 "manifest.json": 0, "rng/rank0.pt": 17}
+        sizes = {
+            "optimizer.pt": 70_001,
+            "trainer_state.json": 300,
+            "config.yaml": 1200,
+            "manifest.json": 0,
+            "rng/rank0.pt": 17,
+        }
         sizes["model.safetensors"] = 2 * 5 * MiB + 12_345 if big else 50_000
         for name, size in sizes.items():
             (ckpt / name).write_bytes(os.urandom(size))

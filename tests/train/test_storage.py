@@ -14,8 +14,11 @@ MiB = 1024 * 1024
 
 def _store(server, bucket, prefix="runs/a", **kw) -> S3Store:
     return S3Store(
-        f"s3://{bucket}/{prefix}", endpoint_url=server.endpoint,
-        multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB, **kw,
+        f"s3://{bucket}/{prefix}",
+        endpoint_url=server.endpoint,
+        multipart_threshold=5 * MiB,
+        multipart_chunksize=5 * MiB,
+        **kw,
     )
 
 
@@ -55,7 +58,9 @@ def test_upload_list_download_roundtrip(s3_env, bucket, make_checkpoint, tmp_pat
 
 
 def test_local_resume_path_passes_through(tmp_path):
-    assert resolve_resume(tmp_path / "ck" / "step_00000005", tmp_path / "x") == tmp_path / "ck" / "step_00000005"
+    assert (
+        resolve_resume(tmp_path / "ck" / "step_00000005", tmp_path / "x") == tmp_path / "ck" / "step_00000005"
+    )
 
 
 def test_checkpoint_without_marker_is_never_picked(s3_env, bucket, make_checkpoint, tmp_path):
@@ -69,7 +74,7 @@ def test_checkpoint_without_marker_is_never_picked(s3_env, bucket, make_checkpoi
     assert store.list_checkpoints() == (["step_00000100"], ["step_00000200"])
     got = resolve_resume(f"s3://{bucket}/runs/a", tmp_path / "resume", endpoint_url=s3_env.endpoint)
     assert got.name == "step_00000100"
-    with pytest.raises(RemoteStorageError, match=f"runs/a/step_00000200.*no commit marker") as err:
+    with pytest.raises(RemoteStorageError, match="runs/a/step_00000200.*no commit marker") as err:
         resolve_resume(f"s3://{bucket}/runs/a/step_00000200", tmp_path / "r2", endpoint_url=s3_env.endpoint)
     assert s3_env.endpoint in str(err.value)
     assert not (tmp_path / "r2").exists()
@@ -113,7 +118,7 @@ def test_missing_bucket_and_unreachable_endpoint(s3_env, dead_endpoint):
         _store(s3_env, "no-such-bucket-here").check_access()
     assert "no-such-bucket-here" in str(err.value) and s3_env.endpoint in str(err.value)
 
-    store = S3Store("s3://somebucket/p", endpoint_url=dead_endpoint, max_attempts=1, connect_timeout=2)
+    store = S3Store("s3://somebucket/p", endpoint_url=dead_endpoint)
     with pytest.raises(RemoteStorageError, match="endpoint unreachable") as err:
         store.check_access()
     assert dead_endpoint in str(err.value) and "somebucket" in str(err.value) and err.value.transient

@@ -17,8 +17,11 @@ MiB = 1024 * 1024
 
 def _store(server, bucket, **kw) -> S3Store:
     return S3Store(
-        f"s3://{bucket}/runs/a", endpoint_url=server.endpoint,
-        multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB, **kw,
+        f"s3://{bucket}/runs/a",
+        endpoint_url=server.endpoint,
+        multipart_threshold=5 * MiB,
+        multipart_chunksize=5 * MiB,
+        **kw,
     )
 
 
@@ -30,7 +33,9 @@ def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def test_wrong_credentials_warn_once_and_keep_local_copies(s3_env, bucket, make_checkpoint, tmp_path, monkeypatch, caplog):
+def test_wrong_credentials_warn_once_and_keep_local_copies(
+    s3_env, bucket, make_checkpoint, tmp_path, monkeypatch, caplog
+):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-9f")
     root = tmp_path / "checkpoints"
     ckpts = [make_checkpoint(root, step) for step in (100, 200, 300)]
@@ -96,8 +101,11 @@ def test_retention_local_and_remote(s3_env, bucket, make_checkpoint, tmp_path):
     deleted = prune_local(root, keep_last=2, is_safe_to_delete=uploader.is_safe_to_delete)
     assert deleted == [ckpts[200]]
     assert sorted(p.name for p in root.iterdir()) == [
-        "step_00000100", "step_00000300", "step_00000300.uploaded.json",
-        "step_00000400", "step_00000400.uploaded.json",
+        "step_00000100",
+        "step_00000300",
+        "step_00000300.uploaded.json",
+        "step_00000400",
+        "step_00000400.uploaded.json",
     ]
     # The newest is never deleted, whatever is asked.
     with pytest.raises(ValueError, match="keep_last must be >= 1"):
@@ -118,9 +126,12 @@ def test_remote_prune_deletes_marker_first_and_abandoned_uploads(s3_env, bucket,
 
     deletes = []
     store.client.meta.events.register(
-        "before-parameter-build.s3.DeleteObject", lambda params, **_: deletes.append(params["Key"]))
+        "before-parameter-build.s3.DeleteObject", lambda params, **_: deletes.append(params["Key"])
+    )
     store.client.meta.events.register(
-        "before-parameter-build.s3.DeleteObjects", lambda params, **_: deletes.extend(o["Key"] for o in params["Delete"]["Objects"]))
+        "before-parameter-build.s3.DeleteObjects",
+        lambda params, **_: deletes.extend(o["Key"] for o in params["Delete"]["Objects"]),
+    )
 
     assert prune_remote(store, keep_last=1) == ["step_00000100", "step_00000200"]
     assert deletes[0] == f"runs/a/step_00000100/{MARKER}"
