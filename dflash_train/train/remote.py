@@ -205,6 +205,11 @@ class S3Store:
         from boto3.s3.transfer import create_transfer_manager
 
         name = local_dir.name
+        # Re-uploading a name (a resumed run saving the same step again): withdraw the old commit
+        # first, or readers would trust an old marker over files being replaced.
+        marker_key = self.url.key(name, MARKER)
+        with self._translate("withdrawing an old commit marker", marker_key):
+            self.client.delete_object(Bucket=self.url.bucket, Key=marker_key)
         with create_transfer_manager(self.client, self.transfer_config) as manager:
             futures = [
                 (e, manager.upload(str(local_dir / e.name), self.url.bucket, self.url.key(name, e.name)))
@@ -223,10 +228,9 @@ class S3Store:
                     transient=True,
                 )
         marker = {"format": MARKER_FORMAT, "checkpoint": name, "files": [asdict(e) for e in entries]}
-        key = self.url.key(name, MARKER)
-        with self._translate("writing the commit marker", key):
+        with self._translate("writing the commit marker", marker_key):
             self.client.put_object(
-                Bucket=self.url.bucket, Key=key, Body=json.dumps(marker, indent=1).encode()
+                Bucket=self.url.bucket, Key=marker_key, Body=json.dumps(marker, indent=1).encode()
             )
 
     def _size(self, key: str) -> int:
@@ -265,7 +269,12 @@ class S3Store:
                     "its upload never finished, so it cannot be trusted",
                     transient=False,
                 ) from e
-        data = json.loads(body)
+        try:
+            data = json.loads(body)
+        except ValueError:
+            raise RemoteStorageError(
+                f"{self.where(name)}: {MARKER} is not valid JSON", transient=False
+            ) from None
         if data.get("format") != MARKER_FORMAT:
             raise RemoteStorageError(f"{key}: unknown marker format {data.get('format')!r}", transient=False)
         return [FileEntry(**f) for f in data["files"]]

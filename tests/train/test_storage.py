@@ -126,3 +126,20 @@ def test_missing_bucket_and_unreachable_endpoint(s3_env, dead_endpoint):
 
 def test_check_access_passes_with_good_credentials(s3_env, bucket):
     _store(s3_env, bucket).check_access()  # credentials come from the env through the AWS chain
+
+
+def test_reupload_withdraws_the_old_marker_before_replacing_files(s3_env, bucket, make_checkpoint, tmp_path):
+    store = _store(s3_env, bucket)
+    old = make_checkpoint(tmp_path / "old", 100)
+    store.upload_checkpoint(old, hash_checkpoint(old))
+    new = make_checkpoint(tmp_path / "new", 100)  # same step saved again after a resume
+    complete_while_writing = []
+    store.client.meta.events.register(
+        "before-call.s3.PutObject", lambda **_: complete_while_writing.append(store.list_checkpoints()[0])
+    )
+
+    store.upload_checkpoint(new, hash_checkpoint(new))
+
+    assert complete_while_writing[0] == []  # no reader could trust the old marker meanwhile
+    got = resolve_resume(f"s3://{bucket}/runs/a", tmp_path / "resume", endpoint_url=s3_env.endpoint)
+    assert _files(got) == _files(new)
