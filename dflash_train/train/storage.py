@@ -1,0 +1,145 @@
+"""Where checkpoints live: resume from a local path or S3, upload receipts, retention.
+
+Local layout (written by the trainer): `<run_dir>/checkpoints/step_00000100/`, complete once it
+exists under that name. This module adds, next to a checkpoint directory, a receipt
+`step_00000100.uploaded.json` once its upload is verified; retention only deletes a local
+checkpoint that is safe to delete (no remote, or its receipt exists).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from dflash_train.train.remote import FileEntry, RemoteStorageError, S3Store, S3Url, sha256_file, step_of
+
+# ---- resume ----------------------------------------------------------------------------------
+
+
+def resolve_resume(
+    url: str | Path, dest_dir: str | Path, *, endpoint_url: str | None = None, region: str | None = None
+) -> Path:
+    """A local checkpoint directory to resume from.
+
+    - a local path: returned unchanged;
+    - `s3://bucket/prefix/step_00000100`: that checkpoint;
+    - `s3://bucket/prefix`: the newest COMPLETE checkpoint (one with its commit marker).
+    Remote checkpoints are downloaded to `dest_dir/step_XXXXXXXX` (temp dir + rename, so the
+    trainer's local resume reads it unchanged) and every file's sha256 is checked against the
+    marker. An existing local copy of that name is verified and reused instead of downloaded.
+    """
+    url = str(url)
+    if not url.startswith("s3://"):
+        return Path(url)
+    location = S3Url.parse(url)
+    parent, _, last = location.prefix.rpartition("/")
+    if step_of(last) is not None:
+        store = S3Store(f"s3://{location.bucket}/{parent}", endpoint_url=endpoint_url, region=region)
+        name = last
+    else:
+        store = S3Store(url, endpoint_url=endpoint_url, region=region)
+        complete, _ = store.list_checkpoints()
+        if not complete:
+            raise RemoteStorageError(f"no complete checkpoint under {store.where()}", transient=False)
+        name = complete[-1]
+    return download_checkpoint(store, name, Path(dest_dir))
+
+
+def download_checkpoint(store: S3Store, name: str, dest_dir: Path) -> Path:
+    entries = store.read_marker(name)
+    final = dest_dir / name
+    if final.exists():
+        _verify(final, entries, store, name)
+        return final
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.download-", dir=dest_dir))
+    try:
+        store.download_checkpoint(name, entries, tmp)
+        _verify(tmp, entries, store, name)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _verify(local_dir: Path, entries: list[FileEntry], store: S3Store, name: str) -> None:
+    for entry in entries:
+        path = local_dir / entry.name
+        actual = sha256_file(path) if path.is_file() else "<missing>"
+        if actual != entry.sha256:
+            raise RemoteStorageError(
+                f"checksum mismatch for {store.where(f'{name}/{entry.name}')}: the commit marker "
+                f"expects sha256 {entry.sha256[:16]}..., the data has {actual[:16]}... "
+                "(object corrupted or overwritten after upload)",
+                transient=False,
+            )
+
+
+# ---- upload receipts ---------------------------------------------------------------------------
+
+
+def receipt_path(ckpt_dir: Path) -> Path:
+    return ckpt_dir.with_name(f"{ckpt_dir.name}.uploaded.json")
+
+
+def write_receipt(ckpt_dir: Path, remote: str) -> None:
+    """Persisted (not in memory) so a restarted run can still prune checkpoints uploaded before."""
+    path = receipt_path(ckpt_dir)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"remote": remote}))
+    os.replace(tmp, path)
+
+
+def has_receipt(ckpt_dir: Path) -> bool:
+    return receipt_path(ckpt_dir).is_file()
+
+
+# ---- retention -------------------------------------------------------------------------------
+
+
+def prune_local(
+    ckpt_root: Path, keep_last: int, is_safe_to_delete: Callable[[Path], bool] = lambda _: True
+) -> list[Path]:
+    """Delete all but the newest `keep_last` local checkpoints, skipping unsafe ones.
+
+    With a remote, pass `uploader.is_safe_to_delete`: a checkpoint whose upload is not verified
+    is kept (possibly the only copy). Returns the deleted directories.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is never deleted), got {keep_last}")
+    ckpts = sorted(
+        (p for p in Path(ckpt_root).iterdir() if p.is_dir() and step_of(p.name) is not None),
+        key=lambda p: step_of(p.name),
+    )
+    deleted = []
+    for ckpt in ckpts[:-keep_last]:
+        if not is_safe_to_delete(ckpt):
+            continue
+        # Rename first: a crash mid-rmtree must not leave a half-deleted dir under a complete name.
+        doomed = ckpt.with_name(f".{ckpt.name}.deleting")
+        shutil.rmtree(doomed, ignore_errors=True)  # left over from a crash during an earlier prune
+        ckpt.rename(doomed)
+        receipt_path(ckpt).unlink(missing_ok=True)
+        shutil.rmtree(doomed)
+        deleted.append(ckpt)
+    return deleted
+
+
+def prune_remote(store: S3Store, keep_last: int) -> list[str]:
+    """Keep the newest `keep_last` complete remote checkpoints; delete older complete ones (marker
+    first) and leftovers of abandoned uploads older than the newest complete one."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is never deleted), got {keep_last}")
+    complete, incomplete = store.list_checkpoints()
+    if not complete:
+        return []
+    newest = step_of(complete[-1])
+    doomed = complete[:-keep_last] + [n for n in incomplete if step_of(n) < newest]
+    for name in doomed:
+        store.delete_checkpoint(name)
+    return doomed
