@@ -18,7 +18,6 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -114,20 +113,6 @@ def save_checkpoint(
         os.replace(tmp, final)
     _fsync_dir(root)
     return final
-
-
-def prune_checkpoints(
-    run_dir: str | Path, keep_last: int, can_delete: Callable[[Path], bool] = lambda p: True
-) -> list[Path]:
-    """Delete all but the newest `keep_last`; never the newest; skip those `can_delete` protects
-    (e.g. not yet verified in remote storage)."""
-    found = list_checkpoints(run_dir)
-    removed = []
-    for path in found[: max(len(found) - keep_last, 0)]:
-        if path != found[-1] and can_delete(path):
-            shutil.rmtree(path)
-            removed.append(path)
-    return removed
 
 
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict:

@@ -31,6 +31,8 @@ from dflash_train.ops.manifest import build_manifest, write_manifest
 from dflash_train.target import Target, load_target, resolve_mask_token_id
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.metrics import MetricsFile
+from dflash_train.train.storage import prune_local, resolve_resume
+from dflash_train.train.tracking import Tracker
 from dflash_train.train.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("dflash_train")
@@ -117,6 +119,9 @@ class Trainer:
         self.step = 0
         self.cursor = (0, 0)  # (epoch, batch index) of the next micro-batch
         self.feature_cache: dict[int, torch.Tensor] = {}
+        self.uploader = self._remote_uploader()
+        self.tracker = Tracker(cfg.tracking)
+        self.tracking_run_id: str | None = None
         self.compile_state = self._activate_compile_cache()
         if cfg.train.compile:
             for layer in self.drafter.layers:
@@ -124,6 +129,21 @@ class Trainer:
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
         )
+
+    def _remote_uploader(self):
+        """Background uploads to checkpoint.remote; a bad remote warns at once but never stops training."""
+        ck = self.cfg.checkpoint
+        if not ck.remote:
+            return None
+        from dflash_train.train.remote import RemoteStorageError, S3Store
+        from dflash_train.train.uploader import BackgroundUploader
+
+        store = S3Store(ck.remote, endpoint_url=ck.endpoint_url, region=ck.region)
+        try:
+            store.check_access()
+        except RemoteStorageError as err:
+            log.warning("checkpoint.remote is not usable yet (training goes on, local copies kept): %s", err)
+        return BackgroundUploader(store, keep_last=ck.keep_last)
 
     def _activate_compile_cache(self) -> str | None:
         """Compiled paths (flex on GPU, train.compile) get the persistent keyed cache, never /tmp."""
@@ -159,6 +179,7 @@ class Trainer:
         self.scheduler.load_state_dict(saved["optim"]["scheduler"])
         self.step = state["step"]
         self.cursor = tuple(state["cursor"])
+        self.tracking_run_id = state.get("tracking_run_id")
         ckpt.set_rng_state(state["rng"])
         log.info("resumed from %s at step %d", saved["path"], self.step)
 
@@ -168,12 +189,16 @@ class Trainer:
             "compatibility": self.compatibility(),
             "total_steps": self.total_steps,
             "data_rows": self.dataset.stats.to_dict(),
+            "tracking_run_id": self.tracking_run_id,
         }
         path = ckpt.save_checkpoint(
             self.run_dir, self.step, self.drafter, self.optimizer, self.scheduler, state,
             extra_files={"config.yaml": dump_config(self.cfg)},
         )
-        ckpt.prune_checkpoints(self.run_dir, self.cfg.checkpoint.keep_last)
+        if self.uploader is not None:
+            self.uploader.enqueue(path)
+        safe = self.uploader.is_safe_to_delete if self.uploader is not None else (lambda _: True)
+        prune_local(ckpt.checkpoints_dir(self.run_dir), self.cfg.checkpoint.keep_last, safe)
         return path
 
     # ---- data -------------------------------------------------------------------------------
@@ -270,6 +295,9 @@ class Trainer:
         manifest = build_manifest(self.cfg.model_dump(mode="json"), sys.argv, self.run_dir)
         write_manifest(self.run_dir, manifest)
         self.guard = ThroughputGuard(self.run_dir.parent, manifest, warmup_steps=self.step + 2 * tc.log_every)
+        self.tracking_run_id = self.tracker.start(
+            self.run_dir, self.cfg.model_dump(mode="json"), manifest, run_id=self.tracking_run_id
+        )
         metrics = MetricsFile(self.run_dir, resume_step=self.step)
         window: list[dict] = []
         last_record: dict = {}
@@ -288,6 +316,11 @@ class Trainer:
         bar.close()
         final = self.save()
         metrics.close()
+        self.tracker.finish()
+        if self.uploader is not None:
+            if not self.uploader.wait(timeout=3600):
+                log.warning("checkpoint uploads did not finish; local copies are kept")
+            self.uploader.close()
         summary = {"steps": self.step, "checkpoint": str(final), "data_rows": self.dataset.stats.to_dict(),
                    "data_lengths": self.dataset.length_stats(), "last": last_record}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -307,6 +340,7 @@ class Trainer:
             **acceptance_metrics(correct, counted),
         }
         metrics.write(record)
+        self.tracker.log(record, self.step)
         warning = self.guard.check(
             self.step, record["tokens_per_s"],
             {"compile_cache_state": self.compile_state, "attention_backend": self.attention_backend},
@@ -319,7 +353,11 @@ class Trainer:
 def train(cfg: RunConfig, resume: str | None = None, target: Target | None = None, progress: bool = True) -> dict:
     trainer = Trainer(cfg, target=target)
     if resume:
-        path = ckpt.latest_checkpoint(cfg.run_dir) if resume == "auto" else Path(resume)
+        if resume == "auto":
+            path = ckpt.latest_checkpoint(cfg.run_dir)
+        else:
+            path = resolve_resume(resume, ckpt.checkpoints_dir(cfg.run_dir),
+                                  endpoint_url=cfg.checkpoint.endpoint_url, region=cfg.checkpoint.region)
         if path is None:
             log.info("--resume auto: no checkpoint in %s, starting fresh", cfg.run_dir)
         else:
