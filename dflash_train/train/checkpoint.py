@@ -45,7 +45,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def rng_state() -> dict:
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [v.tolist() if isinstance(v, np.ndarray) else v for v in np.random.get_state()],
         "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
     }
     if torch.cuda.is_available():
