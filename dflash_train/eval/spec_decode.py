@@ -217,7 +217,7 @@ def speculative_generate(
         # Keep the target's cache and features for slot 0 and the n accepted proposals; `token`
         # (bonus/correction) is the next block's slot 0 at position start + n + 1.
         start += n + 1
-        target_cache.crop(start)
+        target_cache.crop(-(block_size - n - 1))  # negative = tokens to drop (transformers >= 5.17)
         context_new = features[:, : n + 1]
         if _emit(out, block[1 : n + 1].tolist() + [token], max_new_tokens, stop_ids):
             break

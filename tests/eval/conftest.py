@@ -11,6 +11,16 @@ from .tiny_models import tiny_drafter, tiny_target
 os.environ.setdefault("DFLASH_TRAIN_CACHE", "/work/.cache-dflash")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run op by op: on 2 shared cores a second intra-op thread only adds waits
+    (3 ms per small matmul/softmax under load, vs microseconds on one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def target():
     return tiny_target()
