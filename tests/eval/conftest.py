@@ -4,6 +4,10 @@ import os
 
 import pytest
 import torch
+from transformers import AutoTokenizer
+
+from dflash_train.config import TargetConfig
+from dflash_train.target import load_target, resolve_target_path
 
 from .tiny_models import tiny_drafter, tiny_target
 
@@ -33,7 +37,9 @@ def drafter(target):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from dflash_train.config import TargetConfig
-    from dflash_train.target import load_target
-
     return load_target(TargetConfig(path="smollm2"), torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_target_path("smollm2"))

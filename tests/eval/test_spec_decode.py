@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.draft.model import DFlashDraftModel
+from dflash_train.eval.report import stop_token_ids
 from dflash_train.eval.spec_decode import accept_sampled, speculative_generate, target_greedy
 
 from .tiny_models import tiny_drafter, tiny_target
@@ -192,11 +193,12 @@ def test_sampled_generation_follows_target_marginals():
 @pytest.mark.slow
 def test_greedy_equals_reference_on_smollm2(smollm2):
     drafter = tiny_drafter(smollm2, block_size=8, layer_ids=(1, 14, 27), num_layers=1)
-    eos = smollm2.tokenizer.eos_token_id
+    stop_ids = stop_token_ids(smollm2)
+    assert stop_ids == [2]  # <|im_end|>
     for question in ["What is the capital of France?", "Write a haiku about rain."]:
         text = smollm2.tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
         )
         ids = smollm2.tokenizer(text, return_tensors="pt").input_ids
-        ref = reference_greedy(smollm2.model, ids, 16, stop_ids={eos})
-        assert speculative_generate(smollm2, drafter, ids, 16, stop_ids=[eos]).tokens == ref
+        ref = reference_greedy(smollm2.model, ids, 16, stop_ids=set(stop_ids))
+        assert speculative_generate(smollm2, drafter, ids, 16, stop_ids=stop_ids).tokens == ref

@@ -7,7 +7,9 @@ from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 from dflash_train.target import Target
 
 
-def tiny_target(vocab_size: int = 256, num_layers: int = 4, hidden_size: int = 64, seed: int = 0) -> Target:
+def tiny_target(
+    vocab_size: int = 256, num_layers: int = 4, hidden_size: int = 64, seed: int = 0, tokenizer=None
+) -> Target:
     """A random Qwen3 target. A wide init makes its next-token distributions peaked, like a real LM's."""
     torch.manual_seed(seed)
     config = Qwen3Config(
@@ -25,7 +27,7 @@ def tiny_target(vocab_size: int = 256, num_layers: int = 4, hidden_size: int = 6
     # Eager attention: CPU SDPA's causal kernel spins threads for tiny shapes (~3 ms a call on 2 busy cores).
     config._attn_implementation = "eager"
     model = Qwen3ForCausalLM(config).eval().requires_grad_(False)
-    return Target(model=model, tokenizer=None, name=f"tiny-qwen3-v{vocab_size}", device=torch.device("cpu"))
+    return Target(model=model, tokenizer=tokenizer, name=f"tiny-qwen3-v{vocab_size}", device=torch.device("cpu"))
 
 
 def tiny_drafter(target: Target, block_size: int = 4, layer_ids=(0, 2), num_layers: int = 2, seed: int = 1):
