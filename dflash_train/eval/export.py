@@ -1,0 +1,172 @@
+"""Drafter folders in and out: training checkpoints, and the export SGLang, vLLM and z-lab load.
+
+Training checkpoint dir: `model.safetensors` (DFlashDraftModel state dict) + `draft_config.json`
+(DraftModelConfig.to_dict()). Export dir (DESIGN.md): `config.json` = a Qwen3 config plus
+`architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers` and
+`dflash_config: {mask_token_id, target_layer_ids}`; `model.safetensors` in bf16 with the drafter's
+own tensors only (embeddings and LM head are the target's and never stored).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
+from dflash_train.target import Target
+
+CHECKPOINT_CONFIG = "draft_config.json"
+WEIGHTS = "model.safetensors"
+
+
+def export_config(cfg: DraftModelConfig) -> dict:
+    """config.json of an export: Qwen3 fields + the DFlash ones (layout as z-lab's published drafters)."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "layer_types": list(cfg.layer_types),
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": cfg.num_hidden_layers,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "dtype": "bfloat16",
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+    }
+
+
+def draft_config_from_export(path: str | Path) -> DraftModelConfig:
+    """The DraftModelConfig of an export folder (reads config.json only)."""
+    c = json.loads((Path(path) / "config.json").read_text())
+    if "dflash_config" not in c:
+        raise ValueError(f"{path}/config.json has no dflash_config: not a DFlash drafter export")
+    rope_theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+    return DraftModelConfig(
+        hidden_size=c["hidden_size"],
+        num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c["num_key_value_heads"],
+        head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+        intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_hidden_layers"],
+        vocab_size=c["vocab_size"],
+        block_size=c["block_size"],
+        target_layer_ids=list(c["dflash_config"]["target_layer_ids"]),
+        num_target_layers=c["num_target_layers"],
+        mask_token_id=c["dflash_config"]["mask_token_id"],
+        rms_norm_eps=c["rms_norm_eps"],
+        rope_theta=rope_theta,
+        max_position_embeddings=c["max_position_embeddings"],
+        layer_types=list(c.get("layer_types") or []),
+    )
+
+
+def read_drafter_folder(path: str | Path) -> tuple[DraftModelConfig, dict[str, torch.Tensor]]:
+    """(config, state dict) of a training checkpoint dir or an export dir."""
+    path = Path(path)
+    if not (path / WEIGHTS).is_file():
+        raise FileNotFoundError(f"{path}: no {WEIGHTS} (expected a drafter checkpoint or export folder)")
+    if (path / CHECKPOINT_CONFIG).is_file():
+        cfg = DraftModelConfig(**json.loads((path / CHECKPOINT_CONFIG).read_text()))
+    elif (path / "config.json").is_file():
+        cfg = draft_config_from_export(path)
+    else:
+        raise FileNotFoundError(f"{path}: neither {CHECKPOINT_CONFIG} (checkpoint) nor config.json (export)")
+    # SGLang accepts a `model.` prefix on every name; so do we.
+    state = {name.removeprefix("model."): t for name, t in load_file(path / WEIGHTS).items()}
+    return cfg, state
+
+
+def check_state_dict(cfg: DraftModelConfig, state: dict[str, torch.Tensor], source: str) -> None:
+    """Names and shapes exactly as a DFlashDraftModel of `cfg` (SGLang rejects anything else)."""
+    with torch.device("meta"):
+        expected = {name: t.shape for name, t in DFlashDraftModel(cfg).state_dict().items()}
+    if set(state) != set(expected):
+        raise ValueError(
+            f"{source}: tensor names differ from a DFlashDraftModel's: "
+            f"missing {sorted(set(expected) - set(state))}, unexpected {sorted(set(state) - set(expected))}"
+        )
+    for name, shape in expected.items():
+        if state[name].shape != shape:
+            raise ValueError(f"{source}: {name} has shape {list(state[name].shape)}, config implies {list(shape)}")
+
+
+def check_drafter_fits(cfg: DraftModelConfig, target: Target) -> None:
+    """A ValueError naming both sides when the drafter was built for another target."""
+    pairs = [
+        ("hidden_size", cfg.hidden_size, target.hidden_size),
+        ("num_target_layers", cfg.num_target_layers, target.num_layers),
+        ("vocab_size", cfg.vocab_size, target.vocab_size),
+    ]
+    for name, drafter_value, target_value in pairs:
+        if drafter_value != target_value:
+            raise ValueError(
+                f"drafter does not fit target {target.name}: drafter {name}={drafter_value}, "
+                f"target {name}={target_value}"
+            )
+    target.check_layer_ids(cfg.target_layer_ids)
+
+
+def load_drafter(path: str | Path, target: Target, device: torch.device | str | None = None) -> DFlashDraftModel:
+    """A drafter from a training checkpoint or an export folder, checked against `target`,
+    in the target's dtype on `device` (default: the target's), in eval mode."""
+    cfg, state = read_drafter_folder(path)
+    check_drafter_fits(cfg, target)
+    check_state_dict(cfg, state, str(path))
+    with torch.device("meta"):  # no random init of weights that are overwritten at once
+        model = DFlashDraftModel(cfg)
+    model.load_state_dict(state, strict=True, assign=True)
+    dtype = target.embed_weight.dtype
+    return model.to(device=device or target.device, dtype=dtype).eval().requires_grad_(False)
+
+
+def _atomic_dir(out_dir: Path, write) -> None:
+    """Write into a temp dir beside `out_dir`, then swap it in: readers never see half an export."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    try:
+        write(tmp)
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        if out_dir.exists():
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export_drafter(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
+    """Training checkpoint (or another export) -> export folder with bf16 weights."""
+    cfg, state = read_drafter_folder(checkpoint_dir)
+    check_state_dict(cfg, state, str(checkpoint_dir))
+    weights = {name: t.to(torch.bfloat16).contiguous() for name, t in state.items()}
+    out_dir = Path(out_dir)
+
+    def write(tmp: Path):
+        (tmp / "config.json").write_text(json.dumps(export_config(cfg), indent=2) + "\n")
+        save_file(weights, tmp / WEIGHTS, metadata={"format": "pt"})
+
+    _atomic_dir(out_dir, write)
+    return out_dir

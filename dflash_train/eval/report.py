@@ -1,0 +1,209 @@
+"""Real speculative-decoding evaluation: acceptance, speed against the target alone, losslessness.
+
+Every turn of every prompt is decoded twice on the same context: speculatively, and by the target
+alone (greedy, with its KV cache). Multi-turn prompts continue from the speculative answer, which
+is the target's own answer (identical at temperature 0, a target sample above it).
+Outputs: a JSON report, a PNG (acceptance-length histogram, per-position acceptance), a table.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from dflash_train.config import TargetConfig
+from dflash_train.draft.model import DFlashDraftModel
+from dflash_train.eval.export import load_drafter
+from dflash_train.eval.prompts import Prompt, load_prompts
+from dflash_train.eval.spec_decode import speculative_generate, target_greedy
+from dflash_train.target import Target, load_target
+
+log = logging.getLogger("dflash_train")
+
+
+def stop_token_ids(target: Target) -> list[int]:
+    """End-of-turn ids: the generation config's EOS (often a list), else the tokenizer's.
+
+    The generation config wins: converted checkpoints can carry a wrong tokenizer EOS (the GGUF
+    SmolLM2 says <|im_start|>, while the model ends turns with <|im_end|>).
+    """
+    eos = getattr(target.model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = target.tokenizer.eos_token_id
+    return sorted(set(eos)) if isinstance(eos, list) else [eos]
+
+
+def encode(target: Target, messages: list[dict]) -> torch.Tensor:
+    text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = target.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    return ids.to(target.device)
+
+
+def _decode_rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+@torch.no_grad()
+def evaluate(
+    target: Target,
+    drafter: DFlashDraftModel,
+    prompts: list[Prompt],
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    block_size: int | None = None,
+    seed: int = 0,
+) -> dict:
+    """Decode every turn speculatively and with the target alone; aggregate into a report dict."""
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    block_size = block_size or drafter.config.block_size
+    stop_ids = stop_token_ids(target)
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+    # Warm-up (kernels, allocator) so the first prompt's timing is not one-off start-up cost.
+    warm = encode(target, prompts[0].messages([]))
+    speculative_generate(target, drafter, warm, 8, stop_ids, temperature, block_size, generator)
+    target_greedy(target, warm, 8, stop_ids)
+
+    lengths: list[int] = []
+    position_accepts = [0] * (block_size - 1)
+    spec_tokens = spec_seconds = base_tokens = base_seconds = 0.0
+    turns = []
+    for prompt in prompts:
+        answers: list[str] = []
+        for t in range(len(prompt.turns)):
+            ids = encode(target, prompt.messages(answers))
+            spec = speculative_generate(target, drafter, ids, max_new_tokens, stop_ids, temperature, block_size, generator)
+            base = target_greedy(target, ids, max_new_tokens, stop_ids)
+            lengths += spec.acceptance_lengths
+            position_accepts = [a + b for a, b in zip(position_accepts, spec.position_accepts)]
+            # The first token comes from the prefill in both decodes; the timed part is the rest.
+            spec_tokens += len(spec.tokens) - 1
+            spec_seconds += spec.decode_seconds
+            base_tokens += len(base.tokens) - 1
+            base_seconds += base.decode_seconds
+            turns.append({
+                "id": prompt.id, "turn": t, "prompt_tokens": ids.shape[1], "new_tokens": len(spec.tokens),
+                "tau": round(spec.tau, 3), "lossless": spec.tokens == base.tokens if temperature == 0 else None,
+            })
+            answers.append(target.tokenizer.decode(spec.tokens, skip_special_tokens=True))
+            log.info("eval %s turn %d: tau %.2f, %d tokens", prompt.id, t, spec.tau, len(spec.tokens))
+
+    rounds = max(1, len(lengths))
+    spec_rate, base_rate = _decode_rate(spec_tokens, spec_seconds), _decode_rate(base_tokens, base_seconds)
+    return {
+        "target": target.name,
+        "device": str(target.device),
+        "num_prompts": len(prompts),
+        "num_turns": len(turns),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "block_size": block_size,
+        "num_rounds": len(lengths),
+        "tau": sum(lengths) / rounds,
+        "acceptance_histogram": {str(k): lengths.count(k) for k in range(1, block_size + 1)},
+        "position_acceptance": [a / rounds for a in position_accepts],
+        "spec_tokens_per_s": spec_rate,
+        "target_tokens_per_s": base_rate,
+        "speedup": spec_rate / base_rate if base_rate > 0 else 0.0,
+        "lossless": (
+            {"matches": sum(t["lossless"] for t in turns), "total": len(turns)} if temperature == 0 else None
+        ),
+        "turns": turns,
+    }
+
+
+def format_table(report: dict) -> str:
+    """The report's headline numbers as a rich table, rendered to a string for the terminal."""
+    table = Table(title=f"DFlash eval: {report['target']} ({report['num_turns']} turns, B={report['block_size']}, "
+                        f"T={report['temperature']})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("tau (accepted per round, incl. bonus)", f"{report['tau']:.2f}")
+    table.add_row("rounds", str(report["num_rounds"]))
+    table.add_row("speculative decode tokens/s", f"{report['spec_tokens_per_s']:.1f}")
+    table.add_row("target-only decode tokens/s", f"{report['target_tokens_per_s']:.1f}")
+    table.add_row("speedup", f"{report['speedup']:.2f}x")
+    if report["lossless"] is not None:
+        table.add_row("lossless (== target greedy)", f"{report['lossless']['matches']}/{report['lossless']['total']}")
+    rates = report["position_acceptance"]
+    table.add_row("acceptance, positions 1-4", "  ".join(f"{r:.2f}" for r in rates[:4]))
+    out = io.StringIO()
+    Console(file=out, width=100, force_terminal=False).print(table)
+    return out.getvalue()
+
+
+def _atomic_write(path: Path, write) -> None:
+    """write(file object) into a temp file beside `path`, then rename: never a half-written report."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def plot_report(report: dict, f) -> None:
+    import matplotlib  # the optional `plot` extra: only needed when a report is written
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    hist = report["acceptance_histogram"]
+    left.bar([int(k) for k in hist], list(hist.values()), color="tab:blue")
+    left.set(title=f"acceptance length per round (tau {report['tau']:.2f})", xlabel="tokens per round", ylabel="rounds")
+    rates = report["position_acceptance"]
+    right.plot(range(1, len(rates) + 1), rates, marker="o", color="tab:green")
+    right.set(title="proposal accepted, by block position", xlabel="position k", ylabel="rate", ylim=(0, 1.02))
+    fig.tight_layout()
+    fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)
+
+
+def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
+    """eval.json and eval.png in `out_dir`, each written atomically."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out_dir / "eval.json", out_dir / "eval.png"
+    _atomic_write(json_path, lambda f: f.write((json.dumps(report, indent=2) + "\n").encode()))
+    _atomic_write(png_path, lambda f: plot_report(report, f))
+    return json_path, png_path
+
+
+def run_eval(
+    target: str,
+    drafter: str,
+    prompts: str = "mt-bench",
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    block_size: int | None = None,
+    num_prompts: int | None = None,
+    out: str | None = None,
+    device: str = "auto",
+    seed: int = 0,
+) -> dict:
+    """`dflash-train eval`: load target, drafter and prompts, evaluate, write the report if `out`."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if block_size is not None and block_size < 2:
+        raise ValueError(f"block size must be >= 2 (one verified token + proposals), got {block_size}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    tgt = load_target(TargetConfig(path=target), dev)
+    draft = load_drafter(drafter, tgt, dev)
+    report = evaluate(tgt, draft, load_prompts(prompts, num_prompts), max_new_tokens, temperature, block_size, seed)
+    report.update(drafter=str(drafter), prompts=prompts)
+    if out is not None:
+        write_report(report, out)
+    return report

@@ -1,0 +1,45 @@
+"""Fixtures for the eval tests."""
+
+import os
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from dflash_train.config import TargetConfig
+from dflash_train.target import load_target, resolve_target_path
+
+from .tiny_models import tiny_drafter, tiny_target
+
+# The embedded SmolLM2 is converted from GGUF once (~25 s); keep it across test runs.
+os.environ.setdefault("DFLASH_TRAIN_CACHE", "/work/.cache-dflash")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run op by op: on 2 shared cores a second intra-op thread only adds waits
+    (3 ms per small matmul/softmax under load, vs microseconds on one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return tiny_drafter(target)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return load_target(TargetConfig(path="smollm2"), torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_target_path("smollm2"))

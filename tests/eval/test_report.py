@@ -1,0 +1,58 @@
+"""The evaluation report: aggregates consistent with the per-round data, files, and the CLI entry."""
+
+import json
+
+import pytest
+
+from dflash_train.eval.export import export_drafter
+from dflash_train.eval.prompts import load_prompts
+from dflash_train.eval.report import evaluate, format_table, run_eval, write_report
+
+from .test_export import save_checkpoint
+from .tiny_models import tiny_drafter, tiny_target
+
+
+@pytest.fixture(scope="module")
+def chat_target(smollm2_tokenizer):
+    """A tiny random model with SmolLM2's tokenizer and vocabulary: real chat templates, fast forwards."""
+    return tiny_target(vocab_size=49152, tokenizer=smollm2_tokenizer)
+
+
+def test_evaluate_multi_turn_report(chat_target, tmp_path):
+    drafter = tiny_drafter(chat_target, block_size=4)
+    report = evaluate(chat_target, drafter, load_prompts("mt-bench", 2), max_new_tokens=6, block_size=3)
+    assert report["num_prompts"] == 2 and report["num_turns"] == 4
+    turns = report["turns"]
+    # Turn 2 is asked after turn 1's answer, so its prompt holds everything before.
+    assert turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"] + turns[0]["new_tokens"]
+    assert report["lossless"] == {"matches": 4, "total": 4}
+    hist = {int(k): v for k, v in report["acceptance_histogram"].items()}
+    assert list(hist) == [1, 2, 3] and sum(hist.values()) == report["num_rounds"]
+    assert report["tau"] == pytest.approx(sum(k * v for k, v in hist.items()) / report["num_rounds"])
+    # Proposal k is accepted in exactly the rounds of length > k.
+    rates = report["position_acceptance"]
+    assert rates == pytest.approx([sum(v for k, v in hist.items() if k > j) / report["num_rounds"] for j in (1, 2)])
+    assert report["spec_tokens_per_s"] > 0 and report["target_tokens_per_s"] > 0
+
+    json_path, png_path = write_report(report, tmp_path / "out")
+    assert json.loads(json_path.read_text())["tau"] == report["tau"]
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["eval.json", "eval.png"]
+    table = format_table(report)
+    assert "tau" in table and "4/4" in table
+
+
+def test_sampled_report_has_no_lossless_check(chat_target):
+    drafter = tiny_drafter(chat_target, block_size=4)
+    report = evaluate(chat_target, drafter, load_prompts("humaneval", 1), max_new_tokens=5, temperature=0.7)
+    assert report["lossless"] is None and report["turns"][0]["new_tokens"] == 5
+
+
+@pytest.mark.slow
+def test_run_eval_on_smollm2_with_an_exported_drafter(smollm2, tmp_path):
+    drafter = tiny_drafter(smollm2, block_size=4, layer_ids=(1, 14, 27), num_layers=1)
+    export = export_drafter(save_checkpoint(drafter, tmp_path / "ckpt"), tmp_path / "export")
+    report = run_eval("smollm2", str(export), prompts="humaneval", max_new_tokens=6, num_prompts=1,
+                      out=str(tmp_path / "eval"), device="cpu")
+    assert report["lossless"] == {"matches": 1, "total": 1} and report["drafter"] == str(export)
+    assert (tmp_path / "eval" / "eval.json").is_file()
