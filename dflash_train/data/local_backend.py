@@ -1,0 +1,159 @@
+"""In-process generation with transformers: batched, left-padded, greedy or sampled.
+
+For small targets (the SmolLM2 quickstart on CPU) and single-GPU runs without a server.
+Concurrent `complete` calls queue up; one worker thread takes whatever is waiting (up to
+`batch_size`, same sampling settings) and runs one `model.generate` for all of it, so batches
+fill up naturally while the previous one runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_train.config import TargetConfig
+from dflash_train.data.backends import Completion, GenParams
+from dflash_train.data.generate_config import LocalConfig
+from dflash_train.target import load_target
+
+
+def chat_template_hash(tokenizer) -> str | None:
+    template = tokenizer.chat_template
+    return hashlib.sha256(template.encode()).hexdigest()[:16] if isinstance(template, str) else None
+
+
+def stop_ids(model, tokenizer) -> set[int]:
+    """The chat end-of-turn token and the model's own eos ids (the generation config may list several)."""
+    ids = {tokenizer.eos_token_id}
+    configured = model.generation_config.eos_token_id
+    ids.update(configured if isinstance(configured, list) else [configured])
+    ids.discard(None)
+    return ids
+
+
+def encode_prompt(tokenizer, messages: list[dict], thinking: bool | None) -> list[int]:
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def generate_batch(model, tokenizer, prompts: list[list[int]], params: GenParams) -> list[Completion]:
+    """Answer token-id prompts in one left-padded `generate` call."""
+    device = next(model.parameters()).device
+    stops = stop_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
+    width = max(map(len, prompts))
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[row, width - len(ids) :] = 1
+    sample = params.temperature > 0
+    if sample and params.seed is not None:
+        torch.manual_seed(params.seed)
+    out = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        max_new_tokens=params.max_tokens,
+        do_sample=sample,
+        temperature=params.temperature if sample else None,
+        top_p=params.top_p if sample else None,
+        top_k=None,
+        eos_token_id=sorted(stops),
+        pad_token_id=pad_id,
+    )
+    completions = []
+    for ids, prompt in zip(out[:, width:].tolist(), prompts):
+        end = next((i for i, t in enumerate(ids) if t in stops), None)
+        new = ids if end is None else ids[: end + 1]
+        completions.append(
+            Completion(
+                text=tokenizer.decode(new, skip_special_tokens=True),
+                prompt_tokens=len(prompt),
+                completion_tokens=len(new),
+                finish_reason="length" if end is None else "stop",
+            )
+        )
+    return completions
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: GenParams
+    future: asyncio.Future = field(repr=False)
+
+
+class LocalBackend:
+    def __init__(self, model, tokenizer, *, name: str, batch_size: int, identity: dict | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.batch_size = batch_size
+        self._target_identity = identity or {}
+        self._queue: deque[_Request] = deque()
+        self._wake: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+
+    @classmethod
+    def load(cls, path: str, cfg: LocalConfig) -> LocalBackend:
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(auto if cfg.device == "auto" else cfg.device)
+        target = load_target(TargetConfig(path=path, dtype=cfg.dtype), device)
+        return cls(target.model, target.tokenizer, name=path, batch_size=cfg.batch_size, identity=target.identity)
+
+    async def identity(self) -> dict:
+        return {
+            "backend": "local",
+            "model": self.name,
+            "target": self._target_identity,
+            "chat_template_hash": chat_template_hash(self.tokenizer),
+        }
+
+    async def complete(self, messages: list[dict], params: GenParams) -> Completion:
+        if self._worker is None:
+            self._wake = asyncio.Event()
+            self._worker = asyncio.create_task(self._run())
+        prompt = encode_prompt(self.tokenizer, messages, params.thinking)
+        request = _Request(prompt, params, asyncio.get_running_loop().create_future())
+        self._queue.append(request)
+        self._wake.set()
+        return await request.future
+
+    def _take_batch(self) -> list[_Request]:
+        """Oldest request plus waiting ones with the same sampling settings, up to batch_size."""
+        key = self._queue[0].params.batch_key()
+        batch = [r for r in self._queue if r.params.batch_key() == key][: self.batch_size]
+        for r in batch:
+            self._queue.remove(r)
+        return batch
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                batch = self._take_batch()
+                prompts = [r.prompt for r in batch]
+                try:
+                    # A thread keeps the event loop (HTTP server, writer) responsive during generate.
+                    results = await asyncio.to_thread(generate_batch, self.model, self.tokenizer, prompts, batch[0].params)
+                except Exception as err:  # a bug or OOM must reach the callers, not kill the worker
+                    for r in batch:
+                        if not r.future.done():
+                            r.future.set_exception(err)
+                    continue
+                for r, result in zip(batch, results):
+                    if not r.future.done():
+                        r.future.set_result(result)
+
+    async def aclose(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+            self._worker = None

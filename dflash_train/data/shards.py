@@ -1,0 +1,172 @@
+"""Crash-safe output: rows are committed in whole shards, atomically, and nothing else counts.
+
+A shard is written to a temporary name, fsynced, renamed to `shard-NNNNNN.<ext>` and the
+directory fsynced: after a `kill -9` or a power cut a shard is either complete or absent, never
+half there. Resuming reads the `key` of every row in committed shards and skips those inputs;
+leftover temporary files are deleted. An exclusive lock on the directory keeps two runs from
+writing the same rows twice (the kernel drops it when the process dies, however it dies).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
+SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("status", pa.string()),
+        ("reason", pa.string()),
+        ("messages", pa.list_(MESSAGE)),
+        ("num_turns", pa.int32()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("num_truncated", pa.int32()),
+    ]
+)
+STATUSES = ("ok", "error", "skipped")
+_TMP_PREFIX = ".tmp-"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, write) -> None:
+    """`write(file)` into a temporary sibling, fsync, then rename over `path`."""
+    tmp = path.with_name(f"{_TMP_PREFIX}{os.getpid()}-{path.name}")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    write_atomic(path, lambda f: f.write(json.dumps(obj, indent=2, sort_keys=True).encode() + b"\n"))
+
+
+class OutputLock:
+    """Exclusive, non-blocking lock on an output directory for the life of a run."""
+
+    def __init__(self, out_dir: Path):
+        self.path = out_dir / ".lock"
+        self._fd: int | None = None
+
+    def __enter__(self) -> OutputLock:
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise ValueError(f"{self.path.parent} is in use by another generate run") from None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self._fd)  # closing releases the lock
+
+
+def remove_temp_files(out_dir: Path) -> int:
+    """Delete what a killed run was writing; it was never committed. Call under the lock."""
+    stale = list(out_dir.glob(f"{_TMP_PREFIX}*"))
+    for path in stale:
+        path.unlink()
+    return len(stale)
+
+
+def committed_shards(out_dir: Path, fmt: str) -> list[Path]:
+    return sorted(out_dir.glob(f"shard-*.{fmt}"))
+
+
+def _read_columns(path: Path, columns: list[str]) -> dict[str, list]:
+    if path.suffix == ".parquet":
+        return pq.read_table(path, columns=columns).to_pydict()
+    with path.open("rb") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {c: [r.get(c) for r in rows] for c in columns}
+
+
+def read_done_keys(shards: list[Path]) -> set[str]:
+    done: set[str] = set()
+    for path in shards:
+        done.update(_read_columns(path, ["key"])["key"])
+    return done
+
+
+def scan_outputs(shards: list[Path], top_reasons: int = 20) -> dict:
+    """Row counts by status, token totals and the commonest error/skip reasons over all shards."""
+    counts: Counter = Counter()
+    reasons: Counter = Counter()
+    totals = Counter()
+    for path in shards:
+        cols = _read_columns(path, ["status", "reason", "prompt_tokens", "completion_tokens", "num_truncated"])
+        counts.update(cols["status"])
+        reasons.update(f"{s}: {r}" for s, r in zip(cols["status"], cols["reason"]) if s != "ok")
+        for name in ("prompt_tokens", "completion_tokens", "num_truncated"):
+            totals[name] += sum(cols[name])
+    return {
+        "rows_out": sum(counts.values()),
+        **{s: counts.get(s, 0) for s in STATUSES},
+        "prompt_tokens": totals["prompt_tokens"],
+        "completion_tokens": totals["completion_tokens"],
+        "truncated_turns": totals["num_truncated"],
+        "top_reasons": dict(reasons.most_common(top_reasons)),
+        "shards": len(shards),
+    }
+
+
+def _write_parquet(rows: list[dict], f) -> None:
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    pq.write_table(table, f, compression="zstd")
+
+
+def _write_jsonl(rows: list[dict], f) -> None:
+    for row in rows:
+        messages = [{k: v for k, v in m.items() if v is not None} for m in row["messages"]]
+        f.write(json.dumps({**row, "messages": messages}, ensure_ascii=False).encode() + b"\n")
+
+
+class ShardWriter:
+    """Buffers finished rows and commits them as a shard every `shard_size` rows or `interval_s`."""
+
+    def __init__(self, out_dir: Path, fmt: str, *, shard_size: int, interval_s: float):
+        self.out_dir = out_dir
+        self.fmt = fmt
+        self.shard_size = shard_size
+        self.interval_s = interval_s
+        existing = committed_shards(out_dir, fmt)
+        self.next_index = int(existing[-1].stem.split("-")[1]) + 1 if existing else 0
+        self.buffer: list[dict] = []
+        self.last_commit = time.monotonic()
+        self.rows_committed = 0
+
+    def add(self, row: dict) -> None:
+        self.buffer.append(row)
+        if len(self.buffer) >= self.shard_size or time.monotonic() - self.last_commit >= self.interval_s:
+            self.commit()
+
+    def commit(self) -> Path | None:
+        self.last_commit = time.monotonic()
+        if not self.buffer:
+            return None
+        path = self.out_dir / f"shard-{self.next_index:06d}.{self.fmt}"
+        rows, self.buffer = self.buffer, []
+        write_atomic(path, lambda f: (_write_parquet if self.fmt == "parquet" else _write_jsonl)(rows, f))
+        self.next_index += 1
+        self.rows_committed += len(rows)
+        return path
