@@ -61,6 +61,36 @@ def cmd_diff_runs(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from dflash_train.data.generate import generate
+    from dflash_train.data.generate_config import load_generate_config
+
+    summary = generate(load_generate_config(args.config, args))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from dflash_train.eval.report import format_table, run_eval
+
+    report = run_eval(
+        target=args.target, drafter=args.drafter, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, block_size=args.block_size, num_prompts=args.num_prompts, out=args.out,
+        device=args.device, seed=args.seed,
+    )
+    print(format_table(report))
+    if args.out:
+        print(f"report: {args.out}/eval.json, chart: {args.out}/eval.png")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from dflash_train.eval.export import export_drafter
+
+    print(export_drafter(args.checkpoint, args.out_dir))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-train", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -80,6 +110,45 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--out", required=True, help="output dataset directory")
     p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("generate", help="the target regenerates the answers of a prompt dataset (resumable)")
+    p.add_argument("-c", "--config", help="generation YAML (GenerateConfig); flags override it")
+    p.add_argument("--input", action="append", help="JSONL/Parquet prompts or conversations (repeatable)")
+    p.add_argument("--output", help="output directory (shards, meta.json, summary.json)")
+    p.add_argument("--output-format", dest="output_format", choices=["parquet", "jsonl"])
+    p.add_argument("--backend", choices=["http", "local"])
+    p.add_argument("--server-url", dest="server_url", action="append", help="OpenAI-compatible server (repeatable)")
+    p.add_argument("--model", help="http: served model name; local: target path (e.g. smollm2)")
+    p.add_argument("--concurrency", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", dest="top_p", type=float)
+    p.add_argument("--max-tokens", dest="max_tokens", type=int)
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--system-prompt", dest="system_prompt")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--skip-invalid", dest="skip_invalid", action="store_true", default=None)
+    p.add_argument("--device")
+    p.add_argument("--batch-size", dest="batch_size", type=int)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("eval", help="speculative-decoding evaluation: tau, histogram, speedup")
+    p.add_argument("--target", required=True, help="HF model dir/id or smollm2")
+    p.add_argument("--drafter", required=True, help="training checkpoint dir or export dir")
+    p.add_argument("--prompts", default="mt-bench", help="mt-bench, humaneval, sharegpt or a JSONL file")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--num-prompts", type=int)
+    p.add_argument("--out", help="directory for report.json and report.png")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", help="checkpoint -> folder SGLang, vLLM and z-lab load")
+    p.add_argument("checkpoint")
+    p.add_argument("out_dir")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("doctor", help="check the environment, code and compile cache before a run")
     _config_args(p, required=False)

