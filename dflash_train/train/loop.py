@@ -252,6 +252,7 @@ class Trainer:
             correct += out.correct_per_slot
             counted += out.counted_per_slot
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), tc.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler then moves on)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -261,6 +262,7 @@ class Trainer:
             "correct": correct,
             "counted": counted,
             "grad_norm": grad_norm,
+            "lr": lr,
             "tokens": sum(b["num_tokens"] for b, _ in micro),
         }
 
@@ -333,7 +335,7 @@ class Trainer:
             "step": self.step,
             "epoch": self.cursor[0],
             "loss": float(torch.stack([w["loss"] for w in window]).mean()),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": window[-1]["lr"],
             "grad_norm": float(torch.stack([torch.as_tensor(w["grad_norm"]) for w in window]).mean()),
             "tokens_per_s": sum(w["tokens"] for w in window) / max(seconds, 1e-9),
             "attention_backend": self.attention_backend,
