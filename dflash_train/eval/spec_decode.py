@@ -103,10 +103,11 @@ def target_greedy(target: Target, input_ids: torch.Tensor, max_new_tokens: int, 
 # ----------------------------------------------------------------------------- speculative
 
 
-def _target_forward(target: Target, ids: torch.Tensor, cache: DynamicCache, layer_ids: list[int]):
-    """Logits [T, V] and concatenated features [1, T, K*H] of `ids` appended to the cached sequence."""
+def _target_forward(target: Target, ids: torch.Tensor, cache: DynamicCache, layer_ids: list[int], keep: int = 0):
+    """Logits [T, V] (the last `keep` only, 0 = all) and concatenated features [1, T, K*H] of `ids`
+    appended to the cached sequence."""
     with target.capture(layer_ids) as store:
-        logits = target.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        logits = target.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits
     return logits[0], torch.cat([store[i] for i in layer_ids], dim=-1)
 
 
@@ -195,7 +196,7 @@ def speculative_generate(
     device = input_ids.device
 
     target_cache = DynamicCache(config=target.model.config)
-    logits, context_new = _target_forward(target, input_ids, target_cache, layer_ids)
+    logits, context_new = _target_forward(target, input_ids, target_cache, layer_ids, keep=1)  # no [P, V] logits
     out: list[int] = []
     result = SpecResult(tokens=out, decode_seconds=0.0, block_size=block_size, position_accepts=[0] * (block_size - 1))
     token = int(_sample(logits[-1], temperature, generator))
