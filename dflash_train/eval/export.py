@@ -25,8 +25,16 @@ CHECKPOINT_CONFIG = "draft_config.json"
 WEIGHTS = "model.safetensors"
 
 
-def export_config(cfg: DraftModelConfig) -> dict:
-    """config.json of an export: Qwen3 fields + the DFlash ones (layout as z-lab's published drafters)."""
+def export_config(cfg: DraftModelConfig, mask_token: str | None = None) -> dict:
+    """config.json of an export: Qwen3 fields + the DFlash ones (layout as z-lab's published drafters).
+
+    SGLang resolves the mask by `dflash_config.mask_token` (a string; default "<|MASK|>", which it
+    adds to the tokenizer) and only newer versions read `mask_token_id`: pass the token's text when
+    the mask id is a real tokenizer token.
+    """
+    dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
+    if mask_token is not None:
+        dflash["mask_token"] = mask_token
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -54,7 +62,7 @@ def export_config(cfg: DraftModelConfig) -> dict:
         "dtype": "bfloat16",
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        "dflash_config": dflash,
     }
 
 
@@ -157,15 +165,18 @@ def _atomic_dir(out_dir: Path, write) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def export_drafter(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
-    """Training checkpoint (or another export) -> export folder with bf16 weights."""
+def export_drafter(checkpoint_dir: str | Path, out_dir: str | Path, mask_token: str | None = None) -> Path:
+    """Training checkpoint (or another export) -> export folder with bf16 weights.
+
+    `mask_token`: the text of the mask token, for servers that look it up by name (see export_config).
+    """
     cfg, state = read_drafter_folder(checkpoint_dir)
     check_state_dict(cfg, state, str(checkpoint_dir))
     weights = {name: t.to(torch.bfloat16).contiguous() for name, t in state.items()}
     out_dir = Path(out_dir)
 
     def write(tmp: Path):
-        (tmp / "config.json").write_text(json.dumps(export_config(cfg), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(export_config(cfg, mask_token), indent=2) + "\n")
         save_file(weights, tmp / WEIGHTS, metadata={"format": "pt"})
 
     _atomic_dir(out_dir, write)

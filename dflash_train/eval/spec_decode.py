@@ -56,6 +56,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _check_budget(max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
 def _emit(out: list[int], new: list[int], max_new_tokens: int, stop_ids: set[int]) -> bool:
     """Append tokens one by one, exactly as a token-at-a-time decode would; True when finished."""
     for t in new:
@@ -80,6 +85,7 @@ def _sample(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor
 @torch.no_grad()
 def target_greedy(target: Target, input_ids: torch.Tensor, max_new_tokens: int, stop_ids=()) -> DecodeResult:
     """Plain greedy decode with the target's KV cache: the reference, and target-only tokens/s."""
+    _check_budget(max_new_tokens)
     stop_ids = set(stop_ids)
     cache = DynamicCache(config=target.model.config)
     logits = target.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
@@ -97,10 +103,11 @@ def target_greedy(target: Target, input_ids: torch.Tensor, max_new_tokens: int, 
 # ----------------------------------------------------------------------------- speculative
 
 
-def _target_forward(target: Target, ids: torch.Tensor, cache: DynamicCache, layer_ids: list[int]):
-    """Logits [T, V] and concatenated features [1, T, K*H] of `ids` appended to the cached sequence."""
+def _target_forward(target: Target, ids: torch.Tensor, cache: DynamicCache, layer_ids: list[int], keep: int = 0):
+    """Logits [T, V] (the last `keep` only, 0 = all) and concatenated features [1, T, K*H] of `ids`
+    appended to the cached sequence."""
     with target.capture(layer_ids) as store:
-        logits = target.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        logits = target.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits
     return logits[0], torch.cat([store[i] for i in layer_ids], dim=-1)
 
 
@@ -182,13 +189,14 @@ def speculative_generate(
     target sample (speculative sampling). `generator` must live on the target's device.
     """
     assert input_ids.shape[0] == 1, "speculative decoding here is one sequence at a time"
+    _check_budget(max_new_tokens)
     cfg = drafter.config
     block_size = block_size or cfg.block_size
     layer_ids, stop_ids = cfg.target_layer_ids, set(stop_ids)
     device = input_ids.device
 
     target_cache = DynamicCache(config=target.model.config)
-    logits, context_new = _target_forward(target, input_ids, target_cache, layer_ids)
+    logits, context_new = _target_forward(target, input_ids, target_cache, layer_ids, keep=1)  # no [P, V] logits
     out: list[int] = []
     result = SpecResult(tokens=out, decode_seconds=0.0, block_size=block_size, position_accepts=[0] * (block_size - 1))
     token = int(_sample(logits[-1], temperature, generator))

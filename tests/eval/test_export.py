@@ -71,6 +71,12 @@ def test_export_config_and_tensors(target, trained, tmp_path):
     assert draft_config_from_export(out).to_dict() == cfg.to_dict()
 
 
+def test_export_names_the_mask_token_for_sglang(trained, tmp_path):
+    _, ckpt = trained
+    out = export_drafter(ckpt, tmp_path / "export", mask_token="<|MASK|>")
+    assert json.loads((out / "config.json").read_text())["dflash_config"]["mask_token"] == "<|MASK|>"
+
+
 def test_load_gives_the_same_drafter(target, trained, tmp_path):
     drafter, ckpt = trained
     expected = draft_hidden(drafter, target)

@@ -165,6 +165,7 @@ def test_accept_sampled_accepts_everything_when_drafter_equals_target():
         assert accept_sampled(proposals, p[:-1], p, g)[0] == 7
 
 
+@pytest.mark.slow
 def test_sampled_generation_follows_target_marginals():
     """Tokens 2 and 3 (decided by verification) have the target's exact marginals."""
     target = tiny_target(vocab_size=16, num_layers=2, seed=5)
@@ -183,7 +184,7 @@ def test_sampled_generation_follows_target_marginals():
     marginal3 = (joint12.reshape(-1, 1) * p3_given_12).sum(0)
     g = torch.Generator().manual_seed(0)
     samples = torch.tensor(
-        [speculative_generate(target, drafter, ids, 3, temperature=1.0, generator=g).tokens for _ in range(1500)]
+        [speculative_generate(target, drafter, ids, 3, temperature=1.0, generator=g).tokens for _ in range(800)]
     )
     assert chi_square_pvalue(samples[:, 0], p1) > 1e-3
     assert chi_square_pvalue(samples[:, 1], marginal2) > 1e-3
@@ -200,5 +201,5 @@ def test_greedy_equals_reference_on_smollm2(smollm2):
             [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
         )
         ids = smollm2.tokenizer(text, return_tensors="pt").input_ids
-        ref = reference_greedy(smollm2.model, ids, 16, stop_ids=set(stop_ids))
-        assert speculative_generate(smollm2, drafter, ids, 16, stop_ids=stop_ids).tokens == ref
+        ref = reference_greedy(smollm2.model, ids, 12, stop_ids=set(stop_ids))
+        assert speculative_generate(smollm2, drafter, ids, 12, stop_ids=stop_ids).tokens == ref
