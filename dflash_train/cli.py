@@ -24,6 +24,13 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_warmup(args) -> int:
+    from dflash_train.train.loop import warmup
+
+    print(json.dumps(warmup(load_config(args.config, args.overrides), args.steps), indent=2))
+    return 0
+
+
 def cmd_prepare(args) -> int:
     from dflash_train.data.dataset import save_prepared, tokenize_files
     from dflash_train.target import resolve_target_path, tokenizer_fingerprint
@@ -105,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--resume", help="'auto' (newest checkpoint of the run dir) or a checkpoint dir")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("warmup", help="compile every shape bucket into the persistent cache before launch")
+    _config_args(p)
+    p.add_argument("--steps", type=int, help="default: train.compile_warmup_steps")
+    p.set_defaults(func=cmd_warmup)
 
     p = sub.add_parser("prepare", help="tokenise conversations into Parquet shards for training")
     _config_args(p)

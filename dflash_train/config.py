@@ -56,6 +56,8 @@ class DataConfig(_Section):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     cache_features: bool = False
     """Keep the target's captured features in memory across epochs (small data, CPU)."""
+    length_bucket: int = Field(0, ge=0)
+    """Pad each batch's length up to a multiple of this (GPU: a few shapes, so no recompiles); 0 = off."""
 
     @model_validator(mode="after")
     def _budget_fits_one_sequence(self) -> DataConfig:
@@ -86,6 +88,8 @@ class TrainConfig(_Section):
     log_every: int = Field(10, ge=1)
     compile: bool = False
     """torch.compile the draft layers (GPU)."""
+    compile_warmup_steps: int = Field(10, ge=1)
+    """Steps allowed to (re)compile; any recompile after them is warned about with its reason."""
 
 
 class CheckpointConfig(_Section):

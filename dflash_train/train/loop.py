@@ -28,6 +28,7 @@ from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.ops import compile_cache
 from dflash_train.ops.guard import ThroughputGuard
 from dflash_train.ops.manifest import build_manifest, write_manifest
+from dflash_train.ops.recompiles import RecompileWatch
 from dflash_train.target import Target, load_target, resolve_mask_token_id
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.metrics import MetricsFile
@@ -77,8 +78,10 @@ def anchor_seed(seed: int, epoch: int, batch_index: int) -> int:
     return int(np.random.SeedSequence([seed, epoch, batch_index]).generate_state(1)[0])
 
 
-def collate(ds: TokenizedDataset, indices, device) -> dict:
+def collate(ds: TokenizedDataset, indices, device, length_bucket: int = 0) -> dict:
     length = max(len(ds.input_ids[i]) for i in indices)
+    if length_bucket:
+        length = -(-length // length_bucket) * length_bucket
     ids = torch.zeros(len(indices), length, dtype=torch.long)
     loss_mask = torch.zeros(len(indices), length, dtype=torch.long)
     attn = torch.zeros(len(indices), length, dtype=torch.long)
@@ -123,6 +126,7 @@ class Trainer:
         self.tracker = Tracker(cfg.tracking)
         self.tracking_run_id: str | None = None
         self.compile_state = self._activate_compile_cache()
+        self.recompiles = RecompileWatch()
         if cfg.train.compile:
             for layer in self.drafter.layers:
                 layer.compile()  # in place: state_dict names stay DESIGN.md's
@@ -208,7 +212,8 @@ class Trainer:
             epoch, index = epoch + 1, 0
         batches = self.epoch_batches[epoch % len(self.epoch_batches)]
         self.cursor = (epoch, index + 1)
-        return collate(self.dataset, batches[index], self.device), anchor_seed(self.cfg.seed, epoch, index)
+        batch = collate(self.dataset, batches[index], self.device, self.cfg.data.length_bucket)
+        return batch, anchor_seed(self.cfg.seed, epoch, index)
 
     def features(self, batch: dict) -> torch.Tensor:
         layer_ids = self.drafter.config.target_layer_ids
@@ -257,6 +262,8 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        if self.step == self.cfg.train.compile_warmup_steps:
+            self.recompiles.mark_warm()
         return {
             "loss": loss_sum / denom,
             "correct": correct,
@@ -339,17 +346,42 @@ class Trainer:
             "grad_norm": float(torch.stack([torch.as_tensor(w["grad_norm"]) for w in window]).mean()),
             "tokens_per_s": sum(w["tokens"] for w in window) / max(seconds, 1e-9),
             "attention_backend": self.attention_backend,
+            "compiled_graphs": self.recompiles.graphs,
+            "recompiles_since_warmup": self.recompiles.since_warm,
             **acceptance_metrics(correct, counted),
         }
+        for reason in self.recompiles.new_reasons():
+            tqdm.write(f"WARNING: recompiled after warm-up (step {self.step}): {reason}")
         metrics.write(record)
         self.tracker.log(record, self.step)
         warning = self.guard.check(
             self.step, record["tokens_per_s"],
-            {"compile_cache_state": self.compile_state, "attention_backend": self.attention_backend},
+            {"compile_cache_state": self.compile_state, "attention_backend": self.attention_backend,
+             "recompiles_since_warmup": self.recompiles.since_warm},
         )
         if warning:
             tqdm.write(warning)
         return record
+
+
+def warmup(cfg: RunConfig, steps: int | None = None) -> dict:
+    """Compile every shape the run will see, into the persistent cache, before launch.
+
+    Runs the first training steps on the real data (nothing is saved), then marks the cache warm.
+    One process per GPU: compile is not thread-safe, and processes on one machine share the cache.
+    """
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg)
+    steps = steps or cfg.train.compile_warmup_steps
+    for _ in range(min(steps, trainer.total_steps)):
+        trainer.train_step()
+    seconds = time.perf_counter() - t0
+    info = {"steps": steps, "seconds": round(seconds, 1), "graphs": trainer.recompiles.graphs,
+            "cache_state_before": trainer.compile_state}
+    if getattr(trainer, "compile_key", None):
+        compile_cache.mark_warm(trainer.compile_key, info=info)
+        info["cache"] = str(compile_cache.cache_root() / trainer.compile_key)
+    return info
 
 
 def train(cfg: RunConfig, resume: str | None = None, target: Target | None = None, progress: bool = True) -> dict:
