@@ -77,6 +77,22 @@ def anchor_seed(seed: int, epoch: int, batch_index: int) -> int:
     return int(np.random.SeedSequence([seed, epoch, batch_index]).generate_state(1)[0])
 
 
+def epoch_plan(cfg: RunConfig, lengths: np.ndarray) -> list[list[np.ndarray]]:
+    """Batches of every epoch: a pure function of (lengths, config), so every rank builds the same."""
+    return [
+        make_batches(lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.seed, e)
+        for e in range(cfg.train.epochs)
+    ]
+
+
+def locate(epoch_batches: list[list[np.ndarray]], cursor: tuple[int, int]) -> tuple[int, int]:
+    """(epoch, batch index) of the micro-batch the cursor points at, past finished epochs."""
+    epoch, index = cursor
+    while index >= len(epoch_batches[epoch % len(epoch_batches)]):
+        epoch, index = epoch + 1, 0
+    return epoch, index
+
+
 def collate(ds: TokenizedDataset, indices, device) -> dict:
     length = max(len(ds.input_ids[i]) for i in indices)
     ids = torch.zeros(len(indices), length, dtype=torch.long)
@@ -108,10 +124,7 @@ class Trainer:
             cfg.data, self.target.tokenizer, self.target.identity["tokenizer"]
         )
         self.use_flex = cfg.draft.attention == "flex" or (cfg.draft.attention == "auto" and self.device.type == "cuda")
-        self.epoch_batches = [
-            make_batches(self.dataset.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.seed, e)
-            for e in range(cfg.train.epochs)
-        ]
+        self.epoch_batches = epoch_plan(cfg, self.dataset.lengths)
         micro_total = sum(len(b) for b in self.epoch_batches)
         self.total_steps = cfg.train.max_steps or max(micro_total // cfg.train.grad_accum, 1)
         self.optimizer = build_optimizer(self.drafter.parameters(), cfg.train, self.device)
@@ -203,9 +216,7 @@ class Trainer:
 
     # ---- data -------------------------------------------------------------------------------
     def next_micro_batch(self) -> tuple[dict, int]:
-        epoch, index = self.cursor
-        while index >= len(self.epoch_batches[epoch % len(self.epoch_batches)]):
-            epoch, index = epoch + 1, 0
+        epoch, index = locate(self.epoch_batches, self.cursor)
         batches = self.epoch_batches[epoch % len(self.epoch_batches)]
         self.cursor = (epoch, index + 1)
         return collate(self.dataset, batches[index], self.device), anchor_seed(self.cfg.seed, epoch, index)
