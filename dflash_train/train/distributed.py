@@ -76,6 +76,15 @@ class Watchdog:
         self.store.set(f"state/{self.rank}", f"failed: {failure}" if failure else "done")
         self._stop.set()
 
+    def silent_ranks(self, seconds: float) -> list[int]:
+        """Ranks whose heartbeat does not move for `seconds`: after a failed send or collective, the
+        peer that died is named here instead of only the transport's "connection closed"."""
+        others = [r for r in range(self.layout.world_size) if r != self.rank]
+        before = {r: self.store.add(f"beat/{r}", 0) for r in others}
+        time.sleep(seconds)
+        return [r for r in others if self.store.add(f"beat/{r}", 0) == before[r]
+                and not self.store.check([f"state/{r}"])]
+
     def _name(self, rank: int) -> str:
         return f"rank {rank} ({self.layout.describe(rank)})"
 
@@ -180,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     watchdog = Watchdog(store, rank, layout, args.heartbeat_timeout).start()
     try:
         run_rank(args, cfg, runs, layout, groups, rank, device)
-    except BaseException as err:
+    except Exception as err:
+        silent = watchdog.silent_ranks(seconds=3 * watchdog.interval) if isinstance(err, RuntimeError) else []
+        names = ", ".join(watchdog._name(r) for r in silent)
+        print(f"dflash-train: rank {rank} ({layout.describe(rank)}) failed: {type(err).__name__}: {err}"
+              + (f"\n  silent peers (likely dead): {names}" if silent else ""), file=sys.stderr, flush=True)
         watchdog.finish(failure=f"{type(err).__name__}: {err}")
         raise
     dist.barrier()  # the store may live in rank 0: nobody leaves while others still need it

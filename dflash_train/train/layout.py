@@ -85,30 +85,30 @@ class Plan:
     reason: str
 
 
-def plan_split(num_gpus: int, target_tps: float, drafter_tps: list[float]) -> Plan:
-    """The split of `num_gpus` that maximises end-to-end tokens/s, from measured per-GPU throughputs
-    (tokens/s of one GPU running only the target, or only one drafter). A disaggregated pipeline runs
-    at its slowest stage; a colocated GPU spends 1/target + sum(1/drafter) seconds per token."""
+def plan_split(num_gpus: int, target_tps: float, drafter_tps: list[float], colocated_tps: float | None) -> Plan:
+    """The split of `num_gpus` that maximises end-to-end tokens/s, from measured per-GPU throughputs:
+    a GPU running only the target, only one drafter, or both (None: does not fit, or several
+    drafters). A disaggregated pipeline runs at its slowest stage. In an ideal world colocated equals
+    the best fractional split (N*a*b/(a+b)), so disaggregation wins through integer splits that fit
+    well, memory (both models on one GPU force smaller batches or do not fit), or several drafters."""
     if num_gpus < 1 or target_tps <= 0 or min(drafter_tps) <= 0:
         raise ValueError("plan_split needs >= 1 GPU and positive throughputs")
+    measured = (f"measured per GPU: target {target_tps:.0f}, drafter {', '.join(f'{b:.0f}' for b in drafter_tps)}"
+                + (f", colocated {colocated_tps:.0f}" if colocated_tps else "") + " tokens/s")
     best = None
     for sizes in itertools.product(range(1, num_gpus), repeat=len(drafter_tps)):
         t = num_gpus - sum(sizes)
-        if t < 1:
-            continue
         stages = [t * target_tps] + [d * b for d, b in zip(sizes, drafter_tps)]
-        if best is None or min(stages) > best.tokens_per_s:
+        if t >= 1 and (best is None or min(stages) > best.tokens_per_s):
             bound = "target" if stages[0] == min(stages) else "drafter"
             best = Plan(t, tuple(sizes), False, min(stages),
-                        f"{t} target + {'/'.join(map(str, sizes))} drafter GPUs: min over stages "
-                        f"{', '.join(f'{s:.0f}' for s in stages)} = {min(stages):.0f} tokens/s ({bound}-bound)")
-    colocated_tps = num_gpus / (1 / target_tps + sum(1 / b for b in drafter_tps))
-    measured = f"measured per GPU: target {target_tps:.0f}, drafters {', '.join(f'{b:.0f}' for b in drafter_tps)} tokens/s"
-    if len(drafter_tps) == 1 and (best is None or colocated_tps >= best.tokens_per_s):
-        why = f"colocated on {num_gpus} GPUs: {colocated_tps:.0f} tokens/s"
-        other = f" beats {best.reason}" if best else ""
-        return Plan(num_gpus, (num_gpus,), True, colocated_tps, f"{why}{other}; {measured}")
+                        f"{t} target + {'/'.join(map(str, sizes))} drafter GPUs run at their slowest stage "
+                        f"({', '.join(f'{s:.0f}' for s in stages)}): {min(stages):.0f} tokens/s, {bound}-bound")
+    if colocated_tps and (best is None or num_gpus * colocated_tps >= best.tokens_per_s):
+        vs = f" (vs {best.reason})" if best else ""
+        return Plan(num_gpus, (num_gpus,), True, num_gpus * colocated_tps,
+                    f"colocated on {num_gpus} GPUs: {num_gpus * colocated_tps:.0f} tokens/s{vs}; {measured}")
     if best is None:
         raise ValueError(f"{num_gpus} GPUs cannot hold a target rank and {len(drafter_tps)} drafter groups")
-    return Plan(best.num_targets, best.group_sizes, False, best.tokens_per_s,
-                f"{best.reason}; colocated would give {colocated_tps:.0f}; {measured}")
+    vs = f" (vs colocated {num_gpus * colocated_tps:.0f})" if colocated_tps else ""
+    return Plan(best.num_targets, best.group_sizes, False, best.tokens_per_s, f"{best.reason}{vs}; {measured}")
