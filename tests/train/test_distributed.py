@@ -22,6 +22,7 @@ import yaml
 
 from dflash_train.config import load_config
 from dflash_train.train.distributed import Watchdog, drafter_runs, main, resume_step
+from dflash_train.train.launch import main as launch_main
 from dflash_train.train.layout import Layout, plan_split
 from dflash_train.train.loop import Trainer
 from dflash_train.train.metrics import read_metrics
@@ -207,3 +208,19 @@ def test_plan_split_picks_the_fastest_pipeline():
     assert (plan.num_targets, plan.group_sizes) == (2, (6,)) and "drafter-bound" in plan.reason
     plan = plan_split(6, 30_000, [30_000, 15_000], None)  # the slower drafter gets more GPUs
     assert plan.tokens_per_s == 30_000 and plan.group_sizes[1] > plan.group_sizes[0]
+
+
+def test_launch_auto_measures_plans_and_builds_the_torchrun_command(assets, tmp_path, capsys):
+    config = write_config(assets, tmp_path / "run")
+    assert launch_main(["-c", str(config), "--target-gpus", "auto", "--nproc-per-node", "3", "--measure-steps", "1",
+                        "--dry-run", "train.lr=2e-3"]) == 0
+    out = capsys.readouterr().out
+    assert "plan for 3 GPUs: colocated on 3 GPUs" in out and "measured per GPU: target" in out
+    assert out.strip().splitlines()[-1].endswith(
+        "--standalone -m dflash_train.train.distributed -c " + str(config)
+        + " --colocated --max-in-flight 4 --heartbeat-timeout 30.0 train.lr=2e-3")
+    assert launch_main(["-c", str(config), "--target-gpus", "2", "--drafter-gpus", "1,1", "--nproc-per-node", "2",
+                        "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:29500", "--dry-run"]) == 0
+    assert ("--nnodes 2 --node-rank 1 --rdzv-backend c10d --rdzv-endpoint h:29500 --rdzv-id dflash-train -m "
+            "dflash_train.train.distributed -c " + str(config) + " --target-ranks 2 --drafter-ranks 1,1") \
+        in capsys.readouterr().out
