@@ -116,6 +116,7 @@ def test_two_drafters_from_one_stream(assets, tmp_path):
     config = write_config(assets, tmp_path / "run", drafters=drafters)
     assert spawn(4, ["-c", str(config), "--target-ranks", "1", "--drafter-ranks", "2,1"]) == [0] * 4
     reference_losses(config, tmp_path / "ref")
+    assert len(losses(tmp_path / "ref" / "b8")) == 4
     for name in ("b4", "b8"):
         assert losses(tmp_path / "run" / name) == pytest.approx(losses(tmp_path / "ref" / name), abs=1e-5), name
 
