@@ -85,7 +85,7 @@ class Watchdog:
         return [r for r in others if self.store.add(f"beat/{r}", 0) == before[r]
                 and not self.store.check([f"state/{r}"])]
 
-    def _name(self, rank: int) -> str:
+    def describe(self, rank: int) -> str:
         return f"rank {rank} ({self.layout.describe(rank)})"
 
     def _run(self) -> None:
@@ -98,14 +98,14 @@ class Watchdog:
                     if self.store.check([f"state/{r}"]):
                         state = self.store.get(f"state/{r}").decode()
                         if state.startswith("failed"):
-                            return self.on_failure(f"{self._name(r)} {state}")
+                            return self.on_failure(f"{self.describe(r)} {state}")
                         continue
                     count, since = seen[r]
                     now_count = self.store.add(f"beat/{r}", 0)
                     if now_count != count:
                         seen[r] = (now_count, time.monotonic())
                     elif time.monotonic() - since > self.timeout:
-                        return self.on_failure(f"{self._name(r)} sent no heartbeat for {self.timeout:.0f} s "
+                        return self.on_failure(f"{self.describe(r)} sent no heartbeat for {self.timeout:.0f} s "
                                                "(process died, hung, or its node is gone)")
             except Exception as err:  # the store lives with the launcher / rank 0: it went away
                 if not self._stop.is_set():
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         run_rank(args, cfg, runs, layout, groups, rank, device)
     except Exception as err:
         silent = watchdog.silent_ranks(seconds=3 * watchdog.interval) if isinstance(err, RuntimeError) else []
-        names = ", ".join(watchdog._name(r) for r in silent)
+        names = ", ".join(watchdog.describe(r) for r in silent)
         print(f"dflash-train: rank {rank} ({layout.describe(rank)}) failed: {type(err).__name__}: {err}"
               + (f"\n  silent peers (likely dead): {names}" if silent else ""), file=sys.stderr, flush=True)
         watchdog.finish(failure=f"{type(err).__name__}: {err}")
