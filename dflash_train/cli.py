@@ -31,6 +31,12 @@ def cmd_warmup(args) -> int:
     return 0
 
 
+def cmd_launch(args) -> int:
+    from dflash_train.train.launch import main as launch_main
+
+    return launch_main(args.launch_args)
+
+
 def cmd_prepare(args) -> int:
     from dflash_train.data.dataset import save_prepared, tokenize_files
     from dflash_train.target import resolve_target_path, tokenizer_fingerprint
@@ -118,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="default: train.compile_warmup_steps")
     p.set_defaults(func=cmd_warmup)
 
+    p = sub.add_parser("launch", add_help=False,
+                       help="multi-GPU training through torchrun: target GPUs feed drafter GPUs (launch --help)")
+    p.set_defaults(func=cmd_launch)  # its options (torchrun-style) are parsed by launch itself
+
     p = sub.add_parser("prepare", help="tokenise conversations into Parquet shards for training")
     _config_args(p)
     p.add_argument("--out", required=True, help="output dataset directory")
@@ -175,7 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "launch":
+        args.launch_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )

@@ -115,6 +115,25 @@ class EvalConfig(_Section):
     max_new_tokens: int = Field(64, ge=1)
 
 
+class DrafterSpec(_Section):
+    """One of several drafters trained from ONE target stream (`dflash-train launch`)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    """Its run sub-directory: <run_dir>/<name> (checkpoints, metrics)."""
+    draft: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the top-level `draft` section, e.g. {block_size: 8}."""
+    train: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of `train`, e.g. {gamma: 4, lr: 3e-4}; the step structure (grad_accum, epochs,
+    max_steps) is shared by every drafter of the stream."""
+
+    @model_validator(mode="after")
+    def _shared_step_structure(self) -> DrafterSpec:
+        shared = sorted({"grad_accum", "epochs", "max_steps"} & set(self.train))
+        if shared:
+            raise ValueError(f"drafter '{self.name}': train.{shared[0]} is shared by all drafters; set it in `train`")
+        return self
+
+
 class RunConfig(_Section):
     run_dir: str = "runs/default"
     seed: int = 0
@@ -126,6 +145,8 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    drafters: list[DrafterSpec] = Field(default_factory=list)
+    """Distributed training only: several drafters from one target stream; empty = one drafter."""
 
 
 class ConfigError(ValueError):

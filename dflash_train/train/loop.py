@@ -78,6 +78,22 @@ def anchor_seed(seed: int, epoch: int, batch_index: int) -> int:
     return int(np.random.SeedSequence([seed, epoch, batch_index]).generate_state(1)[0])
 
 
+def epoch_plan(cfg: RunConfig, lengths: np.ndarray) -> list[list[np.ndarray]]:
+    """Batches of every epoch: a pure function of (lengths, config), so every rank builds the same."""
+    return [
+        make_batches(lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.seed, e)
+        for e in range(cfg.train.epochs)
+    ]
+
+
+def locate(epoch_batches: list[list[np.ndarray]], cursor: tuple[int, int]) -> tuple[int, int]:
+    """(epoch, batch index) of the micro-batch the cursor points at, past finished epochs."""
+    epoch, index = cursor
+    while index >= len(epoch_batches[epoch % len(epoch_batches)]):
+        epoch, index = epoch + 1, 0
+    return epoch, index
+
+
 def collate(ds: TokenizedDataset, indices, device, length_bucket: int = 0) -> dict:
     length = max(len(ds.input_ids[i]) for i in indices)
     if length_bucket:
@@ -111,10 +127,7 @@ class Trainer:
             cfg.data, self.target.tokenizer, self.target.identity["tokenizer"]
         )
         self.use_flex = cfg.draft.attention == "flex" or (cfg.draft.attention == "auto" and self.device.type == "cuda")
-        self.epoch_batches = [
-            make_batches(self.dataset.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.seed, e)
-            for e in range(cfg.train.epochs)
-        ]
+        self.epoch_batches = epoch_plan(cfg, self.dataset.lengths)
         micro_total = sum(len(b) for b in self.epoch_batches)
         self.total_steps = cfg.train.max_steps or max(micro_total // cfg.train.grad_accum, 1)
         self.optimizer = build_optimizer(self.drafter.parameters(), cfg.train, self.device)
@@ -207,9 +220,7 @@ class Trainer:
 
     # ---- data -------------------------------------------------------------------------------
     def next_micro_batch(self) -> tuple[dict, int]:
-        epoch, index = self.cursor
-        while index >= len(self.epoch_batches[epoch % len(self.epoch_batches)]):
-            epoch, index = epoch + 1, 0
+        epoch, index = locate(self.epoch_batches, self.cursor)
         batches = self.epoch_batches[epoch % len(self.epoch_batches)]
         self.cursor = (epoch, index + 1)
         batch = collate(self.dataset, batches[index], self.device, self.cfg.data.length_bucket)
@@ -256,7 +267,17 @@ class Trainer:
             loss_sum += out.weighted_ce_sum.detach()
             correct += out.correct_per_slot
             counted += out.counted_per_slot
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), tc.grad_clip)
+        return {
+            "loss": loss_sum / denom,
+            "correct": correct,
+            "counted": counted,
+            **self.optimizer_step(),
+            "tokens": sum(b["num_tokens"] for b, _ in micro),
+        }
+
+    def optimizer_step(self) -> dict:
+        """Clip, update, advance the schedule; the gradients must already be summed and normalised."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.train.grad_clip)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler then moves on)
         self.optimizer.step()
         self.scheduler.step()
@@ -264,14 +285,7 @@ class Trainer:
         self.step += 1
         if self.step == self.cfg.train.compile_warmup_steps:
             self.recompiles.mark_warm()
-        return {
-            "loss": loss_sum / denom,
-            "correct": correct,
-            "counted": counted,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens": sum(b["num_tokens"] for b, _ in micro),
-        }
+        return {"grad_norm": grad_norm, "lr": lr}
 
     @torch.no_grad()
     def evaluate(self, dataset: TokenizedDataset) -> dict:

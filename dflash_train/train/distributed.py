@@ -1,0 +1,248 @@
+"""Disaggregated training on torch.distributed: target ranks feed drafter ranks.
+
+    torchrun --nproc-per-node 3 -m dflash_train.train.distributed -c run.yaml --target-ranks 2
+    torchrun --nproc-per-node 2 -m dflash_train.train.distributed -c run.yaml --colocated
+
+One process per GPU (gloo on CPU). Roles and message protocol: layout.py and roles.py.
+Faults: torchrun kills the whole group when one worker exits non-zero; across nodes (and for a
+hung rank) every rank runs a heartbeat watchdog over the rendezvous TCPStore and exits non-zero
+naming the rank that stopped. Checkpoints are written atomically by each group's rank 0 and hold
+the GLOBAL data cursor, so a crashed run resumes with the same or another split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflash_train.config import RunConfig, build_config, load_config
+from dflash_train.data.dataset import load_training_data
+from dflash_train.target import Target, decoder_layers, load_target
+from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.layout import Layout
+from dflash_train.train.loop import draft_model_config, resolve_device
+from dflash_train.train.roles import DrafterRank, Link, TargetFeeder
+
+log = logging.getLogger("dflash_train")
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=15)
+"""Backstop only (a first flex_attention compile can take minutes); the watchdog is the fast path."""
+
+
+def drafter_runs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
+    """(name, config) of every drafter group; each of several drafters gets <run_dir>/<name>."""
+    if not cfg.drafters:
+        return [("drafter", cfg)]
+    base = cfg.model_dump(mode="json", exclude={"drafters"})
+    runs = []
+    for spec in cfg.drafters:
+        tree = copy.deepcopy(base)
+        tree["draft"].update(spec.draft)
+        tree["train"].update(spec.train)
+        tree["run_dir"] = str(Path(cfg.run_dir) / spec.name)
+        runs.append((spec.name, build_config(tree, source=f"drafters[{spec.name}]")))
+    return runs
+
+
+class Watchdog:
+    """Every rank bumps a counter in the store each `interval` s and watches everyone else's: a rank
+    whose counter stops for `timeout` s (dead, hung, or its node gone) or that reports a failure
+    makes this rank exit non-zero with a message naming it, instead of hanging in a collective."""
+
+    def __init__(self, store, rank: int, layout: Layout, timeout: float, interval: float = 1.0,
+                 on_failure=None):
+        self.store, self.rank, self.layout = store, rank, layout
+        self.timeout, self.interval = timeout, interval
+        self.on_failure = on_failure or _exit_failed
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dflash-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self.store.add(f"beat/{self.rank}", 1)
+        self._thread.start()
+        return self
+
+    def finish(self, failure: str | None = None) -> None:
+        self.store.set(f"state/{self.rank}", f"failed: {failure}" if failure else "done")
+        self._stop.set()
+
+    def silent_ranks(self, seconds: float) -> list[int]:
+        """Ranks whose heartbeat does not move for `seconds`: after a failed send or collective, the
+        peer that died is named here instead of only the transport's "connection closed"."""
+        others = [r for r in range(self.layout.world_size) if r != self.rank]
+        before = {r: self.store.add(f"beat/{r}", 0) for r in others}
+        time.sleep(seconds)
+        return [r for r in others if self.store.add(f"beat/{r}", 0) == before[r]
+                and not self.store.check([f"state/{r}"])]
+
+    def describe(self, rank: int) -> str:
+        return f"rank {rank} ({self.layout.describe(rank)})"
+
+    def _run(self) -> None:
+        others = [r for r in range(self.layout.world_size) if r != self.rank]
+        seen = {r: (-1, time.monotonic()) for r in others}
+        while not self._stop.wait(self.interval):
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                for r in others:
+                    if self.store.check([f"state/{r}"]):
+                        state = self.store.get(f"state/{r}").decode()
+                        if state.startswith("failed"):
+                            return self.on_failure(f"{self.describe(r)} {state}")
+                        continue
+                    count, since = seen[r]
+                    now_count = self.store.add(f"beat/{r}", 0)
+                    if now_count != count:
+                        seen[r] = (now_count, time.monotonic())
+                    elif time.monotonic() - since > self.timeout:
+                        return self.on_failure(f"{self.describe(r)} sent no heartbeat for {self.timeout:.0f} s "
+                                               "(process died, hung, or its node is gone)")
+            except Exception as err:  # the store lives with the launcher / rank 0: it went away
+                if not self._stop.is_set():
+                    return self.on_failure(f"lost the rendezvous store ({err}); the launcher or rank 0 died")
+
+
+def _exit_failed(message: str) -> None:
+    print(f"dflash-train: rank {dist.get_rank()}: exiting because {message}", file=sys.stderr, flush=True)
+    os._exit(1)  # the main thread may be blocked inside a collective that would never return
+
+
+def heads_only(target: Target) -> Target:
+    """Drafter ranks need only the target's embedding and LM head: free the decoder layers."""
+    layers = decoder_layers(target.model)
+    for i in range(len(layers)):
+        layers[i] = torch.nn.Identity()
+    if target.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return target
+
+
+def resume_step(run_dirs: list[str]) -> int | None:
+    """The newest checkpoint step that every drafter group has (a crash can fall between two
+    groups' saves of the same step); None when there is none."""
+    common = None
+    for run_dir in run_dirs:
+        steps = {int(p.name.split("_")[1]) for p in ckpt.list_checkpoints(run_dir)}
+        common = steps if common is None else common & steps
+    return max(common) if common else None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dflash_train.train.distributed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-c", "--config", required=True)
+    p.add_argument("overrides", nargs="*")
+    split = p.add_mutually_exclusive_group(required=True)
+    split.add_argument("--target-ranks", type=int, help="ranks 0..T-1 run the target; the rest the drafters")
+    split.add_argument("--colocated", action="store_true", help="every rank runs target and drafter")
+    p.add_argument("--drafter-ranks", help="ranks per drafter group, e.g. 2,1 (default: an even split)")
+    p.add_argument("--resume", help="'auto' (newest step every drafter group has) or a checkpoint dir")
+    p.add_argument("--max-in-flight", type=int, default=4, help="unfinished sends per target rank")
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0, help="seconds without a heartbeat = failed")
+    return p.parse_args(argv)
+
+
+def build_layout(args, world: int, names: list[str]) -> Layout:
+    names_t = tuple(names)
+    if args.colocated:
+        return Layout(world, (world,), names_t, colocated=True)
+    rest = world - args.target_ranks
+    if args.drafter_ranks:
+        sizes = tuple(int(x) for x in args.drafter_ranks.split(","))
+    elif rest % len(names) == 0:
+        sizes = (rest // len(names),) * len(names)
+    else:
+        raise ValueError(f"{rest} drafter ranks do not split evenly over {len(names)} groups: give --drafter-ranks")
+    layout = Layout(args.target_ranks, sizes, names_t)
+    if layout.world_size != world or len(sizes) != len(names):
+        raise ValueError(f"layout {args.target_ranks} targets + {sizes} drafters does not match "
+                         f"{world} processes and {len(names)} drafter groups")
+    return layout
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cfg = load_config(args.config, args.overrides)
+    device = resolve_device(cfg.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=COLLECTIVE_TIMEOUT)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runs = drafter_runs(cfg)
+    layout = build_layout(args, world, [name for name, _ in runs])
+    layout.check_grad_accum(cfg.train.grad_accum)
+    groups = [dist.new_group(layout.group_ranks(g)) for g in range(len(runs))]  # every rank creates every group
+    store = dist.PrefixStore("dflash-watchdog/", dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=COLLECTIVE_TIMEOUT))
+    watchdog = Watchdog(store, rank, layout, args.heartbeat_timeout).start()
+    try:
+        run_rank(args, cfg, runs, layout, groups, rank, device)
+    except Exception as err:
+        silent = watchdog.silent_ranks(seconds=3 * watchdog.interval) if isinstance(err, RuntimeError) else []
+        names = ", ".join(watchdog.describe(r) for r in silent)
+        print(f"dflash-train: rank {rank} ({layout.describe(rank)}) failed: {type(err).__name__}: {err}"
+              + (f"\n  silent peers (likely dead): {names}" if silent else ""), file=sys.stderr, flush=True)
+        watchdog.finish(failure=f"{type(err).__name__}: {err}")
+        raise
+    dist.barrier()  # the store may live in rank 0: nobody leaves while others still need it
+    watchdog.finish()
+    dist.destroy_process_group()
+    return 0
+
+
+def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, device: torch.device) -> None:
+    link = Link(rank, device, args.max_in_flight)
+    group = layout.drafter_role(rank)
+    target = load_target(cfg.target, device)
+    dataset = load_training_data(cfg.data, target.tokenizer, target.identity["tokenizer"])
+    feeder = None
+    if layout.is_target(rank):
+        layer_ids = [draft_model_config(run_cfg, target).target_layer_ids for _, run_cfg in runs]
+        feeder = TargetFeeder(cfg, target, dataset, layout, link, rank, layer_ids)
+    drafter = None
+    if group is not None:
+        drafter = DrafterRank(runs[group][1], target if layout.colocated else heads_only(target), dataset,
+                              layout=layout, link=link, rank=rank, group_index=group, group=groups[group],
+                              feeder=feeder)
+        path = args.resume
+        if args.resume == "auto":
+            step = resume_step([run_cfg.run_dir for _, run_cfg in runs])
+            path = step and ckpt.checkpoints_dir(drafter.run_dir) / f"step_{step:08d}"
+        elif args.resume and len(runs) > 1:
+            raise ValueError("--resume PATH needs a single drafter; use --resume auto with several")
+        if path:
+            drafter.resume(path)
+    # Every rank learns where the stream starts; all drafter groups must agree.
+    start = (drafter.step, tuple(drafter.cursor), drafter.total_steps) if drafter else None
+    states: list = [None] * layout.world_size
+    dist.all_gather_object(states, start)
+    found = {s for s in states if s is not None}
+    if len(found) != 1:
+        raise ValueError(f"drafter groups disagree on (step, cursor, total_steps): {sorted(found)}")
+    step, cursor, total_steps = found.pop()
+    log.info("rank %d = %s; starting at step %d of %d, cursor %s", rank, layout.describe(rank), step,
+             total_steps, cursor)
+    if feeder is not None:
+        feeder.cursor = cursor
+    if drafter is not None:
+        drafter.run()
+    else:
+        for _ in range(step, total_steps):
+            feeder.feed_step()
+    link.drain()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""`dflash-train launch`: pick the target/drafter split, then exec torchrun (nothing home-made).
+
+    dflash-train launch -c run.yaml --target-gpus 2 --drafter-gpus 6
+    dflash-train launch -c run.yaml --target-gpus auto          # measure, plan, print why, run
+    dflash-train launch -c run.yaml --colocated --nproc-per-node 2
+    dflash-train launch -c run.yaml --target-gpus 4 --nnodes 2 --node-rank 0 --rdzv-endpoint host:29500
+
+torchrun runs with --max-restarts 0: when one worker dies the agent stops the others and reports
+the failed rank; the workers' watchdog covers ranks on other nodes (distributed.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from dflash_train.config import load_config
+from dflash_train.data.dataset import load_training_data
+from dflash_train.target import load_target
+from dflash_train.train.distributed import drafter_runs
+from dflash_train.train.layout import Plan, plan_split
+from dflash_train.train.loop import Trainer, resolve_device
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dflash-train launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-c", "--config", required=True)
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
+    split = p.add_mutually_exclusive_group(required=True)
+    split.add_argument("--target-gpus", help="global ranks that run the target, or 'auto'")
+    split.add_argument("--colocated", action="store_true", help="every GPU runs target and drafter")
+    p.add_argument("--drafter-gpus", help="GPUs per drafter group, e.g. 6 or 4,2 (default: the rest, split evenly)")
+    p.add_argument("--nproc-per-node", type=int, default=torch.cuda.device_count() or None,
+                   help="processes per node (default: visible GPUs)")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--rdzv-endpoint", help="host:port of the rendezvous (multi-node)")
+    p.add_argument("--rdzv-id", default="dflash-train")
+    p.add_argument("--resume", help="'auto' or a checkpoint dir")
+    p.add_argument("--max-in-flight", type=int, default=4)
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0)
+    p.add_argument("--measure-steps", type=int, default=3, help="timed steps per role for --target-gpus auto")
+    p.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
+    return p.parse_args(argv)
+
+
+def torchrun_command(args: argparse.Namespace, split: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node),
+           "--max-restarts", "0"]
+    if args.nnodes == 1 and not args.rdzv_endpoint:
+        cmd.append("--standalone")
+    else:
+        if not args.rdzv_endpoint:
+            raise ValueError("--nnodes > 1 needs --rdzv-endpoint host:port (the same on every node)")
+        cmd += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id]
+    cmd += ["-m", "dflash_train.train.distributed", "-c", args.config, *split,
+            "--max-in-flight", str(args.max_in_flight), "--heartbeat-timeout", str(args.heartbeat_timeout)]
+    if args.resume:
+        cmd += ["--resume", args.resume]
+    return cmd + list(args.overrides)
+
+
+def _timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def measure(config: str, overrides: list[str], steps: int) -> tuple[float, list[float], float | None]:
+    """Per-GPU tokens/s of the target alone, each drafter alone, and both colocated, from the real
+    step functions on this process's GPU: a full train_step (target + drafter) and target.features
+    over the same micro-batches; drafter time = step time - target time. Needs both to fit."""
+    cfg = load_config(config, overrides)
+    device = resolve_device(cfg.device)
+    target = load_target(cfg.target, device)
+    dataset = load_training_data(cfg.data, target.tokenizer, target.identity["tokenizer"])
+    target_s, step_s, tokens = 0.0, [], 0
+    for g, (_, run_cfg) in enumerate(drafter_runs(cfg)):
+        trainer = Trainer(run_cfg, target=target, dataset=dataset)
+        trainer.train_step()  # warm-up: compile, allocator
+        start = trainer.cursor
+        step_s.append(sum(_timed(trainer.train_step, device) for _ in range(steps)))
+        if g == 0:
+            trainer.cursor = start
+            for _ in range(steps * run_cfg.train.grad_accum):
+                batch, _ = trainer.next_micro_batch()
+                tokens += batch["num_tokens"]
+                target_s += _timed(lambda b=batch: trainer.features(b), device)
+    drafter_tps = [tokens / max(s - target_s, 1e-9) for s in step_s]
+    colocated = tokens / step_s[0] if len(step_s) == 1 else None  # colocated runs one drafter group
+    return tokens / target_s, drafter_tps, colocated
+
+
+def choose_split(args: argparse.Namespace) -> list[str]:
+    if args.colocated:
+        return ["--colocated"]
+    world = args.nproc_per_node * args.nnodes
+    if args.target_gpus != "auto":
+        split = ["--target-ranks", args.target_gpus]
+        return split + (["--drafter-ranks", args.drafter_gpus] if args.drafter_gpus else [])
+    if args.nnodes > 1:
+        raise ValueError("--target-gpus auto measures on this node's GPU: run it on one node, then pass the split")
+    plan: Plan = plan_split(world, *measure(args.config, args.overrides, args.measure_steps))
+    print(f"dflash-train launch: plan for {world} GPUs: {plan.reason}", flush=True)
+    if plan.colocated:
+        return ["--colocated"]
+    return ["--target-ranks", str(plan.num_targets), "--drafter-ranks", ",".join(map(str, plan.group_sizes))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.nproc_per_node:
+        raise ValueError("no GPU visible: give --nproc-per-node (CPU runs use gloo, one process each)")
+    cmd = torchrun_command(args, choose_split(args))
+    if args.dry_run:
+        print(" ".join(cmd))
+        return 0
+    sys.stdout.flush()
+    os.execvp(cmd[0], cmd)

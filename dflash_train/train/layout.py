@@ -1,0 +1,114 @@
+"""Who does what in distributed training, and how many GPUs each role should get. Pure functions.
+
+Global ranks: target ranks 0..T-1, then the ranks of drafter group 0, group 1, ... in order.
+Colocated: every rank is target rank r AND rank r of the single drafter group, so every
+micro-batch is produced and consumed by the same process.
+Micro-batch m of a step is produced by target m % T and consumed by rank m % D_g of each group:
+balanced, and a pure function of m, so any split resumes from the same global cursor.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Layout:
+    num_targets: int
+    group_sizes: tuple[int, ...]
+    group_names: tuple[str, ...]
+    colocated: bool = False
+
+    def __post_init__(self):
+        if self.num_targets < 1 or not self.group_sizes or min(self.group_sizes) < 1:
+            raise ValueError(f"need >= 1 target rank and >= 1 rank per drafter group, got {self}")
+        if self.colocated and self.group_sizes != (self.num_targets,):
+            raise ValueError("colocated mode runs exactly one drafter group on every rank")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_targets if self.colocated else self.num_targets + sum(self.group_sizes)
+
+    def group_ranks(self, group: int) -> list[int]:
+        if self.colocated:
+            return list(range(self.num_targets))
+        start = self.num_targets + sum(self.group_sizes[:group])
+        return list(range(start, start + self.group_sizes[group]))
+
+    def is_target(self, rank: int) -> bool:
+        return rank < self.num_targets
+
+    def drafter_role(self, rank: int) -> int | None:
+        """The drafter group this rank belongs to, if any."""
+        for g in range(len(self.group_sizes)):
+            if rank in self.group_ranks(g):
+                return g
+        return None
+
+    def target_of(self, m: int) -> int:
+        return m % self.num_targets
+
+    def consumers(self, m: int) -> list[int]:
+        """The rank of each drafter group that trains on micro-batch m."""
+        return [self.group_ranks(g)[m % size] for g, size in enumerate(self.group_sizes)]
+
+    def consumed_by(self, rank: int, group: int, grad_accum: int) -> list[int]:
+        index = self.group_ranks(group).index(rank)
+        return [m for m in range(grad_accum) if m % self.group_sizes[group] == index]
+
+    def describe(self, rank: int) -> str:
+        roles = []
+        if self.is_target(rank):
+            roles.append(f"target {rank}")
+        group = self.drafter_role(rank)
+        if group is not None:
+            index = self.group_ranks(group).index(rank)
+            roles.append(f"drafter {index} of group '{self.group_names[group]}'")
+        return " + ".join(roles)
+
+    def check_grad_accum(self, grad_accum: int) -> None:
+        widest = max(self.num_targets, *self.group_sizes)
+        if grad_accum < widest:
+            raise ValueError(
+                f"train.grad_accum ({grad_accum}) < {widest} ranks of one role: every rank needs at least one "
+                "micro-batch per step; raise grad_accum or use fewer ranks"
+            )
+
+
+@dataclass(frozen=True)
+class Plan:
+    num_targets: int
+    group_sizes: tuple[int, ...]
+    colocated: bool
+    tokens_per_s: float
+    reason: str
+
+
+def plan_split(num_gpus: int, target_tps: float, drafter_tps: list[float], colocated_tps: float | None) -> Plan:
+    """The split of `num_gpus` that maximises end-to-end tokens/s, from measured per-GPU throughputs:
+    a GPU running only the target, only one drafter, or both (None: does not fit, or several
+    drafters). A disaggregated pipeline runs at its slowest stage. In an ideal world colocated equals
+    the best fractional split (N*a*b/(a+b)), so disaggregation wins through integer splits that fit
+    well, memory (both models on one GPU force smaller batches or do not fit), or several drafters."""
+    if num_gpus < 1 or target_tps <= 0 or min(drafter_tps) <= 0:
+        raise ValueError("plan_split needs >= 1 GPU and positive throughputs")
+    measured = (f"measured per GPU: target {target_tps:.0f}, drafter {', '.join(f'{b:.0f}' for b in drafter_tps)}"
+                + (f", colocated {colocated_tps:.0f}" if colocated_tps else "") + " tokens/s")
+    best = None
+    for sizes in itertools.product(range(1, num_gpus), repeat=len(drafter_tps)):
+        t = num_gpus - sum(sizes)
+        stages = [t * target_tps] + [d * b for d, b in zip(sizes, drafter_tps)]
+        if t >= 1 and (best is None or min(stages) > best.tokens_per_s):
+            bound = "target" if stages[0] == min(stages) else "drafter"
+            best = Plan(t, tuple(sizes), False, min(stages),
+                        f"{t} target + {'/'.join(map(str, sizes))} drafter GPUs run at their slowest stage "
+                        f"({', '.join(f'{s:.0f}' for s in stages)}): {min(stages):.0f} tokens/s, {bound}-bound")
+    if colocated_tps and (best is None or num_gpus * colocated_tps >= best.tokens_per_s):
+        vs = f" (vs {best.reason})" if best else ""
+        return Plan(num_gpus, (num_gpus,), True, num_gpus * colocated_tps,
+                    f"colocated on {num_gpus} GPUs: {num_gpus * colocated_tps:.0f} tokens/s{vs}; {measured}")
+    if best is None:
+        raise ValueError(f"{num_gpus} GPUs cannot hold a target rank and {len(drafter_tps)} drafter groups")
+    vs = f" (vs colocated {num_gpus * colocated_tps:.0f})" if colocated_tps else ""
+    return Plan(best.num_targets, best.group_sizes, False, best.tokens_per_s, f"{best.reason}{vs}; {measured}")

@@ -1,0 +1,206 @@
+"""The two roles of disaggregated training and the messages between them.
+
+A target rank takes its share of every step's micro-batches from the GLOBAL cursor (micro-batch m
+of a step belongs to target m % T), runs the frozen target and sends, per micro-batch, a header
+(shape, tokens, masks, anchor seed) and then the features to the rank of each drafter group that
+consumes m (group rank m % D). A drafter rank receives the headers of its micro-batches first:
+loss weights depend only on tokens and anchor seeds, so the step's global weight sum is
+all-reduced among the group before any backward, and per-step losses equal the single-process
+Trainer's. Messages between a pair of ranks are sent and received in the same order
+(step, headers before features, m), so matching needs no tags and no cycle can deadlock.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from dflash_train.config import RunConfig
+from dflash_train.data.dataset import TokenizedDataset
+from dflash_train.draft.objective import draft_loss, make_task
+from dflash_train.target import Target
+from dflash_train.train.layout import Layout
+from dflash_train.train.loop import Trainer, anchor_seed, collate, epoch_plan, locate
+
+
+@dataclass
+class Header:
+    input_ids: torch.Tensor  # [b, T]
+    loss_mask: torch.Tensor  # [b, T]
+    attention_mask: torch.Tensor  # [b, T]
+    seed: int
+
+
+class Link:
+    """Point-to-point micro-batch messages of one rank, with at most `max_in_flight` unfinished
+    sends: a target that runs ahead of slow drafters blocks instead of piling up features.
+    A message to this same rank (colocated) is queued, and its features are computed only when
+    the drafter consumes them, so colocated memory is that of the single-process trainer."""
+
+    def __init__(self, rank: int, device: torch.device, max_in_flight: int):
+        self.rank = rank
+        self.device = device
+        self.max_in_flight = max_in_flight
+        self.local: deque = deque()
+        self.in_flight: deque = deque()
+
+    def send_header(self, dst: int, batch: dict, seed: int) -> None:
+        if dst == self.rank:
+            self.local.append(Header(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], seed))
+            return
+        b, t = batch["input_ids"].shape
+        meta = torch.tensor([b, t, seed], dtype=torch.int64, device=self.device)
+        packed = torch.stack([batch["input_ids"], batch["loss_mask"], batch["attention_mask"]])
+        self._isend(dst, meta, packed)
+
+    def send_features(self, dst: int, make: Callable[[], torch.Tensor]) -> None:
+        if dst == self.rank:
+            self.local.append(make)
+        else:
+            self._isend(dst, make().contiguous())
+
+    def recv_header(self, src: int) -> Header:
+        if src == self.rank:
+            return self.local.popleft()
+        meta = torch.empty(3, dtype=torch.int64, device=self.device)
+        dist.recv(meta, src)
+        b, t, seed = meta.tolist()
+        packed = torch.empty(3, b, t, dtype=torch.int64, device=self.device)
+        dist.recv(packed, src)
+        return Header(packed[0], packed[1], packed[2], seed)
+
+    def recv_features(self, src: int, shape: tuple, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+        """Posts the receive now and returns the wait: the next micro-batch's features arrive
+        while the current one trains."""
+        if src == self.rank:
+            return self.local.popleft()
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        work = dist.irecv(buf, src)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return buf
+
+        return wait
+
+    def _isend(self, dst: int, *tensors: torch.Tensor) -> None:
+        # The tensors stay referenced until their send completed.
+        self.in_flight.append(([dist.isend(t, dst) for t in tensors], tensors))
+        while len(self.in_flight) > self.max_in_flight:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        works, _ = self.in_flight.popleft()
+        for w in works:
+            w.wait()
+
+    def drain(self) -> None:
+        while self.in_flight:
+            self._wait_oldest()
+
+
+class TargetFeeder:
+    """One target rank: global cursor -> its micro-batches -> features -> every drafter group."""
+
+    def __init__(self, cfg: RunConfig, target: Target, dataset: TokenizedDataset, layout: Layout,
+                 link: Link, rank: int, group_layer_ids: list[list[int]]):
+        self.cfg, self.target, self.dataset, self.layout, self.link, self.rank = cfg, target, dataset, layout, link, rank
+        self.epoch_batches = epoch_plan(cfg, dataset.lengths)
+        self.cursor = (0, 0)
+        # Groups may capture different layers: run the target once over their union, then slice.
+        self.layer_ids = list(dict.fromkeys(i for ids in group_layer_ids for i in ids))
+        self.group_layer_ids = group_layer_ids
+
+    def _select(self, feats: torch.Tensor, group: int) -> torch.Tensor:
+        ids = self.group_layer_ids[group]
+        if ids == self.layer_ids:
+            return feats
+        h = self.target.hidden_size
+        return torch.cat([feats[..., self.layer_ids.index(i) * h:(self.layer_ids.index(i) + 1) * h] for i in ids], -1)
+
+    def feed_step(self) -> None:
+        batches = []
+        for m in range(self.cfg.train.grad_accum):
+            epoch, index = locate(self.epoch_batches, self.cursor)
+            self.cursor = (epoch, index + 1)
+            if self.layout.target_of(m) == self.rank:
+                indices = self.epoch_batches[epoch % len(self.epoch_batches)][index]
+                batches.append((m, collate(self.dataset, indices, self.target.device),
+                                anchor_seed(self.cfg.seed, epoch, index)))
+        for m, batch, seed in batches:
+            for dst in self.layout.consumers(m):
+                self.link.send_header(dst, batch, seed)
+        for m, batch, _ in batches:
+            feats = functools.cache(
+                lambda b=batch: self.target.features(b["input_ids"], b["attention_mask"], self.layer_ids)
+            )
+            for group, dst in enumerate(self.layout.consumers(m)):
+                self.link.send_features(dst, lambda g=group, f=feats: self._select(f(), g))
+
+
+class DrafterRank(Trainer):
+    """One data-parallel replica of a drafter group: features come from target ranks, gradients
+    and step statistics are summed over the group only; the group's rank 0 logs and saves."""
+
+    def __init__(self, cfg: RunConfig, target: Target, dataset: TokenizedDataset | None, *, layout: Layout,
+                 link: Link, rank: int, group_index: int, group, feeder: TargetFeeder | None = None):
+        super().__init__(cfg, target=target, dataset=dataset)
+        self.layout, self.link, self.rank, self.group = layout, link, rank, group
+        self.feeder = feeder  # colocated: this process also produces the features it trains on
+        self.mine = layout.consumed_by(rank, group_index, cfg.train.grad_accum)
+        self.feature_dim = len(self.drafter.config.target_layer_ids) * self.target.hidden_size
+        self.feature_dtype = self.target.embed_weight.dtype
+        self.is_leader = rank == layout.group_ranks(group_index)[0]
+
+    def train_step(self) -> dict:
+        tc, d = self.cfg.train, self.drafter.config
+        if self.feeder is not None:
+            self.feeder.feed_step()
+        for _ in range(tc.grad_accum):
+            epoch, index = locate(self.epoch_batches, self.cursor)
+            self.cursor = (epoch, index + 1)
+        sources = [self.layout.target_of(m) for m in self.mine]
+        headers = [self.link.recv_header(src) for src in sources]
+        tasks = [make_task(h.input_ids, h.loss_mask, tc.num_anchors, d.block_size, tc.gamma, h.seed) for h in headers]
+        denom = sum((t.weights.sum() for t in tasks), torch.zeros((), device=self.device))
+        dist.all_reduce(denom, group=self.group)
+        denom = denom.clamp(min=1e-12)
+        loss_sum = torch.zeros((), device=self.device)
+        correct = torch.zeros(d.block_size, device=self.device)
+        counted = torch.zeros(d.block_size, device=self.device)
+        shape = lambda h: (*h.input_ids.shape, self.feature_dim)  # noqa: E731
+        pending = self.link.recv_features(sources[0], shape(headers[0]), self.feature_dtype)
+        for k, task in enumerate(tasks):
+            feats = pending()
+            if k + 1 < len(tasks):
+                pending = self.link.recv_features(sources[k + 1], shape(headers[k + 1]), self.feature_dtype)
+            with self.autocast:
+                out = draft_loss(self.drafter, task, feats, self.target.embed_weight, self.target.lm_head_weight,
+                                 self.use_flex, tc.ce_chunk_size)
+            (out.weighted_ce_sum / denom).backward()
+            loss_sum += out.weighted_ce_sum.detach()
+            correct += out.correct_per_slot
+            counted += out.counted_per_slot
+        # A plain SUM all-reduce, not DDP: ranks may hold different numbers of micro-batches and the
+        # loss is already normalised by the global weight sum, so DDP's averaging would be wrong.
+        works = [dist.all_reduce(p.grad, group=self.group, async_op=True) for p in self.drafter.parameters()]
+        tokens = sum(int(h.attention_mask.sum()) for h in headers)
+        stats = torch.cat([loss_sum.view(1), correct, counted, torch.tensor([float(tokens)], device=self.device)])
+        works.append(dist.all_reduce(stats, group=self.group, async_op=True))
+        for w in works:
+            w.wait()
+        b = d.block_size
+        return {"loss": stats[0] / denom, "correct": stats[1:1 + b], "counted": stats[1 + b:1 + 2 * b],
+                **self.optimizer_step(), "tokens": int(stats[-1])}
+
+    def run(self) -> dict | None:
+        if self.is_leader:
+            return self.fit(progress=True)
+        while self.step < self.total_steps:
+            self.train_step()
+        return None

@@ -1,0 +1,227 @@
+"""Disaggregated training on CPU/gloo: several processes must reproduce the single-process Trainer.
+
+Equivalence runs fork workers from this process (fast: torch is already imported); the fault test
+goes through torchrun, whose group-kill on a dead worker is part of what is tested.
+"""
+
+import json
+import multiprocessing
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from dflash_train.config import load_config
+from dflash_train.train.distributed import Watchdog, drafter_runs, main, resume_step
+from dflash_train.train.launch import main as launch_main
+from dflash_train.train.layout import Layout, plan_split
+from dflash_train.train.loop import Trainer
+from dflash_train.train.metrics import read_metrics
+from tiny import tiny_target
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("assets")
+    target = tiny_target(num_layers=3, hidden=32)
+    target.model.save_pretrained(root / "target")
+    target.tokenizer.save_pretrained(root / "target")
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "tau", "block", "draft", "token", "mask", "flash"]
+    with open(root / "data.jsonl", "w") as f:
+        for i in range(24):
+            q = " ".join(rng.choices(words, k=rng.randint(2, 5)))
+            a = " ".join(rng.choices(words, k=rng.randint(4, 9)))
+            f.write(json.dumps({"id": str(i), "messages": [{"role": "user", "content": q},
+                                                          {"role": "assistant", "content": a}]}) + "\n")
+    return root
+
+
+def write_config(assets: Path, run_dir: Path, **extra) -> Path:
+    tree = {
+        "run_dir": str(run_dir), "seed": 3, "device": "cpu",
+        "target": {"path": str(assets / "target"), "dtype": "float32"},
+        "draft": {"num_layers": 1, "block_size": 4, "attention": "sdpa"},
+        "data": {"train_files": [str(assets / "data.jsonl")], "max_length": 96, "token_budget": 192,
+                 "max_batch_size": 2},
+        "train": {"lr": 1e-3, "warmup_ratio": 0.0, "grad_accum": 4, "max_steps": 4, "num_anchors": 8,
+                  "gamma": 4.0, "log_every": 1},
+        "checkpoint": {"every": 2, "keep_last": 5},
+        **extra,
+    }
+    path = run_dir.parent / f"{run_dir.name}.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def reference_losses(config: Path, run_dir: Path, overrides: list[str] = ()) -> list[float]:
+    for _, cfg in drafter_runs(load_config(config, [f"run_dir={run_dir}", *overrides])):
+        Trainer(cfg).fit(progress=False)
+    return [r["loss"] for r in read_metrics(run_dir)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, argv: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    os._exit(main(argv))
+
+
+def spawn(world: int, argv: list[str], timeout: float = 120) -> list[int]:
+    ctx = multiprocessing.get_context("fork")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, argv)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    return [p.exitcode for p in procs]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir)]
+
+
+@pytest.mark.parametrize("world,split", [(3, ["--target-ranks", "2"]), (2, ["--colocated"])],
+                         ids=["2targets+1drafter", "colocated-2"])
+def test_matches_single_process(assets, tmp_path, world, split):
+    config = write_config(assets, tmp_path / "run")
+    assert spawn(world, ["-c", str(config), *split]) == [0] * world
+    expected = reference_losses(config, tmp_path / "ref")
+    assert len(expected) == 4
+    assert losses(tmp_path / "run") == pytest.approx(expected, abs=1e-5)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+
+
+def test_two_drafters_from_one_stream(assets, tmp_path):
+    """1 target feeds a 2-rank data-parallel group (block 4) and a 1-rank group (block 8, 2 layers)."""
+    drafters = [{"name": "b4"}, {"name": "b8", "draft": {"block_size": 8, "num_layers": 2}, "train": {"gamma": 7.0}}]
+    config = write_config(assets, tmp_path / "run", drafters=drafters)
+    assert spawn(4, ["-c", str(config), "--target-ranks", "1", "--drafter-ranks", "2,1"]) == [0] * 4
+    reference_losses(config, tmp_path / "ref")
+    assert len(losses(tmp_path / "ref" / "b8")) == 4
+    for name in ("b4", "b8"):
+        assert losses(tmp_path / "run" / name) == pytest.approx(losses(tmp_path / "ref" / name), abs=1e-5), name
+
+
+def _children(pid: int) -> dict[int, int]:
+    """{RANK: pid} of torchrun's worker processes."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                env = dict(kv.split("=", 1) for kv in (entry / "environ").read_text().split("\0") if "=" in kv)
+                found[int(env["RANK"])] = int(entry.name)
+        except (OSError, KeyError, ValueError):
+            continue
+    return found
+
+
+def torchrun(nproc: int, argv: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "--monitor-interval", "0.5", "-m", "dflash_train.train.distributed", *argv]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_killed_rank_stops_everyone_then_resume_with_another_split(assets, tmp_path):
+    config = write_config(assets, tmp_path / "run")
+    steps = ["train.max_steps=60", "train.grad_accum=2"]
+    proc = torchrun(3, ["-c", str(config), "--target-ranks", "2", *steps])
+    first = tmp_path / "run" / "checkpoints" / "step_00000002"
+    deadline = time.monotonic() + 90
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert first.exists() and proc.poll() is None, "the run never reached its first checkpoint"
+    os.kill(_children(proc.pid)[1], signal.SIGKILL)  # target rank 1
+    killed_at = time.monotonic()
+    out, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - killed_at < 60
+    assert proc.returncode != 0
+    # Named either by torchrun's root cause or by the survivor whose send failed first.
+    assert (re.search(r"Root Cause.*rank\s+: 1 \(local_rank: 1\)\s+exitcode\s+: -9", out, re.S)
+            or "silent peers (likely dead): rank 1 (target 1)" in out), out[-3000:]
+    assert not _children(proc.pid)
+    saved = resume_step([str(tmp_path / "run")])
+    assert saved is not None and saved < 60
+    # The same run resumed as 1 target + 2 drafter ranks ends exactly where an uninterrupted one does.
+    resumed = ["-c", str(config), "--target-ranks", "1", "--resume", "auto", *steps, "checkpoint.every=1000"]
+    assert spawn(3, resumed) == [0] * 3
+    expected = reference_losses(config, tmp_path / "ref", [*steps, "checkpoint.every=1000"])
+    assert losses(tmp_path / "run") == pytest.approx(expected, abs=1e-5)
+
+
+def test_watchdog_names_a_silent_rank_and_a_failed_one():
+    store = torch.distributed.HashStore()
+    layout = Layout(1, (2,), ("b16",))
+    failures = []
+    dog = Watchdog(store, 0, layout, timeout=0.3, interval=0.05, on_failure=failures.append).start()
+    store.add("beat/1", 1)
+    store.set("state/1", "done")  # a finished rank is never reported
+    time.sleep(0.6)
+    dog.finish()
+    assert failures == ["rank 2 (drafter 1 of group 'b16') sent no heartbeat for 0 s (process died, hung, or its node is gone)"]
+    failures.clear()
+    store.set("state/1", "failed: ValueError: bad")
+    Watchdog(store, 0, layout, timeout=30, interval=0.05, on_failure=failures.append).start()
+    time.sleep(0.3)
+    assert failures == ["rank 1 (drafter 0 of group 'b16') failed: ValueError: bad"]
+
+
+def test_layout_balances_micro_batches():
+    layout = Layout(2, (3, 1), ("a", "b"))
+    assert layout.world_size == 6 and layout.group_ranks(1) == [5]
+    assert [layout.target_of(m) for m in range(4)] == [0, 1, 0, 1]
+    assert [layout.consumers(m) for m in range(4)] == [[2, 5], [3, 5], [4, 5], [2, 5]]
+    assert layout.consumed_by(3, 0, 4) == [1]
+    with pytest.raises(ValueError, match="grad_accum"):
+        layout.check_grad_accum(2)
+    colocated = Layout(2, (2,), ("d",), colocated=True)
+    assert colocated.consumers(3) == [1] and colocated.describe(1) == "target 1 + drafter 1 of group 'd'"
+
+
+def test_plan_split_picks_the_fastest_pipeline():
+    # DESIGN.md's H200 numbers: target 32K tokens/s, drafter 21.4K, both on one GPU 12.8K.
+    plan = plan_split(8, 32_000, [21_400], 12_800)
+    assert plan.colocated and plan.tokens_per_s == pytest.approx(8 * 12_800)
+    assert "vs 3 target + 5 drafter GPUs" in plan.reason
+    plan = plan_split(8, 32_000, [21_400], None)  # both do not fit on one GPU
+    assert (plan.num_targets, plan.group_sizes, plan.colocated) == (3, (5,), False)
+    assert plan.tokens_per_s == pytest.approx(96_000) and "target-bound" in plan.reason
+    plan = plan_split(8, 100_000, [20_000], 10_000)
+    assert (plan.num_targets, plan.group_sizes) == (2, (6,)) and "drafter-bound" in plan.reason
+    plan = plan_split(6, 30_000, [30_000, 15_000], None)  # the slower drafter gets more GPUs
+    assert plan.tokens_per_s == 30_000 and plan.group_sizes[1] > plan.group_sizes[0]
+
+
+def test_launch_auto_measures_plans_and_builds_the_torchrun_command(assets, tmp_path, capsys):
+    config = write_config(assets, tmp_path / "run")
+    assert launch_main(["-c", str(config), "--target-gpus", "auto", "--nproc-per-node", "3", "--measure-steps", "1",
+                        "--dry-run", "train.lr=2e-3"]) == 0
+    out = capsys.readouterr().out
+    assert "plan for 3 GPUs: colocated on 3 GPUs" in out and "measured per GPU: target" in out
+    assert out.strip().splitlines()[-1].endswith(
+        "--standalone -m dflash_train.train.distributed -c " + str(config)
+        + " --colocated --max-in-flight 4 --heartbeat-timeout 30.0 train.lr=2e-3")
+    assert launch_main(["-c", str(config), "--target-gpus", "2", "--drafter-gpus", "1,1", "--nproc-per-node", "2",
+                        "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:29500", "--dry-run"]) == 0
+    assert ("--nnodes 2 --node-rank 1 --rdzv-backend c10d --rdzv-endpoint h:29500 --rdzv-id dflash-train -m "
+            "dflash_train.train.distributed -c " + str(config) + " --target-ranks 2 --drafter-ranks 1,1") \
+        in capsys.readouterr().out
