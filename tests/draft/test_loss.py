@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from dflash_train.draft.loss import acceptance_metrics, block_loss
 from dflash_train.draft.objective import BlockTask, draft_loss, make_task
-from helpers_draft import tiny_drafter
+from draft.helpers_draft import tiny_drafter
 
 B = 4
 

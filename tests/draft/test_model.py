@@ -9,7 +9,7 @@ import torch
 
 from dflash_train.draft import masks
 from dflash_train.draft.model import DraftKVCache, default_target_layer_ids
-from helpers_draft import tiny_draft_config, tiny_drafter
+from draft.helpers_draft import tiny_draft_config, tiny_drafter
 
 T = 18
 

@@ -36,11 +36,6 @@ def test_tiny_training_learns_and_logs(make_run_config, shared_tiny_target):
     assert json.loads((trainer.run_dir / "summary.json").read_text())["steps"] == 30
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: loop.py Trainer._log logs scheduler.get_last_lr() AFTER scheduler.step(): the lr of "
-    "the NEXT step (last step logs 0.0), not the lr the logged step used",
-)
 def test_logged_lr_is_the_lr_the_step_used(make_run_config, shared_tiny_target):
     cfg = make_run_config(overrides=["train.max_steps=10", "train.warmup_ratio=0.2"])
     Trainer(cfg, target=shared_tiny_target).fit(progress=False)

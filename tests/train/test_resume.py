@@ -12,16 +12,7 @@ from dflash_train.train.metrics import read_metrics
 
 N = 3
 
-RNG_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="BUG: checkpoint.py rng_state() stores np.random.get_state() (a tuple holding an ndarray) "
-    "through json.dumps(default=str), so the state becomes the string '[2147483648 ...]' and "
-    "set_rng_state() raises ValueError: every Trainer.resume() fails",
-)
 
-
-@RNG_BUG
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_resume_reproduces_straight_run_exactly(make_run_config, shared_tiny_target, grad_accum):
     common = [f"train.max_steps={2 * N}", f"train.grad_accum={grad_accum}", "train.warmup_ratio=0.3"]
@@ -49,7 +40,6 @@ def test_resume_reproduces_straight_run_exactly(make_run_config, shared_tiny_tar
         assert a["acc"] == b["acc"] and a["lr"] == b["lr"] and a["grad_norm"] == b["grad_norm"]
 
 
-@RNG_BUG
 def test_resume_from_periodic_checkpoint_rewrites_later_metrics(make_run_config, shared_tiny_target):
     """Copy a finished run, resume it from its step-N checkpoint: metrics.jsonl ends identical, no duplicates."""
     cfg = make_run_config("a", [f"train.max_steps={2 * N}", f"checkpoint.every={N}"])
