@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jinja2
 import pytest
 
 from dflash_train.data.chat import tokenize_conversation
@@ -96,3 +97,34 @@ def test_template_that_does_not_render_prefixes_is_a_clear_error():
     tok = tiny_tokenizer(odd)
     with pytest.raises(DataError, match="row 7.*prefixes"):
         tokenize_conversation(tok, MULTI_TURN, max_length=4096, where="row 7")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="BUG: chat.py tokenize_conversation renders messages[:0] for an assistant turn at index 0; "
+    "transformers raises a plain ValueError ('empty conversation') instead of a DataError naming "
+    "the row, so skip_invalid cannot skip it and one such ShareGPT row kills prepare/training",
+)
+def test_conversation_starting_with_the_assistant_is_a_data_error():
+    tok, _ = tokenizer_for("chatml")
+    messages = [{"role": "assistant", "content": "Hi, how can I help?"}, {"role": "user", "content": "x"},
+                {"role": "assistant", "content": "y"}]
+    with pytest.raises(DataError, match="f.jsonl:3"):
+        tokenize_conversation(tok, messages, max_length=100, where="f.jsonl:3")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=jinja2.exceptions.TemplateError,
+    reason="BUG: chat.py _render lets template errors (jinja raise_exception, e.g. Mistral/Llama-2 "
+    "'roles must alternate') escape as TemplateError: no file:line, and skip_invalid cannot skip them",
+)
+def test_template_exception_becomes_a_data_error_naming_the_row():
+    strict = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "[{{ m['role'] }}]{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    tok = tiny_tokenizer(strict)
+    with pytest.raises(DataError, match="f.jsonl:9.*no system role"):
+        tokenize_conversation(tok, MULTI_TURN, max_length=100, where="f.jsonl:9")

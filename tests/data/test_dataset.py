@@ -82,3 +82,19 @@ def test_rows_without_answer_in_max_length_are_counted(tmp_path):
     assert len(ds) == ds.stats.ok == 3
     assert ds.stats.total == 5
     assert ds.stats.skipped["no response tokens within max_length"] == 1
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="BUG: dataset.tokenize_files only skips DataError from iter_conversations; a row starting "
+    "with an assistant turn raises transformers' ValueError in tokenize_conversation and aborts "
+    "even with skip_invalid=True (see test_chat)",
+)
+def test_skip_invalid_skips_rows_the_template_cannot_render(tmp_path):
+    tok = tiny_tokenizer()
+    rows = conversations(3)
+    rows.insert(1, {"messages": [{"role": "assistant", "content": "Hello! Ask me anything."},
+                                 {"role": "user", "content": "ok"}, {"role": "assistant", "content": "fine then"}]})
+    ds = tokenize_files([write_jsonl(tmp_path / "c.jsonl", rows)], tok, 256, skip_invalid=True)
+    assert len(ds) == ds.stats.ok == 3 and ds.stats.total == 4
