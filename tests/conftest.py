@@ -1,0 +1,70 @@
+"""Make `tests/` importable (`from tiny import tiny_target`) however pytest is invoked."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+# Tiny shapes: one intra-op thread is faster, and on a shared 2-core machine two spinning OpenMP
+# threads made a 30 ms train step take 1.5 s.
+torch.set_num_threads(1)
+
+TESTS = Path(__file__).resolve().parent
+for path in (TESTS, TESTS.parent):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def _conversations(n: int) -> list[dict]:
+    """Learnable answers: a few fixed phrases, so a tiny drafter's loss falls within a few dozen steps."""
+    phrases = ["the answer is forty two.", "abcabcabc abcabcabc", "hello there, general kenobi"]
+    return [
+        {
+            "id": f"c{i}",
+            "messages": [
+                {"role": "user", "content": f"q{i % 7}: say phrase {i % 3}"},
+                {"role": "assistant", "content": phrases[i % 3] + f" ({i % 5})"},
+            ],
+        }
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="session")
+def shared_tiny_target():
+    """One frozen tiny Qwen3 target for the whole session (never trained, so safe to share)."""
+    from tiny import tiny_target
+
+    target = tiny_target(num_layers=4, hidden=64)
+    # HF's std-0.02 init gives a head whose logits barely move: CE cannot fall in a few dozen steps.
+    target.lm_head_weight.mul_(20)
+    return target
+
+
+@pytest.fixture
+def make_run_config(tmp_path):
+    """make_run_config(name, **overrides) -> RunConfig of a tiny CPU fp32 run on JSONL conversations."""
+    from dflash_train.config import build_config
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in _conversations(24)))
+
+    def make(name: str = "run", overrides: list[str] = ()):
+        tree = {
+            "run_dir": str(tmp_path / name),
+            "seed": 0,
+            "device": "cpu",
+            "draft": {"num_layers": 1, "block_size": 4, "target_layer_ids": [0, 2], "attention": "sdpa"},
+            "data": {"train_files": [str(data)], "max_length": 96, "token_budget": 192, "max_batch_size": 4},
+            "train": {"lr": 3e-3, "warmup_ratio": 0.1, "num_anchors": 8, "gamma": 4.0, "log_every": 1,
+                      "ce_chunk_size": 16, "epochs": 1},
+            "checkpoint": {"every": 1000, "keep_last": 3},
+        }
+        return build_config(tree, overrides=list(overrides))
+
+    return make

@@ -1,0 +1,100 @@
+"""Prepared datasets: round trip, fingerprint refusal, row accounting."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from dflash_train.data.chat import tokenize_conversation
+from dflash_train.data.dataset import load_prepared, load_training_data, save_prepared, tokenize_files
+from dflash_train.data.formats import DataError
+from dflash_train.target import tokenizer_fingerprint
+from tiny import tiny_tokenizer
+
+
+def conversations(n: int) -> list[dict]:
+    return [
+        {
+            "id": f"c{i}",
+            "messages": [
+                {"role": "user", "content": f"question number {i}?"},
+                {"role": "assistant", "content": f"answer {i}: " + "abc " * (i % 5 + 1)},
+            ],
+        }
+        for i in range(n)
+    ]
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_prepare_load_round_trip(tmp_path):
+    tok = tiny_tokenizer()
+    rows = conversations(7)
+    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    ds = tokenize_files([src], tok, max_length=256, skip_invalid=False)
+    assert len(ds) == 7 and ds.stats.ok == 7
+    expected = tokenize_conversation(tok, rows[3]["messages"], 256)
+    assert ds.input_ids[3].tolist() == expected.input_ids and ds.loss_mask[3].tolist() == expected.loss_mask
+    fp = tokenizer_fingerprint(tok)
+    out = save_prepared(ds, tmp_path / "prep", fp, 256)
+    meta = json.loads((out / "dataset.json").read_text())
+    assert meta["max_length"] == 256 and meta["rows"]["ok"] == 7
+    back = load_prepared(out, fp)
+    assert len(back) == 7
+    for a, b in zip(ds.input_ids + ds.loss_mask, back.input_ids + back.loss_mask):
+        np.testing.assert_array_equal(a, b)
+    cfg = SimpleNamespace(train_files=[str(out), src], max_length=256, skip_invalid=False, chat_template_kwargs={})
+    both = load_training_data(cfg, tok, fp)
+    assert len(both) == 14
+
+
+def test_fingerprint_mismatch_is_refused(tmp_path):
+    tok = tiny_tokenizer()
+    ds = tokenize_files([write_jsonl(tmp_path / "c.jsonl", conversations(2))], tok, 256, False)
+    out = save_prepared(ds, tmp_path / "prep", tokenizer_fingerprint(tok), 256)
+    other = tiny_tokenizer(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert tokenizer_fingerprint(other) != tokenizer_fingerprint(tok)
+    with pytest.raises(DataError, match="another target.*prepare"):
+        load_prepared(out, tokenizer_fingerprint(other))
+
+
+def test_interrupted_prepare_is_refused(tmp_path):
+    (tmp_path / "prep").mkdir()
+    (tmp_path / "prep" / "shard_00000.parquet").write_bytes(b"")
+    with pytest.raises(DataError, match="dataset.json"):
+        load_prepared(tmp_path / "prep", "x")
+
+
+def test_rows_without_answer_in_max_length_are_counted(tmp_path):
+    tok = tiny_tokenizer()
+    rows = conversations(4)
+    rows[1]["messages"][0]["content"] = "x" * 300  # the answer falls beyond max_length
+    src = write_jsonl(tmp_path / "c.jsonl", rows + [{"bad": 1}])
+    with pytest.raises(DataError, match="c.jsonl:2.*max_length"):
+        tokenize_files([src], tok, 128, skip_invalid=False)
+    ds = tokenize_files([src], tok, 128, skip_invalid=True)
+    assert len(ds) == ds.stats.ok == 3
+    assert ds.stats.total == 5
+    assert ds.stats.skipped["no response tokens within max_length"] == 1
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="BUG: dataset.tokenize_files only skips DataError from iter_conversations; a row starting "
+    "with an assistant turn raises transformers' ValueError in tokenize_conversation and aborts "
+    "even with skip_invalid=True (see test_chat)",
+)
+def test_skip_invalid_skips_rows_the_template_cannot_render(tmp_path):
+    tok = tiny_tokenizer()
+    rows = conversations(3)
+    rows.insert(1, {"messages": [{"role": "assistant", "content": "Hello! Ask me anything."},
+                                 {"role": "user", "content": "ok"}, {"role": "assistant", "content": "fine then"}]})
+    ds = tokenize_files([write_jsonl(tmp_path / "c.jsonl", rows)], tok, 256, skip_invalid=True)
+    assert len(ds) == ds.stats.ok == 3 and ds.stats.total == 4

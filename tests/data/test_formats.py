@@ -1,0 +1,108 @@
+"""Conversation files: errors name file:line; skip_invalid accounts for every row; formats agree."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_train.data.formats import DataError, RowStats, iter_conversations
+
+GOOD_OPENAI = {
+    "id": "c1",
+    "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "4"}]},
+    ],
+}
+GOOD_SHAREGPT = {
+    "id": "c1",
+    "conversations": [
+        {"from": "system", "value": "be brief"},
+        {"from": "human", "value": "hi"},
+        {"from": "gpt", "value": "hello"},
+        {"from": "human", "value": "2+2?"},
+        {"from": "gpt", "value": "4"},
+    ],
+}
+EXPECTED = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+]
+
+
+def write_lines(path, lines: list) -> str:
+    with open(path, "wb") as f:
+        for line in lines:
+            f.write(line if isinstance(line, bytes) else (json.dumps(line) if not isinstance(line, str) else line).encode())
+            f.write(b"\n")
+    return str(path)
+
+
+def test_sharegpt_and_openai_give_the_same_messages(tmp_path):
+    a = list(iter_conversations(write_lines(tmp_path / "a.jsonl", [GOOD_OPENAI])))
+    b = list(iter_conversations(write_lines(tmp_path / "b.jsonl", [GOOD_SHAREGPT])))
+    assert a[0].messages == b[0].messages == EXPECTED
+    assert a[0].id == b[0].id == "c1"
+    assert a[0].source.endswith("a.jsonl:1")
+
+
+BAD_ROWS = [
+    ("not json", "{\"messages\": [", "not valid JSON"),
+    ("unknown role", {"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}, "unknown role 'robot'"),
+    ("empty conversation", {"messages": []}, "empty"),
+    ("non utf-8", b"{\"messages\": \"\xff\xfe\"}", "UTF-8"),
+    ("missing field", {"text": "hello"}, "no 'messages' or 'conversations'"),
+    ("missing content", {"messages": [{"role": "user"}, {"role": "assistant", "content": "y"}]}, "content must be a string"),
+    ("no assistant", {"messages": [{"role": "user", "content": "x"}]}, "no assistant turn"),
+]
+
+
+@pytest.mark.parametrize("name,row,message", BAD_ROWS, ids=[r[0] for r in BAD_ROWS])
+def test_bad_row_error_names_file_and_line(tmp_path, name, row, message):
+    path = write_lines(tmp_path / "d.jsonl", [GOOD_OPENAI, "", GOOD_SHAREGPT, row, GOOD_OPENAI])
+    with pytest.raises(DataError) as err:
+        list(iter_conversations(path))
+    assert f"{path}:4" in str(err.value)
+    assert message in str(err.value)
+
+
+def test_skip_invalid_counts_every_row(tmp_path):
+    rows = [GOOD_OPENAI] + [r[1] for r in BAD_ROWS] + [GOOD_SHAREGPT, GOOD_OPENAI]
+    path = write_lines(tmp_path / "d.jsonl", rows)
+    stats = RowStats()
+    got = list(iter_conversations(path, skip_invalid=True, stats=stats))
+    assert len(got) == stats.ok == 3
+    assert sum(stats.skipped.values()) == len(BAD_ROWS)
+    assert stats.total == len(rows)
+    assert stats.to_dict()["rows"] == len(rows)
+    assert len(stats.skipped) >= 5, f"reasons should be told apart: {dict(stats.skipped)}"
+
+
+def test_parquet_input(tmp_path):
+    path = tmp_path / "d.parquet"
+    rows = [{"id": "c1", "messages": EXPECTED}, {"id": "c2", "messages": EXPECTED}]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    got = list(iter_conversations(path))
+    assert [c.id for c in got] == ["c1", "c2"]
+    assert got[0].messages == EXPECTED
+    assert got[1].source == f"{path}:row 2"
+    sharegpt = tmp_path / "s.parquet"
+    pq.write_table(pa.Table.from_pylist([GOOD_SHAREGPT]), sharegpt)
+    assert next(iter_conversations(sharegpt)).messages == EXPECTED
+
+
+def test_unsupported_format_and_missing_file(tmp_path):
+    (tmp_path / "d.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported"):
+        list(iter_conversations(tmp_path / "d.csv"))
+    with pytest.raises(DataError, match="not found"):
+        list(iter_conversations(tmp_path / "nope.jsonl"))

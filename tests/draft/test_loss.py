@@ -1,0 +1,119 @@
+"""Chunked block loss vs a float64 reference; global normalisation; acceptance metrics by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_train.draft.loss import acceptance_metrics, block_loss
+from dflash_train.draft.objective import BlockTask, draft_loss, make_task
+from draft.helpers_draft import tiny_drafter
+
+B = 4
+
+
+def problem(seed=0, b=2, n=5, h=16, v=37):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, n * B, h, generator=gen)
+    head = torch.randn(v, h, generator=gen) * 0.5
+    labels = torch.randint(0, v, (b, n * B), generator=gen)
+    weights = torch.rand(b, n * B, generator=gen)
+    weights[torch.rand(b, n * B, generator=gen) < 0.3] = 0
+    weights.view(b, n, B)[:, :, 0] = 0
+    return hidden, head, labels, weights
+
+
+def reference(hidden, head, labels, weights):
+    logits = hidden.double().reshape(-1, hidden.shape[-1]) @ head.double().t()
+    ce = torch.logsumexp(logits, -1) - logits.gather(1, labels.reshape(-1, 1)).squeeze(1)
+    return (weights.double().reshape(-1) * ce).sum(), logits
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 16, 4096])
+def test_block_loss_equals_float64_reference(chunk_size):
+    hidden, head, labels, weights = problem()
+    ref, logits = reference(hidden, head, labels, weights)
+    out = block_loss(hidden, head, labels, weights, B, chunk_size)
+    torch.testing.assert_close(out.weighted_ce_sum.double(), ref, rtol=1e-5, atol=1e-5)
+    counted = (weights.reshape(-1) > 0).double()
+    correct = (logits.argmax(-1) == labels.reshape(-1)).double() * counted
+    torch.testing.assert_close(out.counted_per_slot.double(), counted.view(-1, B).sum(0))
+    torch.testing.assert_close(out.correct_per_slot.double(), correct.view(-1, B).sum(0))
+
+
+def test_block_loss_gradients_match_across_chunk_sizes():
+    hidden, head, labels, weights = problem(seed=1)
+    h64 = hidden.double().requires_grad_()
+    w64 = head.double().requires_grad_()
+    reference(h64, w64, labels, weights)[0].backward()
+    for chunk_size in (3, 16, 4096):
+        h = hidden.clone().requires_grad_()
+        w = head.clone().requires_grad_()
+        block_loss(h, w, labels, weights, B, chunk_size).weighted_ce_sum.backward()
+        torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_zero_weight_tokens_get_no_gradient():
+    hidden, head, labels, weights = problem(seed=2)
+    h = hidden.clone().requires_grad_()
+    block_loss(h, head, labels, weights, B, 8).weighted_ce_sum.backward()
+    assert (h.grad.reshape(-1, h.shape[-1])[weights.reshape(-1) == 0] == 0).all()
+
+
+def test_acceptance_metrics_by_hand():
+    correct = torch.tensor([0.0, 8, 6, 3, 0])
+    counted = torch.tensor([0.0, 10, 10, 6, 0])
+    m = acceptance_metrics(correct, counted)
+    assert m["acc"] == pytest.approx([0.8, 0.6, 0.5, 0.0])
+    assert m["tau_hat"] == pytest.approx(1 + 0.8 + 0.8 * 0.6 + 0.8 * 0.6 * 0.5)
+    perfect = acceptance_metrics(torch.tensor([0.0, 4, 4, 4]), torch.tensor([0.0, 4, 4, 4]))
+    assert perfect["tau_hat"] == pytest.approx(4.0)
+
+
+def test_split_micro_batches_equal_one_merged_padded_batch():
+    """The trainer's normalisation: sum(w*CE)/sum(w) over the step, however it is split or padded.
+
+    Two sequences of different lengths as two micro-batches (each weighted sum divided by the GLOBAL
+    weight sum) must give the loss and gradients of one right-padded batch holding both, with
+    garbage features in the padding (it must be invisible)."""
+    drafter = tiny_drafter(seed=3)
+    d = drafter.config
+    gen = torch.Generator().manual_seed(5)
+    embed = torch.randn(d.vocab_size, d.hidden_size, generator=gen)
+    head = torch.randn(d.vocab_size, d.hidden_size, generator=gen) * 0.3
+    k_h = len(d.target_layer_ids) * d.hidden_size
+    lengths = (14, 9)
+    seqs = [torch.randint(0, 59, (1, t), generator=gen) for t in lengths]
+    lms = [torch.ones(1, t, dtype=torch.long) for t in lengths]
+    for lm in lms:
+        lm[0, :3] = 0
+    feats = [torch.randn(1, t, k_h, generator=gen) for t in lengths]
+    tasks = [make_task(s, lm, 4, d.block_size, 7.0, seed) for s, lm, seed in zip(seqs, lms, (11, 12))]
+
+    denom = sum(t.weights.sum() for t in tasks)
+    split = 0.0
+    for s_task, f in zip(tasks, feats):
+        split = split + draft_loss(drafter, s_task, f, embed, head, False, 16).weighted_ce_sum / denom
+    split.backward()
+    grads_split = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    drafter.zero_grad()
+
+    t = max(lengths)
+    merged = BlockTask(
+        input_ids=torch.cat([F.pad(s, (0, t - s.shape[1]), value=0) for s in seqs]),
+        anchors=torch.cat([x.anchors for x in tasks]),
+        valid=torch.cat([x.valid for x in tasks]),
+        labels=torch.cat([x.labels for x in tasks]),
+        weights=torch.cat([x.weights for x in tasks]),
+    )
+    merged_feats = torch.cat(
+        [torch.cat([f, 1e3 * torch.randn(1, t - f.shape[1], k_h, generator=gen)], 1) for f in feats]
+    )
+    out = draft_loss(drafter, merged, merged_feats, embed, head, False, 16)
+    loss = out.weighted_ce_sum / merged.weights.sum()
+    loss.backward()
+    torch.testing.assert_close(loss, split, rtol=1e-5, atol=1e-6)
+    for n, p in drafter.named_parameters():
+        torch.testing.assert_close(p.grad, grads_split[n], rtol=1e-4, atol=1e-6, msg=n)

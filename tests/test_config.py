@@ -1,0 +1,86 @@
+"""Run config: unknown keys, dotted overrides, type errors name the field, shipped configs load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dflash_train.config import ConfigError, build_config, dump_config, load_config, parse_override
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ConfigError, match=r"train\.lrr: unknown key"):
+        build_config({"train": {"lrr": 1e-3}})
+    with pytest.raises(ConfigError, match=r"draft\.blok_size: unknown key"):
+        build_config(overrides=["draft.blok_size=8"])
+    with pytest.raises(ConfigError, match=r"trian: unknown key"):
+        build_config({"trian": {}})
+
+
+def test_dotted_overrides_parse_types():
+    cfg = build_config(
+        {"train": {"lr": 1e-3}},
+        overrides=[
+            "train.lr=3.0e-4", "train.gamma=4", "train.compile=true", "draft.target_layer_ids=[1, 5, 9]",
+            "data.train_files=[a.jsonl,b.parquet]", "train.betas=[0.8, 0.99]", "draft.mask_token_id=null",
+            "data.chat_template_kwargs={enable_thinking: false}", "run_dir=runs/x", "train.max_steps=7",
+        ],
+    )
+    assert cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.train.gamma == 4.0
+    assert cfg.train.compile is True
+    assert cfg.draft.target_layer_ids == [1, 5, 9]
+    assert cfg.data.train_files == ["a.jsonl", "b.parquet"]
+    assert tuple(cfg.train.betas) == (0.8, 0.99)
+    assert cfg.draft.mask_token_id is None
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.run_dir == "runs/x" and cfg.train.max_steps == 7
+    assert parse_override("train.lr=1e-3")[0] == "train.lr"
+    assert build_config(overrides=["train.lr=1e-3"]).train.lr == pytest.approx(1e-3)
+
+
+def test_override_without_equals_is_refused():
+    with pytest.raises(ConfigError, match="section.key=value"):
+        build_config(overrides=["train.lr"])
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [("train.lr=abc", "train.lr"), ("draft.block_size=1", "draft.block_size"), ("train.compile=maybe", "train.compile"),
+     ("device=tpu", "device"), ("draft.target_layer_ids=5", "draft.target_layer_ids")],
+)
+def test_wrong_type_or_value_names_the_field(override, field):
+    with pytest.raises(ConfigError) as err:
+        build_config(overrides=[override])
+    assert f"  {field}:" in str(err.value)
+
+
+def test_token_budget_below_max_length_is_refused():
+    with pytest.raises(ConfigError, match="token_budget.*max_length"):
+        build_config({"data": {"max_length": 4096, "token_budget": 2048}})
+
+
+def test_load_config_errors_and_dump_round_trip(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    cfg = build_config(overrides=["train.lr=2e-4", "draft.target_layer_ids=[1,2]"])
+    f = tmp_path / "cfg.yaml"
+    f.write_text(dump_config(cfg))
+    assert load_config(f) == cfg
+
+
+CONFIGS = sorted((REPO / "configs").glob("*.yaml")) if (REPO / "configs").is_dir() else []
+
+
+@pytest.mark.skipif(not (REPO / "configs").is_dir(), reason="no configs/ directory on this branch")
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.data.token_budget >= cfg.data.max_length
