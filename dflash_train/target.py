@@ -148,9 +148,13 @@ class Target:
         store: dict[int, torch.Tensor] = {}
         last = max(layer_ids)
 
+        final_norm = getattr(self.model.get_decoder(), "norm", None)
+
         def hook_for(i):
             def hook(_module, _args, output):
-                store[i] = output[0] if isinstance(output, tuple) else output
+                out = output[0] if isinstance(output, tuple) else output
+                # HF's last hidden state (id L-1 = hidden_states[L]) is taken after the final norm.
+                store[i] = final_norm(out) if i == self.num_layers - 1 and final_norm is not None else out
                 if stop_after_last and i == last:
                     raise _StopForward
 
@@ -182,6 +186,11 @@ def resolve_mask_token_id(explicit: int | None, tokenizer, embed_rows: int) -> i
             raise ValueError(f"draft.mask_token_id {explicit} is outside the embedding table ({embed_rows} rows)")
         return explicit
     if getattr(tokenizer, "mask_token_id", None) is not None:
+        if tokenizer.mask_token_id >= embed_rows:
+            raise ValueError(
+                f"the tokenizer's mask token id {tokenizer.mask_token_id} is outside the embedding table "
+                f"({embed_rows} rows); set draft.mask_token_id"
+            )
         return tokenizer.mask_token_id
     if len(tokenizer) < embed_rows:
         return len(tokenizer)

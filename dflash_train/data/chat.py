@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
+
 from dflash_train.data.formats import DataError
 
 
@@ -19,10 +21,13 @@ class TokenizedConversation:
     loss_mask: list[int]
 
 
-def _render(tokenizer, messages, add_generation_prompt: bool, kwargs: dict) -> list[int]:
-    out = tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=add_generation_prompt, **kwargs
-    )
+def _render(tokenizer, messages, add_generation_prompt: bool, kwargs: dict, where: str) -> list[int]:
+    try:
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+    except (TemplateError, ValueError) as err:  # e.g. "roles must alternate user/assistant"
+        raise DataError(f"{where}: the chat template rejected this conversation: {err}") from None
     if isinstance(out, dict) or hasattr(out, "keys"):
         out = out["input_ids"]
     return list(out)
@@ -40,13 +45,14 @@ def tokenize_conversation(
     tokenizer, messages: list[dict], max_length: int, where: str = "", template_kwargs: dict | None = None
 ) -> TokenizedConversation:
     kwargs = dict(template_kwargs or {})
-    full = _render(tokenizer, messages, False, kwargs)
+    full = _render(tokenizer, messages, False, kwargs, where)
     loss_mask = [0] * len(full)
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        # An opening assistant turn (a greeting in ShareGPT) answers nothing: context, not a target.
+        if message["role"] != "assistant" or i == 0:
             continue
-        before = _render(tokenizer, messages[:i], True, kwargs)
-        through = _render(tokenizer, messages[: i + 1], False, kwargs)
+        before = _render(tokenizer, messages[:i], True, kwargs, where)
+        through = _render(tokenizer, messages[: i + 1], False, kwargs, where)
         if full[: len(before)] != before or full[: len(through)] != through:
             raise DataError(
                 f"{where}: the chat template does not render conversation prefixes as prefixes "

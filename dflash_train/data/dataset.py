@@ -63,15 +63,17 @@ class TokenizedDataset:
 def tokenize_files(files, tokenizer, max_length: int, skip_invalid: bool, template_kwargs=None) -> TokenizedDataset:
     ds = TokenizedDataset()
     for conv in iter_conversations(files, skip_invalid=skip_invalid, stats=ds.stats):
-        tok = tokenize_conversation(tokenizer, conv.messages, max_length, conv.source, template_kwargs)
-        # An anchor needs two consecutive response tokens; a row without them teaches nothing.
-        mask = np.asarray(tok.loss_mask)
-        if not (mask[:-1] & mask[1:]).any():
-            reason = "no response tokens within max_length"
+        try:
+            tok = tokenize_conversation(tokenizer, conv.messages, max_length, conv.source, template_kwargs)
+            # An anchor needs two consecutive response tokens; a row without them teaches nothing.
+            mask = np.asarray(tok.loss_mask)
+            if not (mask[:-1] & mask[1:]).any():
+                raise DataError(f"{conv.source}: no response tokens within max_length ({max_length})")
+        except DataError as err:
             if not skip_invalid:
-                raise DataError(f"{conv.source}: {reason} ({max_length}); set data.skip_invalid to skip such rows")
+                raise
             ds.stats.ok -= 1
-            ds.stats.skipped[reason] += 1
+            ds.stats.skipped[str(err).split(": ", 1)[-1].split(" (")[0][:80]] += 1
             continue
         ds.append(tok.input_ids, tok.loss_mask)
     return ds

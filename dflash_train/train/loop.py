@@ -126,6 +126,8 @@ class Trainer:
         self.dataset = dataset or load_training_data(
             cfg.data, self.target.tokenizer, self.target.identity["tokenizer"]
         )
+        if cfg.draft.attention == "flex" and self.device.type != "cuda":
+            raise ValueError("draft.attention: flex has no backward on CPU; use 'sdpa' or 'auto' there")
         self.use_flex = cfg.draft.attention == "flex" or (cfg.draft.attention == "auto" and self.device.type == "cuda")
         self.epoch_batches = epoch_plan(cfg, self.dataset.lengths)
         micro_total = sum(len(b) for b in self.epoch_batches)

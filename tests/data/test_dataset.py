@@ -84,17 +84,18 @@ def test_rows_without_answer_in_max_length_are_counted(tmp_path):
     assert ds.stats.skipped["no response tokens within max_length"] == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="BUG: dataset.tokenize_files only skips DataError from iter_conversations; a row starting "
-    "with an assistant turn raises transformers' ValueError in tokenize_conversation and aborts "
-    "even with skip_invalid=True (see test_chat)",
-)
 def test_skip_invalid_skips_rows_the_template_cannot_render(tmp_path):
-    tok = tiny_tokenizer()
+    strict = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tok = tiny_tokenizer(strict)
     rows = conversations(3)
-    rows.insert(1, {"messages": [{"role": "assistant", "content": "Hello! Ask me anything."},
-                                 {"role": "user", "content": "ok"}, {"role": "assistant", "content": "fine then"}]})
-    ds = tokenize_files([write_jsonl(tmp_path / "c.jsonl", rows)], tok, 256, skip_invalid=True)
+    rows.insert(1, {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ok"},
+                                 {"role": "assistant", "content": "fine then"}]})
+    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    with pytest.raises(DataError, match="c.jsonl:2.*no system role"):
+        tokenize_files([src], tok, 256, skip_invalid=False)
+    ds = tokenize_files([src], tok, 256, skip_invalid=True)
     assert len(ds) == ds.stats.ok == 3 and ds.stats.total == 4
