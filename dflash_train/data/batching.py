@@ -1,5 +1,10 @@
 """Token-budget batching: length-grouped, deterministic from (seed, epoch), resumable by index.
 
+Two modes. Default: greedy length-grouped batches under the budget (fewest padded tokens; CPU).
+Bucket mode (`length_bucket` > 0, GPU with compile): lengths round up to a multiple of the bucket
+and each bucket has ONE batch shape, rows = budget // padded length (capped), short batches padded
+with empty rows, so compiled kernels see a handful of shapes.
+
 A batch holds at most `max_batch_size` sequences and at most `token_budget` padded tokens
 (count x longest). Sequences of similar length are grouped (within shuffled windows, so batches
 still vary between epochs) to waste little padding. Every sample appears exactly once per epoch.
@@ -15,14 +20,37 @@ WINDOW_BATCHES = 64
 """Length grouping happens inside windows of this many batches' worth of samples."""
 
 
+def bucket_shape(length: int, length_bucket: int, token_budget: int, max_batch_size: int) -> tuple[int, int]:
+    """(rows, padded length) of every batch whose longest sequence is `length`, in bucket mode.
+
+    Compiled kernels then see one shape per bucket, whatever the data: zero recompiles once each
+    bucket has been compiled (dflash-train warmup).
+    """
+    padded = -(-length // length_bucket) * length_bucket
+    return max(1, min(max_batch_size, token_budget // padded)), padded
+
+
+def _bucketed(lengths, order, length_bucket, token_budget, max_batch_size) -> list[np.ndarray]:
+    padded = -(-lengths // length_bucket) * length_bucket
+    batches = []
+    for size in np.unique(padded):
+        members = order[padded[order] == size]
+        rows, _ = bucket_shape(int(size), length_bucket, token_budget, max_batch_size)
+        batches += [members[i : i + rows] for i in range(0, len(members), rows)]
+    return batches
+
+
 def make_batches(
-    lengths: np.ndarray, token_budget: int, max_batch_size: int, seed: int, epoch: int
+    lengths: np.ndarray, token_budget: int, max_batch_size: int, seed: int, epoch: int, length_bucket: int = 0
 ) -> list[np.ndarray]:
     lengths = np.asarray(lengths)
     if len(lengths) and lengths.max() > token_budget:
         raise ValueError(f"a sample of {lengths.max()} tokens exceeds token_budget {token_budget}")
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(lengths))
+    if length_bucket:
+        batches = _bucketed(lengths, order, length_bucket, token_budget, max_batch_size)
+        return [batches[i] for i in rng.permutation(len(batches))]
     window = max_batch_size * WINDOW_BATCHES
     batches: list[np.ndarray] = []
     for start in range(0, len(order), window):

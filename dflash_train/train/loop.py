@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from dflash_train.config import RunConfig, dump_config
-from dflash_train.data.batching import make_batches
+from dflash_train.data.batching import bucket_shape, make_batches
 from dflash_train.data.dataset import TokenizedDataset, load_training_data
 from dflash_train.draft.loss import acceptance_metrics
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig, default_target_layer_ids
@@ -81,7 +81,7 @@ def anchor_seed(seed: int, epoch: int, batch_index: int) -> int:
 def epoch_plan(cfg: RunConfig, lengths: np.ndarray) -> list[list[np.ndarray]]:
     """Batches of every epoch: a pure function of (lengths, config), so every rank builds the same."""
     return [
-        make_batches(lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.seed, e)
+        make_batches(lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.seed, e, cfg.data.length_bucket)
         for e in range(cfg.train.epochs)
     ]
 
@@ -94,13 +94,13 @@ def locate(epoch_batches: list[list[np.ndarray]], cursor: tuple[int, int]) -> tu
     return epoch, index
 
 
-def collate(ds: TokenizedDataset, indices, device, length_bucket: int = 0) -> dict:
-    length = max(len(ds.input_ids[i]) for i in indices)
-    if length_bucket:
-        length = -(-length // length_bucket) * length_bucket
-    ids = torch.zeros(len(indices), length, dtype=torch.long)
-    loss_mask = torch.zeros(len(indices), length, dtype=torch.long)
-    attn = torch.zeros(len(indices), length, dtype=torch.long)
+def collate(ds: TokenizedDataset, indices, device, shape: tuple[int, int] | None = None) -> dict:
+    """Padded [rows, length] tensors; `shape` fixes both (bucket mode: extra rows are empty)."""
+    rows, length = shape or (len(indices), max(len(ds.input_ids[i]) for i in indices))
+    ids = torch.zeros(rows, length, dtype=torch.long)
+    loss_mask = torch.zeros(rows, length, dtype=torch.long)
+    attn = torch.zeros(rows, length, dtype=torch.long)
+    attn[len(indices):, 0] = 1  # an empty row attends to one pad token: finite features, no anchors
     for row, i in enumerate(indices):
         n = len(ds.input_ids[i])
         ids[row, :n] = torch.from_numpy(ds.input_ids[i].astype(np.int64))
@@ -225,8 +225,15 @@ class Trainer:
         epoch, index = locate(self.epoch_batches, self.cursor)
         batches = self.epoch_batches[epoch % len(self.epoch_batches)]
         self.cursor = (epoch, index + 1)
-        batch = collate(self.dataset, batches[index], self.device, self.cfg.data.length_bucket)
-        return batch, anchor_seed(self.cfg.seed, epoch, index)
+        return collate(self.dataset, batches[index], self.device, self.batch_shape(batches[index])), \
+            anchor_seed(self.cfg.seed, epoch, index)
+
+    def batch_shape(self, indices) -> tuple[int, int] | None:
+        dc = self.cfg.data
+        if not dc.length_bucket:
+            return None
+        longest = max(len(self.dataset.input_ids[i]) for i in indices)
+        return bucket_shape(longest, dc.length_bucket, dc.token_budget, dc.max_batch_size)
 
     def features(self, batch: dict) -> torch.Tensor:
         layer_ids = self.drafter.config.target_layer_ids
