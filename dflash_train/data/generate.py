@@ -20,7 +20,7 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -136,7 +136,7 @@ async def regenerate(job: Job, backend: Backend, params: GenParams, system_promp
             history.append(message)
             out.append({**message, "reasoning_content": None})
             continue
-        request = GenParams(**{**params.__dict__, "seed": turn_seed(params.seed, job.key, turn)})
+        request = replace(params, seed=turn_seed(params.seed, job.key, turn))
         try:
             answer = await backend.complete(history, request)
         except GenerationError as err:
@@ -204,24 +204,30 @@ async def _pump(cfg: GenerateConfig, backend: Backend, writer: ShardWriter, done
         elapsed = time.monotonic() - stats.started
         bar.set_postfix(tok_s=f"{stats.completion_tokens / elapsed:.0f}", err=stats.written["error"], refresh=False)
 
+    bad_input: DataError | None = None
     try:
-        for job in iter_jobs(cfg.inputs, cfg.skip_invalid):
-            if cfg.limit is not None and stats.rows_in >= cfg.limit:
-                break
-            stats.rows_in += 1
-            if job.key in done:
-                stats.already_done += 1
-                bar.update(1)
-                continue
-            pending.add(asyncio.create_task(regenerate(job, backend, params, cfg.sampling.system_prompt)))
-            if len(pending) >= cfg.concurrency:
-                finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                finish(finished)
+        try:
+            for job in iter_jobs(cfg.inputs, cfg.skip_invalid):
+                if cfg.limit is not None and stats.rows_in >= cfg.limit:
+                    break
+                stats.rows_in += 1
+                if job.key in done:
+                    stats.already_done += 1
+                    bar.update(1)
+                    continue
+                pending.add(asyncio.create_task(regenerate(job, backend, params, cfg.sampling.system_prompt)))
+                if len(pending) >= cfg.concurrency:
+                    finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    finish(finished)
+        except DataError as err:
+            bad_input = err  # raised once the rows in flight, valid work, are finished and committed
         while pending:
             finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             finish(finished)
+        if bad_input is not None:
+            raise bad_input
     finally:
-        # On a bad row or a bug: keep what is finished, drop what is in flight (redone next run).
+        # On a bug or an interrupt: keep what is finished, drop what is in flight (redone next run).
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)

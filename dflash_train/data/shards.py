@@ -1,10 +1,12 @@
 """Crash-safe output: rows are committed in whole shards, atomically, and nothing else counts.
 
-A shard is written to a temporary name, fsynced, renamed to `shard-NNNNNN.<ext>` and the
+A shard is written to a temporary name, fsynced, renamed to `data/shard-NNNNNN.<ext>` and the
 directory fsynced: after a `kill -9` or a power cut a shard is either complete or absent, never
 half there. Resuming reads the `key` of every row in committed shards and skips those inputs;
 leftover temporary files are deleted. An exclusive lock on the directory keeps two runs from
 writing the same rows twice (the kernel drops it when the process dies, however it dies).
+Shards sit in `data/` alone, so `pyarrow.parquet.read_table(out / "data")` or any dataset loader
+reads them as one table (temporary names start with a dot, which those loaders ignore).
 """
 
 from __future__ import annotations
@@ -81,16 +83,20 @@ class OutputLock:
         os.close(self._fd)  # closing releases the lock
 
 
+def shard_dir(out_dir: Path) -> Path:
+    return out_dir / "data"
+
+
 def remove_temp_files(out_dir: Path) -> int:
     """Delete what a killed run was writing; it was never committed. Call under the lock."""
-    stale = list(out_dir.glob(f"{_TMP_PREFIX}*"))
+    stale = [*out_dir.glob(f"{_TMP_PREFIX}*"), *shard_dir(out_dir).glob(f"{_TMP_PREFIX}*")]
     for path in stale:
         path.unlink()
     return len(stale)
 
 
 def committed_shards(out_dir: Path, fmt: str) -> list[Path]:
-    return sorted(out_dir.glob(f"shard-*.{fmt}"))
+    return sorted(shard_dir(out_dir).glob(f"shard-*.{fmt}"))
 
 
 def _read_columns(path: Path, columns: list[str]) -> dict[str, list]:
@@ -145,7 +151,8 @@ class ShardWriter:
     """Buffers finished rows and commits them as a shard every `shard_size` rows or `interval_s`."""
 
     def __init__(self, out_dir: Path, fmt: str, *, shard_size: int, interval_s: float):
-        self.out_dir = out_dir
+        self.dir = shard_dir(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
         self.fmt = fmt
         self.shard_size = shard_size
         self.interval_s = interval_s
@@ -164,7 +171,7 @@ class ShardWriter:
         self.last_commit = time.monotonic()
         if not self.buffer:
             return None
-        path = self.out_dir / f"shard-{self.next_index:06d}.{self.fmt}"
+        path = self.dir / f"shard-{self.next_index:06d}.{self.fmt}"
         rows, self.buffer = self.buffer, []
         write_atomic(path, lambda f: (_write_parquet if self.fmt == "parquet" else _write_jsonl)(rows, f))
         self.next_index += 1
