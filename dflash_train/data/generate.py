@@ -20,9 +20,9 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
 
 from tqdm import tqdm
 
@@ -130,7 +130,7 @@ async def regenerate(job: Job, backend: Backend, params: GenParams, system_promp
         source = [*source, {"role": "assistant", "content": None}]
     history: list[dict] = []  # what the target sees: role + content only
     out: list[dict] = []
-    counts = dict(num_turns=0, prompt_tokens=0, completion_tokens=0, num_truncated=0)
+    counts = {"num_turns": 0, "prompt_tokens": 0, "completion_tokens": 0, "num_truncated": 0}
     for turn, message in enumerate(source):
         if message["role"] != "assistant":
             history.append(message)

@@ -1,12 +1,11 @@
 """Crash-safe output: rows are committed in whole shards, atomically, and nothing else counts.
 
-A shard is written to a temporary name, fsynced, renamed to `data/shard-NNNNNN.<ext>` and the
+A shard is written to a temporary name, fsynced, renamed to `shard-NNNNNN.<ext>` and the
 directory fsynced: after a `kill -9` or a power cut a shard is either complete or absent, never
 half there. Resuming reads the `key` of every row in committed shards and skips those inputs;
 leftover temporary files are deleted. An exclusive lock on the directory keeps two runs from
 writing the same rows twice (the kernel drops it when the process dies, however it dies).
-Shards sit in `data/` alone, so `pyarrow.parquet.read_table(out / "data")` or any dataset loader
-reads them as one table (temporary names start with a dot, which those loaders ignore).
+The training reader (`formats.iter_conversations`) takes the directory and reads its shards.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Self
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -70,7 +70,7 @@ class OutputLock:
         self.path = out_dir / ".lock"
         self._fd: int | None = None
 
-    def __enter__(self) -> OutputLock:
+    def __enter__(self) -> Self:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -83,20 +83,16 @@ class OutputLock:
         os.close(self._fd)  # closing releases the lock
 
 
-def shard_dir(out_dir: Path) -> Path:
-    return out_dir / "data"
-
-
 def remove_temp_files(out_dir: Path) -> int:
     """Delete what a killed run was writing; it was never committed. Call under the lock."""
-    stale = [*out_dir.glob(f"{_TMP_PREFIX}*"), *shard_dir(out_dir).glob(f"{_TMP_PREFIX}*")]
+    stale = list(out_dir.glob(f"{_TMP_PREFIX}*"))
     for path in stale:
         path.unlink()
     return len(stale)
 
 
 def committed_shards(out_dir: Path, fmt: str) -> list[Path]:
-    return sorted(shard_dir(out_dir).glob(f"shard-*.{fmt}"))
+    return sorted(out_dir.glob(f"shard-*.{fmt}"))
 
 
 def _read_columns(path: Path, columns: list[str]) -> dict[str, list]:
@@ -151,8 +147,7 @@ class ShardWriter:
     """Buffers finished rows and commits them as a shard every `shard_size` rows or `interval_s`."""
 
     def __init__(self, out_dir: Path, fmt: str, *, shard_size: int, interval_s: float):
-        self.dir = shard_dir(out_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = out_dir
         self.fmt = fmt
         self.shard_size = shard_size
         self.interval_s = interval_s
@@ -171,7 +166,7 @@ class ShardWriter:
         self.last_commit = time.monotonic()
         if not self.buffer:
             return None
-        path = self.dir / f"shard-{self.next_index:06d}.{self.fmt}"
+        path = self.out_dir / f"shard-{self.next_index:06d}.{self.fmt}"
         rows, self.buffer = self.buffer, []
         write_atomic(path, lambda f: (_write_parquet if self.fmt == "parquet" else _write_jsonl)(rows, f))
         self.next_index += 1

@@ -1,8 +1,8 @@
 """Fixtures for the generate tests: a tiny random target built offline and local servers.
 
-The tiny target is a real Llama model (2 layers, width 64) with a byte-level BPE tokenizer trained
-here on a few sentences and a ChatML template that knows `enable_thinking`, so the whole path
-(chat template, left padding, generate, HTTP) runs in seconds on CPU without downloading anything.
+The tiny target is a real Llama model (2 layers, width 64) saved to disk with the byte-level
+tokenizer of tests/tiny.py and a ChatML template that knows `enable_thinking`, so the whole path
+(load_target, chat template, left padding, generate, HTTP) runs in seconds on CPU, offline.
 """
 
 from __future__ import annotations
@@ -11,52 +11,41 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dflash_train.data.generate import generate
+from dflash_train.data.generate_config import build_generate_config
+from tests.tiny import CHATML, tiny_tokenizer
 
 os.environ.setdefault("DFLASH_TRAIN_CACHE", "/work/.cache-dflash")
 REPO = Path(__file__).resolve().parents[2]
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
-    "{% endif %}"
+# tests/tiny.py's ChatML plus the `enable_thinking` switch of Qwen3-style templates.
+CHATML_THINKING = CHATML.replace(
+    "<|im_start|>assistant\n{% endif %}",
+    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}",
 )
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Speculative decoding drafts a block of tokens and the target verifies them in one pass.",
-    "Hello there! How are you today? Tell me about the weather, numbers 0123456789 and code: def f(x): return x",
-] * 20
 
 
 def build_tiny_target(path: Path) -> Path:
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(
-        CORPUS,
-        trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    tokenizer.chat_template = CHATML
+    """Save a random-init Llama (2 layers, width 64) with the byte-level tiny tokenizer to `path`."""
+    tokenizer = tiny_tokenizer(CHATML_THINKING)
+    tokenizer.eos_token = "<|im_end|>"
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, initializer_range=0.5,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        initializer_range=0.5,  # the default 0.02 makes a random model repeat one token: proves nothing
     )
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(path)
+    LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
@@ -78,8 +67,6 @@ class Server:
         self.url = line.split()[1]
 
     def stats(self) -> dict:
-        import urllib.request
-
         with urllib.request.urlopen(self.url + "/stats") as resp:
             return json.load(resp)
 
@@ -109,3 +96,25 @@ def write_jsonl(path: Path, rows: list) -> Path:
             line = row if isinstance(row, bytes) else (row if isinstance(row, str) else json.dumps(row)).encode()
             f.write(line + b"\n")
     return path
+
+
+def read_rows(out_dir) -> list[dict]:
+    """All committed rows of a Parquet output directory."""
+    return [row for path in sorted(out_dir.glob("shard-*.parquet")) for row in pq.read_table(path).to_pylist()]
+
+
+def run(tmp_path, inputs, urls, **settings) -> dict:
+    """generate() over `inputs` into tmp_path/out against server `urls`; settings as CLI flags."""
+    cfg = build_generate_config(
+        {"inputs": [str(p) for p in inputs], "output_dir": str(tmp_path / "out"), "progress": False},
+        {"server_url": urls, **settings},
+    )
+    return generate(cfg)
+
+
+def conversation(i: int, turns: int = 1) -> dict:
+    """`turns` user/assistant pairs with id c<i>."""
+    messages = []
+    for t in range(turns):
+        messages += [{"role": "user", "content": f"question {i}.{t}"}, {"role": "assistant", "content": "dataset answer"}]
+    return {"id": f"c{i}", "messages": messages}

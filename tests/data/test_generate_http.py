@@ -2,33 +2,13 @@
 
 from __future__ import annotations
 
-import pyarrow.parquet as pq
 import pytest
 
+from dflash_train.data.formats import RowStats, iter_conversations
 from dflash_train.data.generate import generate
 from dflash_train.data.generate_config import build_generate_config
 from dflash_train.data.server import echo_answer
-from tests.data.conftest import write_jsonl
-
-
-def read_rows(out_dir) -> list[dict]:
-    """All committed rows, read the way a user would: the shard folder as one Parquet dataset."""
-    return pq.read_table(out_dir / "data").to_pylist()
-
-
-def run(tmp_path, inputs, urls, **settings) -> dict:
-    cfg = build_generate_config(
-        {"inputs": [str(p) for p in inputs], "output_dir": str(tmp_path / "out"), "progress": False},
-        {"server_url": urls, **settings},
-    )
-    return generate(cfg)
-
-
-def conversation(i: int, turns: int = 1) -> dict:
-    messages = []
-    for t in range(turns):
-        messages += [{"role": "user", "content": f"question {i}.{t}"}, {"role": "assistant", "content": "dataset answer"}]
-    return {"id": f"c{i}", "messages": messages}
+from tests.data.conftest import conversation, read_rows, run, write_jsonl
 
 
 def test_every_assistant_turn_is_answered_in_order_from_the_targets_own_history(tmp_path, start_server):
@@ -95,6 +75,11 @@ def test_a_request_that_keeps_failing_becomes_a_counted_error_row(tmp_path, star
     assert "turn 1: gave up after 4 attempts: HTTP 500" in error["reason"]
     assert server.stats()["failed"] == 4
     assert list(summary["top_reasons"].values()) == [1]
+
+    # The training reader takes the output directory and trains on ok rows only.
+    stats = RowStats()
+    assert len(list(iter_conversations(tmp_path / "out", stats=stats))) == 9
+    assert stats.skipped == {"generation error": 1}
 
 
 def test_load_spreads_over_servers_and_a_dead_one_costs_no_rows(tmp_path, start_server):

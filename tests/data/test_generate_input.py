@@ -12,9 +12,11 @@ import pytest
 from dflash_train.config import ConfigError
 from dflash_train.data.formats import DataError
 from dflash_train.data.generate import generate
-from dflash_train.data.generate_config import build_generate_config, load_generate_config
-from tests.data.conftest import write_jsonl
-from tests.data.test_generate_http import read_rows, run
+from dflash_train.data.generate_config import (
+    build_generate_config,
+    load_generate_config,
+)
+from tests.data.conftest import read_rows, run, write_jsonl
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}]}
 BAD_LINES = [
@@ -63,7 +65,7 @@ def test_parquet_sharegpt_input_and_jsonl_output(tmp_path, start_server):
     pq.write_table(table, tmp_path / "in.parquet")
     summary = run(tmp_path, [tmp_path / "in.parquet"], [server.url], output_format="jsonl", shard_size=2)
     assert summary["ok"] == 5 and summary["shards"] == 3
-    rows = [json.loads(line) for p in sorted((tmp_path / "out" / "data").glob("shard-*.jsonl")) for line in p.open()]
+    rows = [json.loads(line) for p in sorted((tmp_path / "out").glob("shard-*.jsonl")) for line in p.open()]
     assert sorted(r["id"] for r in rows) == [f"p{i}" for i in range(5)]
     assert all(r["source"].endswith(f"in.parquet:row {int(r['id'][1:]) + 1}") for r in rows)
 

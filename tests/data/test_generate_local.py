@@ -11,8 +11,7 @@ from dflash_train.data.backends import GenParams
 from dflash_train.data.generate import generate
 from dflash_train.data.generate_config import LocalConfig, build_generate_config
 from dflash_train.data.local_backend import LocalBackend, encode_prompt
-from tests.data.conftest import write_jsonl
-from tests.data.test_generate_http import read_rows
+from tests.data.conftest import read_rows, write_jsonl
 
 PROMPTS = [
     [{"role": "user", "content": "hello"}],

@@ -12,10 +12,12 @@ import pytest
 import yaml
 
 from dflash_train.data.generate import generate
-from dflash_train.data.generate_config import build_generate_config, load_generate_config
+from dflash_train.data.generate_config import (
+    build_generate_config,
+    load_generate_config,
+)
 from dflash_train.data.shards import OutputLock
-from tests.data.conftest import REPO, write_jsonl
-from tests.data.test_generate_http import conversation, read_rows
+from tests.data.conftest import REPO, conversation, read_rows, write_jsonl
 
 NUM_ROWS = 240
 
@@ -32,7 +34,7 @@ def start_generate(config_path) -> subprocess.Popen:
 
 def kill_after_shards(proc: subprocess.Popen, out_dir, num_shards: int) -> None:
     deadline = time.monotonic() + 30
-    while len(list((out_dir / "data").glob("shard-*.parquet"))) < num_shards:
+    while len(list(out_dir.glob("shard-*.parquet"))) < num_shards:
         assert proc.poll() is None, proc.stderr.read().decode()
         assert time.monotonic() < deadline, "no shards committed"
         time.sleep(0.01)
@@ -53,7 +55,7 @@ def test_kill_9_midway_then_rerun_loses_and_duplicates_nothing(tmp_path, start_s
         kill_after_shards(start_generate(config), out_dir, num_shards)
     committed = read_rows(out_dir)
     assert 0 < len(committed) < NUM_ROWS
-    (out_dir / "data" / ".tmp-999-shard-000077.parquet").write_bytes(b"PAR1 half a shard")  # as a kill mid-write leaves
+    (out_dir / ".tmp-999-shard-000077.parquet").write_bytes(b"PAR1 half a shard")  # as a kill mid-write leaves
 
     summary = generate(load_generate_config(config))
     rows = read_rows(out_dir)
@@ -65,7 +67,7 @@ def test_kill_9_midway_then_rerun_loses_and_duplicates_nothing(tmp_path, start_s
     assert summary["this_run"]["already_done"] == len(committed)
     assert summary["this_run"]["rows"] == NUM_ROWS - len(committed)
     assert summary["rows_not_in_inputs"] == 0
-    assert not list(out_dir.rglob(".tmp-*"))
+    assert not list(out_dir.glob(".tmp-*"))
 
     again = generate(load_generate_config(config))  # finished: a rerun does nothing
     assert again["this_run"]["rows"] == 0 and again["rows_out"] == NUM_ROWS
@@ -84,6 +86,5 @@ def test_resume_refuses_other_sampling_settings_and_a_second_run(tmp_path, start
     generate(config(temperature=0.0))
     with pytest.raises(ValueError, match="other settings"):
         generate(config(temperature=0.7))
-    with OutputLock(tmp_path / "out"):
-        with pytest.raises(ValueError, match="in use by another generate run"):
-            generate(config(temperature=0.0))
+    with OutputLock(tmp_path / "out"), pytest.raises(ValueError, match="in use by another generate run"):
+        generate(config(temperature=0.0))
