@@ -160,8 +160,12 @@ class RunStats:
 
 
 def _settings(cfg: GenerateConfig) -> dict:
-    """What decides the answers; must be identical for every row of one output directory."""
-    return {"backend": cfg.backend, "sampling": cfg.sampling.model_dump(mode="json")}
+    """What decides the rows; must be identical for every row of one output directory.
+
+    The format is here too: resume reads only shards of the current format, so switching it
+    would regenerate (and duplicate) every row.
+    """
+    return {"backend": cfg.backend, "format": cfg.output_format, "sampling": cfg.sampling.model_dump(mode="json")}
 
 
 def _check_meta(out_dir: Path, meta: dict) -> None:
