@@ -20,9 +20,9 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
 
 from tqdm import tqdm
 
@@ -130,13 +130,13 @@ async def regenerate(job: Job, backend: Backend, params: GenParams, system_promp
         source = [*source, {"role": "assistant", "content": None}]
     history: list[dict] = []  # what the target sees: role + content only
     out: list[dict] = []
-    counts = dict(num_turns=0, prompt_tokens=0, completion_tokens=0, num_truncated=0)
+    counts = {"num_turns": 0, "prompt_tokens": 0, "completion_tokens": 0, "num_truncated": 0}
     for turn, message in enumerate(source):
         if message["role"] != "assistant":
             history.append(message)
             out.append({**message, "reasoning_content": None})
             continue
-        request = GenParams(**{**params.__dict__, "seed": turn_seed(params.seed, job.key, turn)})
+        request = replace(params, seed=turn_seed(params.seed, job.key, turn))
         try:
             answer = await backend.complete(history, request)
         except GenerationError as err:
@@ -160,8 +160,12 @@ class RunStats:
 
 
 def _settings(cfg: GenerateConfig) -> dict:
-    """What decides the answers; must be identical for every row of one output directory."""
-    return {"backend": cfg.backend, "sampling": cfg.sampling.model_dump(mode="json")}
+    """What decides the rows; must be identical for every row of one output directory.
+
+    The format is here too: resume reads only shards of the current format, so switching it
+    would regenerate (and duplicate) every row.
+    """
+    return {"backend": cfg.backend, "format": cfg.output_format, "sampling": cfg.sampling.model_dump(mode="json")}
 
 
 def _check_meta(out_dir: Path, meta: dict) -> None:
@@ -204,24 +208,30 @@ async def _pump(cfg: GenerateConfig, backend: Backend, writer: ShardWriter, done
         elapsed = time.monotonic() - stats.started
         bar.set_postfix(tok_s=f"{stats.completion_tokens / elapsed:.0f}", err=stats.written["error"], refresh=False)
 
+    bad_input: DataError | None = None
     try:
-        for job in iter_jobs(cfg.inputs, cfg.skip_invalid):
-            if cfg.limit is not None and stats.rows_in >= cfg.limit:
-                break
-            stats.rows_in += 1
-            if job.key in done:
-                stats.already_done += 1
-                bar.update(1)
-                continue
-            pending.add(asyncio.create_task(regenerate(job, backend, params, cfg.sampling.system_prompt)))
-            if len(pending) >= cfg.concurrency:
-                finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                finish(finished)
+        try:
+            for job in iter_jobs(cfg.inputs, cfg.skip_invalid):
+                if cfg.limit is not None and stats.rows_in >= cfg.limit:
+                    break
+                stats.rows_in += 1
+                if job.key in done:
+                    stats.already_done += 1
+                    bar.update(1)
+                    continue
+                pending.add(asyncio.create_task(regenerate(job, backend, params, cfg.sampling.system_prompt)))
+                if len(pending) >= cfg.concurrency:
+                    finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    finish(finished)
+        except DataError as err:
+            bad_input = err  # raised once the rows in flight, valid work, are finished and committed
         while pending:
             finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             finish(finished)
+        if bad_input is not None:
+            raise bad_input
     finally:
-        # On a bad row or a bug: keep what is finished, drop what is in flight (redone next run).
+        # On a bug or an interrupt: keep what is finished, drop what is in flight (redone next run).
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)

@@ -22,8 +22,7 @@ RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
 
 def base_url(url: str) -> str:
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
+    return url.rstrip("/").removesuffix("/v1")
 
 
 def request_body(model: str, messages: list[dict], params: GenParams) -> dict:
@@ -114,8 +113,8 @@ class HttpBackend:
                     retry_after = resp.headers.get("Retry-After", "")
                     if retry_after.isdigit():
                         await asyncio.sleep(min(float(retry_after), self.cfg.backoff_max_s))
-            except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as err:
-                kind = "timeout" if isinstance(err, asyncio.TimeoutError) else type(err).__name__
+            except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as err:
+                kind = "timeout" if isinstance(err, TimeoutError) else type(err).__name__
                 last_error = f"{kind} from {url}: {err}".rstrip(": ")
             finally:
                 self.in_flight[url] -= 1

@@ -73,7 +73,7 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], params: GenParams
         new = ids if end is None else ids[: end + 1]
         completions.append(
             Completion(
-                text=tokenizer.decode(new, skip_special_tokens=True),
+                text=tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False),
                 prompt_tokens=len(prompt),
                 completion_tokens=len(new),
                 finish_reason="length" if end is None else "stop",
@@ -143,7 +143,7 @@ class LocalBackend:
                 try:
                     # A thread keeps the event loop (HTTP server, writer) responsive during generate.
                     results = await asyncio.to_thread(generate_batch, self.model, self.tokenizer, prompts, batch[0].params)
-                except Exception as err:  # a bug or OOM must reach the callers, not kill the worker
+                except Exception as err:  # noqa: BLE001 -- a bug or OOM must reach the callers, not kill the worker
                     for r in batch:
                         if not r.future.done():
                             r.future.set_exception(err)

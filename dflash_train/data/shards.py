@@ -5,6 +5,7 @@ directory fsynced: after a `kill -9` or a power cut a shard is either complete o
 half there. Resuming reads the `key` of every row in committed shards and skips those inputs;
 leftover temporary files are deleted. An exclusive lock on the directory keeps two runs from
 writing the same rows twice (the kernel drops it when the process dies, however it dies).
+The training reader (`formats.iter_conversations`) takes the directory and reads its shards.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Self
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -68,7 +70,7 @@ class OutputLock:
         self.path = out_dir / ".lock"
         self._fd: int | None = None
 
-    def __enter__(self) -> OutputLock:
+    def __enter__(self) -> Self:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -1,0 +1,111 @@
+"""Bad input rows, input formats and the generate config."""
+
+from __future__ import annotations
+
+import json
+from argparse import Namespace
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_train.config import ConfigError
+from dflash_train.data.formats import DataError
+from dflash_train.data.generate import generate
+from dflash_train.data.generate_config import (
+    build_generate_config,
+    load_generate_config,
+)
+from tests.data.conftest import read_rows, run, write_jsonl
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}]}
+BAD_LINES = [
+    GOOD,                                                                   # line 1
+    "{not json",                                                            # line 2
+    {"messages": [{"role": "wizard", "content": "?"}]},                     # line 3
+    {"messages": []},                                                       # line 4
+    b'{"messages": [{"role": "user", "content": "caf\xe9"}]}',              # line 5: latin-1 byte
+    {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]},  # line 6
+    {"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]},    # line 7
+    GOOD,                                                                   # line 8
+]
+
+
+def test_a_bad_row_stops_the_run_naming_file_and_line(tmp_path, start_server):
+    server = start_server("--echo")
+    inputs = write_jsonl(tmp_path / "bad.jsonl", BAD_LINES)
+    with pytest.raises(DataError, match=rf"{inputs}:2: not valid JSON"):
+        run(tmp_path, [inputs], [server.url], shard_size=1)
+    # Rows finished before the bad one are committed, so a rerun after the fix keeps them.
+    assert [r["source"] for r in read_rows(tmp_path / "out")] == [f"{inputs}:1"]
+
+
+def test_skip_invalid_records_every_bad_row_with_its_reason(tmp_path, start_server):
+    server = start_server("--echo")
+    inputs = write_jsonl(tmp_path / "bad.jsonl", BAD_LINES)
+    summary = run(tmp_path, [inputs], [server.url], skip_invalid=True)
+    assert (summary["rows_in"], summary["ok"], summary["error"], summary["skipped"]) == (8, 2, 0, 6)
+    reasons = {int(r["source"].rsplit(":", 1)[1]): r["reason"] for r in read_rows(tmp_path / "out")}
+    assert reasons[1] is None and reasons[8] is None
+    assert reasons[2].startswith("not valid JSON")
+    assert "unknown role 'wizard'" in reasons[3]
+    assert "empty or not a list" in reasons[4]
+    assert reasons[5].startswith("not valid UTF-8")
+    assert reasons[6] == "no user turn to answer"
+    assert reasons[7] == "the first non-system turn is 'assistant', not 'user'"
+    assert sum(summary["top_reasons"].values()) == 6
+
+
+def test_parquet_sharegpt_input_and_jsonl_output(tmp_path, start_server):
+    server = start_server("--echo")
+    table = pa.Table.from_pylist(
+        [{"id": f"p{i}", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}
+         for i in range(5)]
+    )
+    pq.write_table(table, tmp_path / "in.parquet")
+    summary = run(tmp_path, [tmp_path / "in.parquet"], [server.url], output_format="jsonl", shard_size=2)
+    assert summary["ok"] == 5 and summary["shards"] == 3
+    rows = [json.loads(line) for p in sorted((tmp_path / "out").glob("shard-*.jsonl")) for line in p.open()]
+    assert sorted(r["id"] for r in rows) == [f"p{i}" for i in range(5)]
+    assert all(r["source"].endswith(f"in.parquet:row {int(r['id'][1:]) + 1}") for r in rows)
+
+
+def test_config_from_yaml_with_cli_overrides(tmp_path):
+    path = tmp_path / "gen.yaml"
+    path.write_text(
+        "inputs: [a.jsonl]\noutput_dir: out\nhttp:\n  server_urls: [http://h1:30000/v1]\n"
+        "sampling:\n  temperature: 0.6\n  thinking: true\n"
+    )
+    args = Namespace(config=str(path), command="generate", input=None, output="elsewhere",
+                     server_url=["http://h2:30000", "http://h3:30000"], max_tokens=512, top_p=None)
+    cfg = load_generate_config(path, args)
+    assert cfg.inputs == ["a.jsonl"] and cfg.output_dir == "elsewhere"
+    assert cfg.http.server_urls == ["http://h2:30000", "http://h3:30000"]
+    assert (cfg.sampling.temperature, cfg.sampling.max_tokens, cfg.sampling.top_p, cfg.sampling.thinking) == (
+        0.6, 512, 1.0, True)
+    cfg = build_generate_config({"inputs": ["a"], "output_dir": "o", "backend": "local"}, {"sampling.seed": 7})
+    assert cfg.sampling.seed == 7 and cfg.model is None
+
+
+@pytest.mark.parametrize(
+    "tree, message",
+    [
+        ({"inputs": ["a"], "output_dir": "o", "temprature": 1}, "temprature: unknown key"),
+        ({"inputs": ["a"], "output_dir": "o"}, "needs at least one server URL"),
+        ({"inputs": ["a", "./a"], "output_dir": "o", "backend": "local"}, "lists a file twice"),
+        ({"inputs": ["a"], "output_dir": "o", "backend": "local", "sampling": {"top_p": 0}}, "sampling.top_p"),
+    ],
+)
+def test_config_errors_name_the_problem(tree, message):
+    with pytest.raises(ConfigError, match=message):
+        build_generate_config(tree)
+
+
+def test_missing_input_file_is_an_error(tmp_path, start_server):
+    server = start_server("--echo")
+    cfg = build_generate_config(
+        {"inputs": [str(tmp_path / "nope.jsonl")], "output_dir": str(tmp_path / "out"), "progress": False},
+        {"server_url": server.url},
+    )
+    with pytest.raises(DataError, match="data file not found"):
+        generate(cfg)

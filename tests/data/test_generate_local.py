@@ -1,0 +1,77 @@
+"""The in-process transformers backend on a tiny random target, alone and behind the HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import torch
+
+from dflash_train.data.backends import GenParams
+from dflash_train.data.generate import generate
+from dflash_train.data.generate_config import LocalConfig, build_generate_config
+from dflash_train.data.local_backend import LocalBackend, encode_prompt
+from tests.data.conftest import read_rows, write_jsonl
+
+PROMPTS = [
+    [{"role": "user", "content": "hello"}],
+    [{"role": "system", "content": "You verify tokens."}, {"role": "user", "content": "The quick brown fox jumps?"}],
+    [{"role": "user", "content": "numbers 0123456789 and code: def f(x): return x, then tell me more"}],
+    [{"role": "user", "content": "x"}],
+]
+
+
+def test_batched_greedy_equals_model_generate_prompt_by_prompt(tiny_target):
+    backend = LocalBackend.load(str(tiny_target), LocalConfig(device="cpu", batch_size=8))
+    params = GenParams(temperature=0.0, top_p=1.0, max_tokens=24)
+
+    async def answer_all():
+        try:
+            return await asyncio.gather(*(backend.complete(m, params) for m in PROMPTS))
+        finally:
+            await backend.aclose()
+
+    answers = asyncio.run(answer_all())  # concurrent calls: one left-padded batch of 4 lengths
+    tokenizer, model = backend.tokenizer, backend.model
+    for messages, answer in zip(PROMPTS, answers):
+        ids = encode_prompt(tokenizer, messages, None)
+        alone = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, pad_token_id=0)[0, len(ids):]
+        new = alone.tolist()
+        end = new.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in new else len(new)
+        assert answer.text == tokenizer.decode(new[:end], skip_special_tokens=True)
+        assert (answer.prompt_tokens, answer.completion_tokens) == (len(ids), end)
+        assert answer.finish_reason == ("stop" if end < len(new) or new[-1] == tokenizer.eos_token_id else "length")
+    assert len({a.text for a in answers}) == len(PROMPTS)  # a random model that says one thing proves nothing
+
+
+def test_thinking_switch_reaches_the_chat_template(tiny_target):
+    backend = LocalBackend.load(str(tiny_target), LocalConfig(device="cpu"))
+    off = backend.tokenizer.decode(encode_prompt(backend.tokenizer, PROMPTS[0], False))
+    default = backend.tokenizer.decode(encode_prompt(backend.tokenizer, PROMPTS[0], None))
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert default.endswith("<|im_start|>assistant\n")
+
+
+def test_local_and_http_served_model_regenerate_identically(tmp_path, tiny_target, start_server):
+    conversations = [
+        {"id": f"m{i}", "messages": [*m, {"role": "assistant", "content": "old"}, {"role": "user", "content": "and?"}]}
+        for i, m in enumerate(PROMPTS)
+    ]
+    inputs = write_jsonl(tmp_path / "in.jsonl", conversations)
+    base = {"inputs": [str(inputs)], "progress": False, "model": str(tiny_target), "concurrency": 8,
+            "sampling": {"max_tokens": 12, "thinking": False}}
+
+    local = generate(build_generate_config({**base, "output_dir": str(tmp_path / "local"), "backend": "local"},
+                                           {"device": "cpu"}))
+    server = start_server("--model", str(tiny_target), "--device", "cpu", "--batch-size", "4")
+    http = generate(build_generate_config({**base, "output_dir": str(tmp_path / "http")}, {"server_url": server.url}))
+
+    assert local["ok"] == http["ok"] == len(PROMPTS)
+    assert local["completion_tokens"] == http["completion_tokens"] > 0
+    by_id = {r["id"]: r for r in read_rows(tmp_path / "local")}
+    for row in read_rows(tmp_path / "http"):
+        assert row["messages"] == by_id[row["id"]]["messages"]
+        assert row["num_turns"] == 2 and "old" not in [m["content"] for m in row["messages"]]
+    meta = json.loads((tmp_path / "local" / "meta.json").read_text())
+    assert meta["settings"]["sampling"]["thinking"] is False and len(meta["chat_template_hash"]) == 16
+    assert meta["identity"]["target"]["num_layers"] == 2
