@@ -50,3 +50,18 @@ def test_batches_are_reasonably_full():
 def test_sample_longer_than_budget_is_refused():
     with pytest.raises(ValueError, match="token_budget"):
         make_batches(np.array([10, 400]), 300, 4, seed=0, epoch=0)
+
+
+def test_bucket_mode_has_one_shape_per_bucket_and_keeps_every_sample():
+    from dflash_train.data.batching import bucket_shape
+
+    lengths = np.random.default_rng(0).integers(10, 500, 300)
+    batches = make_batches(lengths, 2048, 8, seed=0, epoch=0, length_bucket=128)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(300))
+    shapes = set()
+    for batch in batches:
+        rows, padded = bucket_shape(int(lengths[batch].max()), 128, 2048, 8)
+        assert len(batch) <= rows and rows * padded <= 2048 and padded % 128 == 0
+        assert lengths[batch].max() <= padded
+        shapes.add((rows, padded))
+    assert len(shapes) == 4  # buckets 128, 256, 384, 512: one compiled shape each
