@@ -33,7 +33,7 @@ def random_dataset(n: int, min_len: int, max_len: int, vocab: int, seed: int = 0
     ds = TokenizedDataset()
     for _ in range(n):
         length = int(rng.integers(min_len, max_len + 1))
-        prompt = int(rng.integers(16, length // 3))
+        prompt = int(rng.integers(1, max(2, length // 3)))
         ds.append(rng.integers(0, vocab - 300, length), np.r_[np.zeros(prompt), np.ones(length - prompt)])
     ds.stats.ok = n
     return ds
