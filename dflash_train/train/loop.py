@@ -143,8 +143,15 @@ class Trainer:
         self.compile_state = self._activate_compile_cache()
         self.recompiles = RecompileWatch()
         if cfg.train.compile:
+            # Bucket mode: one static graph per bucket shape (dynamic shapes hit inductor bugs in the
+            # flex backward on torch 2.11); otherwise let dynamo go dynamic after a first new length.
+            static = bool(cfg.data.length_bucket)
+            if static:
+                torch._dynamo.config.recompile_limit = max(
+                    torch._dynamo.config.recompile_limit, 2 * len(self.bucket_shapes()) + 8
+                )
             for layer in self.drafter.layers:
-                layer.compile()  # in place: state_dict names stay DESIGN.md's
+                layer.compile(dynamic=False if static else None)  # in place: state_dict names unchanged
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
         )
@@ -228,6 +235,30 @@ class Trainer:
         return collate(self.dataset, batches[index], self.device, self.batch_shape(batches[index])), \
             anchor_seed(self.cfg.seed, epoch, index)
 
+    def bucket_shapes(self) -> list[tuple[int, int]]:
+        dc = self.cfg.data
+        return [bucket_shape(n, dc.length_bucket, dc.token_budget, dc.max_batch_size)
+                for n in range(dc.length_bucket, dc.max_length + dc.length_bucket, dc.length_bucket)]
+
+    def compile_buckets(self) -> int:
+        """One forward+backward per bucket shape (synthetic tokens, no update): compiles every graph
+        the run will need, so training itself never recompiles. Returns the shapes compiled."""
+        tc, d = self.cfg.train, self.drafter.config
+        gen = torch.Generator().manual_seed(0)
+        for rows, length in self.bucket_shapes():
+            ids = torch.randint(0, self.target.vocab_size, (rows, length), generator=gen).to(self.device)
+            loss_mask = torch.zeros_like(ids)
+            loss_mask[:, length // 4 :] = 1
+            task = make_task(ids, loss_mask, tc.num_anchors, d.block_size, tc.gamma, 0)
+            feats = self.target.features(ids, torch.ones_like(ids), d.target_layer_ids)
+            with self.autocast:
+                out = draft_loss(self.drafter, task, feats, self.target.embed_weight, self.target.lm_head_weight,
+                                 self.use_flex, tc.ce_chunk_size)
+            out.weighted_ce_sum.backward()
+            self.drafter.zero_grad(set_to_none=True)
+        self.recompiles.mark_warm()
+        return len(self.bucket_shapes())
+
     def batch_shape(self, indices) -> tuple[int, int] | None:
         dc = self.cfg.data
         if not dc.length_bucket:
@@ -292,7 +323,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        if self.step == self.cfg.train.compile_warmup_steps:
+        if self.step == self.cfg.train.compile_warmup_steps and not self.cfg.data.length_bucket:
             self.recompiles.mark_warm()
         return {"grad_norm": grad_norm, "lr": lr}
 
@@ -331,6 +362,11 @@ class Trainer:
             self.run_dir, self.cfg.model_dump(mode="json"), manifest, run_id=self.tracking_run_id
         )
         metrics = MetricsFile(self.run_dir, resume_step=self.step)
+        if self.cfg.train.compile and self.cfg.data.length_bucket:
+            t = time.perf_counter()
+            n = self.compile_buckets()
+            log.info("compiled %d bucket shapes in %.1f s (cache was %s)", n, time.perf_counter() - t,
+                     self.compile_state)
         window: list[dict] = []
         last_record: dict = {}
         t0 = time.perf_counter()
@@ -395,9 +431,12 @@ def warmup(cfg: RunConfig, steps: int | None = None) -> dict:
     """
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
-    steps = steps or cfg.train.compile_warmup_steps
-    for _ in range(min(steps, trainer.total_steps)):
-        trainer.train_step()
+    if cfg.data.length_bucket:
+        steps = trainer.compile_buckets()
+    else:
+        steps = steps or cfg.train.compile_warmup_steps
+        for _ in range(min(steps, trainer.total_steps)):
+            trainer.train_step()
     seconds = time.perf_counter() - t0
     info = {"steps": steps, "seconds": round(seconds, 1), "graphs": trainer.recompiles.graphs,
             "cache_state_before": trainer.compile_state}
