@@ -22,7 +22,7 @@ from dflash_train.config import build_config
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.target import Target
-from dflash_train.train.loop import draft_model_config
+from dflash_train.train.build import draft_model_config
 from dflash_train.train.optim import build_optimizer
 
 SHAPES = {

@@ -25,7 +25,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_warmup(args) -> int:
-    from dflash_train.train.loop import warmup
+    from dflash_train.train.warmup import warmup
 
     print(json.dumps(warmup(load_config(args.config, args.overrides), args.steps), indent=2))
     return 0

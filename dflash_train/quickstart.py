@@ -25,7 +25,8 @@ from dflash_train.data.generate_config import build_generate_config
 from dflash_train.eval.prompts import Prompt, load_prompts, sharegpt
 from dflash_train.eval.report import evaluate
 from dflash_train.target import Target, load_target
-from dflash_train.train.loop import Trainer, resolve_device
+from dflash_train.train.build import resolve_device
+from dflash_train.train.loop import Trainer
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
@@ -41,7 +42,7 @@ class Sizes:
     def for_device(cls, device: torch.device) -> Sizes:
         if device.type == "cuda":
             return cls(train_prompts=2000, eval_prompts=16, answer_tokens=256, eval_new_tokens=96)
-        return cls(train_prompts=160, eval_prompts=8, answer_tokens=96, eval_new_tokens=48)
+        return cls(train_prompts=128, eval_prompts=8, answer_tokens=64, eval_new_tokens=48)
 
 
 def _write_prompts(path: Path, prompts: list[str]) -> None:
@@ -76,7 +77,10 @@ def short_prompts(n: int, max_chars: int) -> list[Prompt]:
 def real_tau(target: Target, drafter, prompts: list[Prompt], max_new_tokens: int) -> dict:
     """Greedy speculative decoding on held-out prompts: tau, and losslessness vs target greedy."""
     drafter.eval()
-    report = evaluate(target, drafter, prompts, max_new_tokens=max_new_tokens)
+    # The drafter trains in fp32 under bf16 autocast on GPU; decode it the same way.
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=target.device.type == "cuda")
+    with autocast:
+        report = evaluate(target, drafter, prompts, max_new_tokens=max_new_tokens)
     drafter.train()
     lossless = report["lossless"]
     return {"tau": report["tau"], "rounds": report["num_rounds"], "speedup": report["speedup"],

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
 
 
 @dataclass
@@ -92,18 +93,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-_COMPILED_FLEX = None
+_COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)  # compiles lazily, at first call
 
 
 def _flex_attention(on_cuda: bool):
-    """flex_attention only runs fused when compiled; on CPU (tests, forward only) eager is enough."""
-    global _COMPILED_FLEX
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if not on_cuda:
+    """flex_attention only runs fused when compiled. Inside an already compiled region (draft layers
+    under train.compile) dynamo handles it natively; on CPU (tests, forward only) eager is enough."""
+    if torch.compiler.is_compiling() or not on_cuda:
         return flex_attention
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
     return _COMPILED_FLEX
 
 

@@ -30,7 +30,7 @@ from dflash_train.data.dataset import load_training_data
 from dflash_train.target import Target, decoder_layers, load_target
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.layout import Layout
-from dflash_train.train.loop import draft_model_config, resolve_device
+from dflash_train.train.build import draft_model_config, resolve_device
 from dflash_train.train.roles import DrafterRank, Link, TargetFeeder
 
 log = logging.getLogger("dflash_train")

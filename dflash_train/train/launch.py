@@ -23,7 +23,8 @@ from dflash_train.data.dataset import load_training_data
 from dflash_train.target import load_target
 from dflash_train.train.distributed import drafter_runs
 from dflash_train.train.layout import Plan, plan_split
-from dflash_train.train.loop import Trainer, resolve_device
+from dflash_train.train.build import resolve_device
+from dflash_train.train.loop import Trainer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

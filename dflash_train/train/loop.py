@@ -15,7 +15,6 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -23,96 +22,22 @@ from dflash_train.config import RunConfig, dump_config
 from dflash_train.data.batching import bucket_shape, make_batches
 from dflash_train.data.dataset import TokenizedDataset, load_training_data
 from dflash_train.draft.loss import acceptance_metrics
-from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig, default_target_layer_ids
+from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.ops import compile_cache
 from dflash_train.ops.guard import ThroughputGuard
 from dflash_train.ops.manifest import build_manifest, write_manifest
 from dflash_train.ops.recompiles import RecompileWatch
-from dflash_train.target import Target, load_target, resolve_mask_token_id
+from dflash_train.target import Target, load_target
 from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.batches import HELDOUT_SALT, anchor_seed, collate, epoch_plan, locate
+from dflash_train.train.build import draft_model_config, resolve_device
 from dflash_train.train.metrics import MetricsFile
 from dflash_train.train.storage import prune_local, resolve_resume
 from dflash_train.train.tracking import Tracker
 from dflash_train.train.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("dflash_train")
-
-HELDOUT_SALT = 2**31 - 1
-"""Anchor seeds of held-out evaluation never coincide with those of a training epoch."""
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: cuda requested but no CUDA GPU is visible")
-    return torch.device(name)
-
-
-def draft_model_config(cfg: RunConfig, target: Target) -> DraftModelConfig:
-    tc = target.model.config
-    heads = tc.num_attention_heads
-    rope = getattr(tc, "rope_parameters", None) or {}
-    layer_ids = cfg.draft.target_layer_ids or default_target_layer_ids(target.num_layers, cfg.draft.num_layers)
-    target.check_layer_ids(layer_ids)
-    return DraftModelConfig(
-        hidden_size=target.hidden_size,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-        head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
-        intermediate_size=cfg.draft.intermediate_size or tc.intermediate_size,
-        num_hidden_layers=cfg.draft.num_layers,
-        vocab_size=target.vocab_size,
-        block_size=cfg.draft.block_size,
-        target_layer_ids=list(layer_ids),
-        num_target_layers=target.num_layers,
-        mask_token_id=resolve_mask_token_id(cfg.draft.mask_token_id, target.tokenizer, target.vocab_size),
-        rms_norm_eps=tc.rms_norm_eps,
-        rope_theta=rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)),
-        max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
-    )
-
-
-def anchor_seed(seed: int, epoch: int, batch_index: int) -> int:
-    return int(np.random.SeedSequence([seed, epoch, batch_index]).generate_state(1)[0])
-
-
-def epoch_plan(cfg: RunConfig, lengths: np.ndarray) -> list[list[np.ndarray]]:
-    """Batches of every epoch: a pure function of (lengths, config), so every rank builds the same."""
-    return [
-        make_batches(lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.seed, e, cfg.data.length_bucket)
-        for e in range(cfg.train.epochs)
-    ]
-
-
-def locate(epoch_batches: list[list[np.ndarray]], cursor: tuple[int, int]) -> tuple[int, int]:
-    """(epoch, batch index) of the micro-batch the cursor points at, past finished epochs."""
-    epoch, index = cursor
-    while index >= len(epoch_batches[epoch % len(epoch_batches)]):
-        epoch, index = epoch + 1, 0
-    return epoch, index
-
-
-def collate(ds: TokenizedDataset, indices, device, shape: tuple[int, int] | None = None) -> dict:
-    """Padded [rows, length] tensors; `shape` fixes both (bucket mode: extra rows are empty)."""
-    rows, length = shape or (len(indices), max(len(ds.input_ids[i]) for i in indices))
-    ids = torch.zeros(rows, length, dtype=torch.long)
-    loss_mask = torch.zeros(rows, length, dtype=torch.long)
-    attn = torch.zeros(rows, length, dtype=torch.long)
-    attn[len(indices):, 0] = 1  # an empty row attends to one pad token: finite features, no anchors
-    for row, i in enumerate(indices):
-        n = len(ds.input_ids[i])
-        ids[row, :n] = torch.from_numpy(ds.input_ids[i].astype(np.int64))
-        loss_mask[row, :n] = torch.from_numpy(ds.loss_mask[i].astype(np.int64))
-        attn[row, :n] = 1
-    return {
-        "input_ids": ids.to(device, non_blocking=True),
-        "loss_mask": loss_mask.to(device, non_blocking=True),
-        "attention_mask": attn.to(device, non_blocking=True),
-        "indices": list(indices),
-        "num_tokens": int(sum(len(ds.input_ids[i]) for i in indices)),
-    }
 
 
 class Trainer:
@@ -421,29 +346,6 @@ class Trainer:
         if warning:
             tqdm.write(warning)
         return record
-
-
-def warmup(cfg: RunConfig, steps: int | None = None) -> dict:
-    """Compile every shape the run will see, into the persistent cache, before launch.
-
-    Runs the first training steps on the real data (nothing is saved), then marks the cache warm.
-    One process per GPU: compile is not thread-safe, and processes on one machine share the cache.
-    """
-    t0 = time.perf_counter()
-    trainer = Trainer(cfg)
-    if cfg.data.length_bucket:
-        steps = trainer.compile_buckets()
-    else:
-        steps = steps or cfg.train.compile_warmup_steps
-        for _ in range(min(steps, trainer.total_steps)):
-            trainer.train_step()
-    seconds = time.perf_counter() - t0
-    info = {"steps": steps, "seconds": round(seconds, 1), "graphs": trainer.recompiles.graphs,
-            "cache_state_before": trainer.compile_state}
-    if getattr(trainer, "compile_key", None):
-        compile_cache.mark_warm(trainer.compile_key, info=info)
-        info["cache"] = str(compile_cache.cache_root() / trainer.compile_key)
-    return info
 
 
 def train(cfg: RunConfig, resume: str | None = None, target: Target | None = None, progress: bool = True) -> dict:

@@ -25,7 +25,8 @@ from dflash_train.data.dataset import TokenizedDataset
 from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.target import Target
 from dflash_train.train.layout import Layout
-from dflash_train.train.loop import Trainer, anchor_seed, collate, epoch_plan, locate
+from dflash_train.train.batches import anchor_seed, collate, epoch_plan, locate
+from dflash_train.train.loop import Trainer
 
 
 @dataclass

@@ -1,0 +1,41 @@
+"""Building a run's parts from the config: the device, and the drafter's shape from the target."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_train.config import RunConfig
+from dflash_train.draft.model import DraftModelConfig, default_target_layer_ids
+from dflash_train.target import Target, resolve_mask_token_id
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda requested but no CUDA GPU is visible")
+    return torch.device(name)
+
+
+def draft_model_config(cfg: RunConfig, target: Target) -> DraftModelConfig:
+    tc = target.model.config
+    heads = tc.num_attention_heads
+    rope = getattr(tc, "rope_parameters", None) or {}
+    layer_ids = cfg.draft.target_layer_ids or default_target_layer_ids(target.num_layers, cfg.draft.num_layers)
+    target.check_layer_ids(layer_ids)
+    return DraftModelConfig(
+        hidden_size=target.hidden_size,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
+        intermediate_size=cfg.draft.intermediate_size or tc.intermediate_size,
+        num_hidden_layers=cfg.draft.num_layers,
+        vocab_size=target.vocab_size,
+        block_size=cfg.draft.block_size,
+        target_layer_ids=list(layer_ids),
+        num_target_layers=target.num_layers,
+        mask_token_id=resolve_mask_token_id(cfg.draft.mask_token_id, target.tokenizer, target.vocab_size),
+        rms_norm_eps=tc.rms_norm_eps,
+        rope_theta=rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)),
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
+    )
