@@ -96,11 +96,12 @@ def _table(before: dict, after: dict) -> Table:
     return table
 
 
-def run_quickstart(device: str = "auto", overrides=()) -> dict:
+def run_quickstart(device: str = "auto", overrides=(), sizes: Sizes | None = None) -> dict:
+    """The whole pipeline; `sizes` shrinks it (CI runs it end to end on a tiny subset)."""
     console = Console()
     cfg: RunConfig = load_config(CONFIG, [f"device={device}", *overrides])
     dev = resolve_device(cfg.device)
-    sizes = Sizes.for_device(dev)
+    sizes = sizes or Sizes.for_device(dev)
     data_root = Path(cfg.run_dir) / "data"
     t0 = time.perf_counter()
 
