@@ -1,5 +1,6 @@
 """Make `tests/` importable (`from tiny import tiny_target`) however pytest is invoked."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import torch
 torch.set_num_threads(1)
 
 TESTS = Path(__file__).resolve().parent
+# The embedded SmolLM2 is converted from GGUF once (~25 s): keep it in the checkout (git-ignored).
+os.environ.setdefault("DFLASH_TRAIN_CACHE", str(TESTS.parent / ".cache" / "dflash-train"))
 for path in (TESTS, TESTS.parent):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))

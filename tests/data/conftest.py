@@ -23,7 +23,6 @@ from dflash_train.data.generate import generate
 from dflash_train.data.generate_config import build_generate_config
 from tests.tiny import CHATML, tiny_tokenizer
 
-os.environ.setdefault("DFLASH_TRAIN_CACHE", "/work/.cache-dflash")
 REPO = Path(__file__).resolve().parents[2]
 
 # tests/tiny.py's ChatML plus the `enable_thinking` switch of Qwen3-style templates.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jinja2
 import pytest
 
 from dflash_train.data.chat import tokenize_conversation

@@ -1,6 +1,5 @@
 """Fixtures for the eval tests."""
 
-import os
 
 import pytest
 import torch
@@ -11,8 +10,6 @@ from dflash_train.target import load_target, resolve_target_path
 
 from .tiny_models import tiny_drafter, tiny_target
 
-# The embedded SmolLM2 is converted from GGUF once (~25 s); keep it across test runs.
-os.environ.setdefault("DFLASH_TRAIN_CACHE", "/work/.cache-dflash")
 
 
 @pytest.fixture(autouse=True)
