@@ -15,13 +15,13 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from dflash_train.atomic import new_temp_dir, swap_dir
 from dflash_train.config import TargetConfig
 
 log = logging.getLogger("dflash_train")
@@ -62,15 +62,13 @@ def _convert_embedded(name: str) -> Path:
     model.generation_config = quantised.generation_config
     # The GGUF metadata names <|im_start|> as EOS; the model ends turns with config.eos_token_id.
     tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{model_name}."))
+    tmp = new_temp_dir(out)
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out)
+        return swap_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def resolve_target_path(path: str) -> str:

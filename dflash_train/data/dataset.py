@@ -8,7 +8,6 @@ Training refuses a dataset prepared for another tokenizer: the token ids would b
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_train.atomic import write_atomic, write_json_atomic
 from dflash_train.data.chat import tokenize_conversation
 from dflash_train.data.formats import DataError, RowStats, iter_conversations
 
@@ -79,14 +79,6 @@ def tokenize_files(files, tokenizer, max_length: int, skip_invalid: bool, templa
     return ds
 
 
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_prepared(ds: TokenizedDataset, out_dir: str | Path, fingerprint: str, max_length: int) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +92,7 @@ def save_prepared(ds: TokenizedDataset, out_dir: str | Path, fingerprint: str, m
             }
         )
         name = f"shard_{i:05d}.parquet"
-        _write_atomic(out / name, lambda p, t=table: pq.write_table(t, p))
+        write_atomic(out / name, lambda f, t=table: pq.write_table(t, f))
         shards.append(name)
     meta = {
         "tokenizer_fingerprint": fingerprint,
@@ -110,7 +102,7 @@ def save_prepared(ds: TokenizedDataset, out_dir: str | Path, fingerprint: str, m
         "lengths": ds.length_stats(),
     }
     # dataset.json last: its presence marks a complete dataset.
-    _write_atomic(out / "dataset.json", lambda p: p.write_text(json.dumps(meta, indent=2)))
+    write_json_atomic(out / "dataset.json", meta)
     return out
 
 

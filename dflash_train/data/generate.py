@@ -29,6 +29,7 @@ from tqdm import tqdm
 from dflash_train.data.backends import Backend, GenerationError, GenParams, make_backend
 from dflash_train.data.formats import DataError, _row_id, iter_rows, normalise_messages
 from dflash_train.data.generate_config import GenerateConfig
+from dflash_train.atomic import write_json_atomic
 from dflash_train.data.shards import (
     OutputLock,
     ShardWriter,
@@ -36,7 +37,6 @@ from dflash_train.data.shards import (
     read_done_keys,
     remove_temp_files,
     scan_outputs,
-    write_json_atomic,
 )
 
 log = logging.getLogger("dflash_train")

@@ -21,6 +21,8 @@ from typing import Self
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_train.atomic import write_atomic
+
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
 SCHEMA = pa.schema(
     [
@@ -37,30 +39,8 @@ SCHEMA = pa.schema(
     ]
 )
 STATUSES = ("ok", "error", "skipped")
-_TMP_PREFIX = ".tmp-"
+_TMP_GLOB = ".*.tmp"  # what dflash_train.atomic.write_atomic leaves when killed mid-write
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, write) -> None:
-    """`write(file)` into a temporary sibling, fsync, then rename over `path`."""
-    tmp = path.with_name(f"{_TMP_PREFIX}{os.getpid()}-{path.name}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def write_json_atomic(path: Path, obj: dict) -> None:
-    write_atomic(path, lambda f: f.write(json.dumps(obj, indent=2, sort_keys=True).encode() + b"\n"))
 
 
 class OutputLock:
@@ -85,7 +65,7 @@ class OutputLock:
 
 def remove_temp_files(out_dir: Path) -> int:
     """Delete what a killed run was writing; it was never committed. Call under the lock."""
-    stale = list(out_dir.glob(f"{_TMP_PREFIX}*"))
+    stale = list(out_dir.glob(_TMP_GLOB))
     for path in stale:
         path.unlink()
     return len(stale)

@@ -10,14 +10,13 @@ own tensors only (embeddings and LM head are the target's and never stored).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_train.atomic import new_temp_dir, swap_dir
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 from dflash_train.target import Target
 
@@ -150,21 +149,6 @@ def load_drafter(path: str | Path, target: Target, device: torch.device | str | 
     return model.to(device=device or target.device, dtype=dtype).eval().requires_grad_(False)
 
 
-def _atomic_dir(out_dir: Path, write) -> None:
-    """Write into a temp dir beside `out_dir`, then swap it in: readers never see half an export."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    try:
-        write(tmp)
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        if out_dir.exists():
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def export_drafter(checkpoint_dir: str | Path, out_dir: str | Path, mask_token: str | None = None) -> Path:
     """Training checkpoint (or another export) -> export folder with bf16 weights.
 
@@ -175,9 +159,10 @@ def export_drafter(checkpoint_dir: str | Path, out_dir: str | Path, mask_token: 
     weights = {name: t.to(torch.bfloat16).contiguous() for name, t in state.items()}
     out_dir = Path(out_dir)
 
-    def write(tmp: Path):
+    tmp = new_temp_dir(out_dir)
+    try:
         (tmp / "config.json").write_text(json.dumps(export_config(cfg, mask_token), indent=2) + "\n")
         save_file(weights, tmp / WEIGHTS, metadata={"format": "pt"})
-
-    _atomic_dir(out_dir, write)
-    return out_dir
+        return swap_dir(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

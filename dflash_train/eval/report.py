@@ -11,14 +11,13 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from dflash_train.atomic import write_atomic
 from dflash_train.config import TargetConfig
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.export import load_drafter
@@ -140,18 +139,6 @@ def format_table(report: dict) -> str:
     return out.getvalue()
 
 
-def _atomic_write(path: Path, write) -> None:
-    """write(file object) into a temp file beside `path`, then rename: never a half-written report."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def plot_report(report: dict, f) -> None:
     import matplotlib  # the optional `plot` extra: only needed when a report is written
 
@@ -175,8 +162,8 @@ def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out_dir / "eval.json", out_dir / "eval.png"
-    _atomic_write(json_path, lambda f: f.write((json.dumps(report, indent=2) + "\n").encode()))
-    _atomic_write(png_path, lambda f: plot_report(report, f))
+    write_atomic(json_path, lambda f: f.write((json.dumps(report, indent=2) + "\n").encode()))
+    write_atomic(png_path, lambda f: plot_report(report, f))
     return json_path, png_path
 
 

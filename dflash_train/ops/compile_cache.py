@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.ops.atomic import read_json, write_json_atomic
+from dflash_train.atomic import read_json, write_json_atomic
 
 MARKER = "WARM.json"
 _VOLATILE_ROOTS = (Path("/tmp"), Path("/var/tmp"))

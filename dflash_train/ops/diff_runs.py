@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash_train.ops.atomic import read_json
+from dflash_train.atomic import read_json
 from dflash_train.ops.manifest import MANIFEST_NAME
 
 ABSENT = "<absent>"

@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_train.ops.atomic import read_json
+from dflash_train.atomic import read_json
 from dflash_train.ops.diff_runs import diff_manifests
 from dflash_train.ops.manifest import MANIFEST_NAME
 

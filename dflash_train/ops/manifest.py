@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dflash_train.ops import environment as env
-from dflash_train.ops.atomic import write_json_atomic
+from dflash_train.atomic import write_json_atomic
 from dflash_train.ops.gitstate import git_state
 
 MANIFEST_NAME = "manifest.json"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import random
 import re
 import shutil
@@ -22,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from dflash_train.atomic import swap_dir
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -65,21 +66,6 @@ def set_rng_state(state: dict) -> None:
         )
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    for f in path.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    _fsync_dir(path)
-
-
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -103,16 +89,7 @@ def save_checkpoint(
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, default=str))
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)
-    _fsync_tree(tmp)
-    if final.exists():  # re-saving the same step (e.g. final == periodic): replace atomically
-        old = root / f".old_step_{step:08d}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(root)
-    return final
+    return swap_dir(tmp, final)  # re-saving a step (final == periodic) replaces it atomically
 
 
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict:

@@ -60,6 +60,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.drafter.parameters(), cfg.train, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps)
         self.step = 0
+        self.manifest: dict | None = None  # written at the start of fit(); checkpoints carry it
         self.cursor = (0, 0)  # (epoch, batch index) of the next micro-batch
         self.feature_cache: dict[int, torch.Tensor] = {}
         self.uploader = self._remote_uploader()
@@ -144,7 +145,7 @@ class Trainer:
         }
         path = ckpt.save_checkpoint(
             self.run_dir, self.step, self.drafter, self.optimizer, self.scheduler, state,
-            extra_files={"config.yaml": dump_config(self.cfg)},
+            extra_files={"config.yaml": dump_config(self.cfg), "manifest.json": json.dumps(self.manifest, indent=2)},
         )
         if self.uploader is not None:
             self.uploader.enqueue(path)
@@ -280,7 +281,7 @@ class Trainer:
         tc = self.cfg.train
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
-        manifest = build_manifest(self.cfg.model_dump(mode="json"), sys.argv, self.run_dir)
+        self.manifest = manifest = build_manifest(self.cfg.model_dump(mode="json"), sys.argv, self.run_dir)
         write_manifest(self.run_dir, manifest)
         self.guard = ThroughputGuard(self.run_dir.parent, manifest, warmup_steps=self.step + 2 * tc.log_every)
         self.tracking_run_id = self.tracker.start(

@@ -55,7 +55,7 @@ def test_kill_9_midway_then_rerun_loses_and_duplicates_nothing(tmp_path, start_s
         kill_after_shards(start_generate(config), out_dir, num_shards)
     committed = read_rows(out_dir)
     assert 0 < len(committed) < NUM_ROWS
-    (out_dir / ".tmp-999-shard-000077.parquet").write_bytes(b"PAR1 half a shard")  # as a kill mid-write leaves
+    (out_dir / ".shard-000077.parquet.x1y2.tmp").write_bytes(b"PAR1 half a shard")  # as a kill mid-write leaves
 
     summary = generate(load_generate_config(config))
     rows = read_rows(out_dir)
@@ -67,7 +67,7 @@ def test_kill_9_midway_then_rerun_loses_and_duplicates_nothing(tmp_path, start_s
     assert summary["this_run"]["already_done"] == len(committed)
     assert summary["this_run"]["rows"] == NUM_ROWS - len(committed)
     assert summary["rows_not_in_inputs"] == 0
-    assert not list(out_dir.glob(".tmp-*"))
+    assert not list(out_dir.glob(".*.tmp"))
 
     again = generate(load_generate_config(config))  # finished: a rerun does nothing
     assert again["this_run"]["rows"] == 0 and again["rows_out"] == NUM_ROWS
