@@ -153,7 +153,7 @@ class ConfigError(ValueError):
     pass
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any, source: str) -> None:
+def set_dotted(tree: dict, dotted: str, value: Any, source: str) -> None:
     node = tree
     *parents, leaf = dotted.split(".")
     for i, key in enumerate(parents):
@@ -172,7 +172,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(raw) if raw.strip() else None
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
+def format_validation_errors(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
@@ -187,27 +187,31 @@ def build_config(tree: dict | None = None, overrides: list[str] = (), source: st
     tree = dict(tree or {})
     for text in overrides:
         key, value = parse_override(text)
-        _set_dotted(tree, key, value, f"override '{text}'")
+        set_dotted(tree, key, value, f"override '{text}'")
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, source)) from None
+        raise ConfigError(format_validation_errors(err, source)) from None
+
+
+def read_yaml_tree(path: str | Path | None, default_source: str) -> tuple[dict, str]:
+    """(mapping, source name) of a YAML config file; no file -> ({}, default_source)."""
+    if path is None:
+        return {}, default_source
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    return tree, str(path)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    tree: dict = {}
-    source = "<defaults>"
-    if path is not None:
-        path = Path(path)
-        source = str(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    tree, source = read_yaml_tree(path, "<defaults>")
     return build_config(tree, overrides, source)
 
 

@@ -91,7 +91,7 @@ def normalise_messages(row: dict, where: str) -> list[dict]:
     return messages
 
 
-def _row_id(row, fallback: str) -> str:
+def row_id(row, fallback: str) -> str:
     if isinstance(row, dict):
         for key in ("id", "conversation_id", "uuid"):
             if row.get(key) is not None:
@@ -178,4 +178,4 @@ def iter_conversations(
                 stats.skipped[str(err).split(": ", 1)[-1].split(" (")[0]] += 1
                 continue
             stats.ok += 1
-            yield Conversation(source=where, id=_row_id(row, where), messages=messages)
+            yield Conversation(source=where, id=row_id(row, where), messages=messages)

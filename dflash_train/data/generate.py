@@ -27,7 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dflash_train.data.backends import Backend, GenerationError, GenParams, make_backend
-from dflash_train.data.formats import DataError, _row_id, iter_rows, normalise_messages
+from dflash_train.data.formats import DataError, row_id, iter_rows, normalise_messages
 from dflash_train.data.generate_config import GenerateConfig
 from dflash_train.atomic import write_json_atomic
 from dflash_train.data.shards import (
@@ -87,7 +87,7 @@ def iter_jobs(paths: list[str], skip_invalid: bool) -> Iterator[Job]:
                     raise
                 yield Job(key, key, where, invalid=str(err).removeprefix(f"{where}: "))
                 continue
-            yield Job(key, _row_id(row, key), where, messages=messages)
+            yield Job(key, row_id(row, key), where, messages=messages)
 
 
 def count_rows(paths: list[str]) -> int:

@@ -12,10 +12,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dflash_train.config import ConfigError, _format_errors, _set_dotted
+from dflash_train.config import ConfigError, format_validation_errors, set_dotted, read_yaml_tree
 
 
 class _Section(BaseModel):
@@ -148,27 +147,15 @@ def build_generate_config(
         key = FLAG_KEYS.get(name.replace("-", "_"), name)
         if key in _LIST_KEYS and not isinstance(value, (list, tuple)):
             value = [value]
-        _set_dotted(tree, key, list(value) if isinstance(value, tuple) else value, f"override '{name}'")
+        set_dotted(tree, key, list(value) if isinstance(value, tuple) else value, f"override '{name}'")
     try:
         return GenerateConfig.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, source)) from None
+        raise ConfigError(format_validation_errors(err, source)) from None
 
 
 def load_generate_config(
     path: str | Path | None = None, overrides: Mapping[str, Any] | Namespace | None = None
 ) -> GenerateConfig:
-    tree: dict = {}
-    source = "<flags>"
-    if path is not None:
-        path = Path(path)
-        source = str(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: top level must be a mapping")
+    tree, source = read_yaml_tree(path, "<flags>")
     return build_generate_config(tree, overrides, source)

@@ -1,33 +1,15 @@
-"""Tiny random targets built from a config (no download) and drafters."""
+"""Tiny random drafters (and eval's flavour of tests/tiny.py's target)."""
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from tiny import tiny_target as _tiny_target
 
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 from dflash_train.target import Target
 
 
-def tiny_target(
-    vocab_size: int = 256, num_layers: int = 4, hidden_size: int = 64, seed: int = 0, tokenizer=None
-) -> Target:
-    """A random Qwen3 target. A wide init makes its next-token distributions peaked, like a real LM's."""
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        initializer_range=0.1,
-    )
-    # Eager attention: CPU SDPA's causal kernel spins threads for tiny shapes (~3 ms a call on 2 busy cores).
-    config._attn_implementation = "eager"
-    model = Qwen3ForCausalLM(config).eval().requires_grad_(False)
-    return Target(model=model, tokenizer=tokenizer, name=f"tiny-qwen3-v{vocab_size}", device=torch.device("cpu"))
+def tiny_target(vocab_size: int = 256, num_layers: int = 4, hidden_size: int = 64, seed: int = 0, tokenizer=None):
+    """Eval's tiny target: peaked distributions (so drafts sometimes match), no tokenizer needed."""
+    return _tiny_target(num_layers, hidden_size, vocab_size, seed, tokenizer, initializer_range=0.1, eager=True)
 
 
 def tiny_drafter(target: Target, block_size: int = 4, layer_ids=(0, 2), num_layers: int = 2, seed: int = 1):
