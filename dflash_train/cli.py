@@ -197,5 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, ValueError, FileNotFoundError) as err:
+        if args.verbose:  # -v: the full traceback, for a bug rather than bad input
+            raise
         print(f"error: {err}", file=sys.stderr)
         return 2
