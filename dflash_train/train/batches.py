@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dflash_train.config import RunConfig
-from dflash_train.data.batching import make_batches
+from dflash_train.config import DataConfig, RunConfig
+from dflash_train.data.batching import bucket_shape, make_batches
 from dflash_train.data.dataset import TokenizedDataset
 
 HELDOUT_SALT = 2**31 - 1
@@ -35,6 +35,14 @@ def locate(epoch_batches: list[list[np.ndarray]], cursor: tuple[int, int]) -> tu
     while index >= len(epoch_batches[epoch % len(epoch_batches)]):
         epoch, index = epoch + 1, 0
     return epoch, index
+
+
+def batch_shape(ds: TokenizedDataset, indices, data: DataConfig) -> tuple[int, int] | None:
+    """Bucket mode: the fixed (rows, length) of this batch's bucket; otherwise None (pad to fit)."""
+    if not data.length_bucket:
+        return None
+    longest = max(len(ds.input_ids[i]) for i in indices)
+    return bucket_shape(longest, data.length_bucket, data.token_budget, data.max_batch_size)
 
 
 def collate(ds: TokenizedDataset, indices, device, shape: tuple[int, int] | None = None) -> dict:

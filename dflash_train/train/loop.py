@@ -30,7 +30,7 @@ from dflash_train.ops.manifest import build_manifest, write_manifest
 from dflash_train.ops.recompiles import RecompileWatch
 from dflash_train.target import Target, load_target
 from dflash_train.train import checkpoint as ckpt
-from dflash_train.train.batches import HELDOUT_SALT, anchor_seed, collate, epoch_plan, locate
+from dflash_train.train.batches import HELDOUT_SALT, anchor_seed, batch_shape, collate, epoch_plan, locate
 from dflash_train.train.build import draft_model_config, resolve_device
 from dflash_train.train.metrics import MetricsFile
 from dflash_train.train.storage import prune_local, resolve_resume
@@ -158,8 +158,9 @@ class Trainer:
         epoch, index = locate(self.epoch_batches, self.cursor)
         batches = self.epoch_batches[epoch % len(self.epoch_batches)]
         self.cursor = (epoch, index + 1)
-        return collate(self.dataset, batches[index], self.device, self.batch_shape(batches[index])), \
-            anchor_seed(self.cfg.seed, epoch, index)
+        indices = batches[index]
+        shape = batch_shape(self.dataset, indices, self.cfg.data)
+        return collate(self.dataset, indices, self.device, shape), anchor_seed(self.cfg.seed, epoch, index)
 
     def bucket_shapes(self) -> list[tuple[int, int]]:
         dc = self.cfg.data
@@ -176,7 +177,10 @@ class Trainer:
             loss_mask = torch.zeros_like(ids)
             loss_mask[:, length // 4 :] = 1
             task = make_task(ids, loss_mask, tc.num_anchors, d.block_size, tc.gamma, 0)
-            feats = self.target.features(ids, torch.ones_like(ids), d.target_layer_ids)
+            # Random features of the right shape and dtype: the graphs depend on shapes only, and
+            # drafter-only ranks of distributed training hold no target layers.
+            feats = torch.randn(rows, length, len(d.target_layer_ids) * self.target.hidden_size,
+                                generator=gen).to(self.device, self.target.embed_weight.dtype)
             with self.autocast:
                 out = draft_loss(self.drafter, task, feats, self.target.embed_weight, self.target.lm_head_weight,
                                  self.use_flex, tc.ce_chunk_size)
@@ -185,12 +189,6 @@ class Trainer:
         self.recompiles.mark_warm()
         return len(self.bucket_shapes())
 
-    def batch_shape(self, indices) -> tuple[int, int] | None:
-        dc = self.cfg.data
-        if not dc.length_bucket:
-            return None
-        longest = max(len(self.dataset.input_ids[i]) for i in indices)
-        return bucket_shape(longest, dc.length_bucket, dc.token_budget, dc.max_batch_size)
 
     def features(self, batch: dict) -> torch.Tensor:
         layer_ids = self.drafter.config.target_layer_ids

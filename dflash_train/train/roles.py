@@ -25,7 +25,7 @@ from dflash_train.data.dataset import TokenizedDataset
 from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.target import Target
 from dflash_train.train.layout import Layout
-from dflash_train.train.batches import anchor_seed, collate, epoch_plan, locate
+from dflash_train.train.batches import anchor_seed, batch_shape, collate, epoch_plan, locate
 from dflash_train.train.loop import Trainer
 
 
@@ -131,7 +131,8 @@ class TargetFeeder:
             self.cursor = (epoch, index + 1)
             if self.layout.target_of(m) == self.rank:
                 indices = self.epoch_batches[epoch % len(self.epoch_batches)][index]
-                batches.append((m, collate(self.dataset, indices, self.target.device),
+                shape = batch_shape(self.dataset, indices, self.cfg.data)
+                batches.append((m, collate(self.dataset, indices, self.target.device, shape),
                                 anchor_seed(self.cfg.seed, epoch, index)))
         for m, batch, seed in batches:
             for dst in self.layout.consumers(m):

@@ -72,3 +72,20 @@ def test_grad_accum_step_is_the_global_weighted_mean(make_run_config, shared_tin
     assert logged == pytest.approx(float(loss.detach()), rel=1e-5)
     for n, p in ref.drafter.named_parameters():
         torch.testing.assert_close(captured[n], p.grad, rtol=1e-4, atol=1e-7, msg=n)
+
+
+def test_bucket_mode_batches_have_fixed_shapes_and_precompile_leaves_weights(make_run_config, shared_tiny_target):
+    cfg = make_run_config(overrides=["data.length_bucket=32", "train.max_steps=6"])
+    trainer = Trainer(cfg, target=shared_tiny_target)
+    shapes = trainer.bucket_shapes()
+    assert shapes == [(4, 32), (3, 64), (2, 96)]  # budget 192: rows = min(4, 192 // length)
+    before = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+    assert trainer.compile_buckets() == len(shapes)
+    assert all(torch.equal(before[k], v) for k, v in trainer.drafter.state_dict().items())
+    assert all(p.grad is None for p in trainer.drafter.parameters())
+    for _ in range(6):
+        batch, _seed = trainer.next_micro_batch()
+        assert tuple(batch["input_ids"].shape) in shapes
+        # Empty padding rows attend to one token (finite features) and own no loss tokens.
+        empty = batch["loss_mask"].sum(1) == 0
+        assert (batch["attention_mask"][empty].sum(1) == 1).all()
