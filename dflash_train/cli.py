@@ -19,7 +19,14 @@ def cmd_train(args) -> int:
     from dflash_train.train.loop import train
 
     cfg = load_config(args.config, args.overrides)
-    summary = train(cfg, resume=args.resume)
+    periodic = None
+    if cfg.eval.every:
+        from dflash_train.eval.report import periodic_evaluator
+
+        if not cfg.eval.prompts:
+            raise ValueError("eval.every is set but eval.prompts is not (mt-bench, humaneval, sharegpt or a JSONL)")
+        periodic = periodic_evaluator(cfg.eval.prompts, cfg.eval.num_prompts, cfg.eval.max_new_tokens)
+    summary = train(cfg, resume=args.resume, periodic_eval=periodic)
     print(json.dumps(summary["last"], indent=2))
     return 0
 

@@ -119,6 +119,18 @@ def evaluate(
     }
 
 
+def periodic_evaluator(prompts: str, num_prompts: int, max_new_tokens: int):
+    """For training: a function of the trainer giving real tau on held-out prompts (loaded once)."""
+    held_out = load_prompts(prompts, num_prompts)
+
+    def run(trainer) -> dict:
+        report = evaluate(trainer.target, trainer.drafter, held_out, max_new_tokens)
+        keep = ("tau", "num_rounds", "position_acceptance", "speedup", "lossless")
+        return {k: report[k] for k in keep}
+
+    return run
+
+
 def format_table(report: dict) -> str:
     """The report's headline numbers as a rich table, rendered to a string for the terminal."""
     table = Table(title=f"DFlash eval: {report['target']} ({report['num_turns']} turns, B={report['block_size']}, "

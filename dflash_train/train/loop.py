@@ -14,6 +14,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -41,8 +42,10 @@ log = logging.getLogger("dflash_train")
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, target: Target | None = None, dataset: TokenizedDataset | None = None):
+    def __init__(self, cfg: RunConfig, target: Target | None = None, dataset: TokenizedDataset | None = None,
+                 periodic_eval: Callable[[Trainer], dict] | None = None):
         self.cfg = cfg
+        self.periodic_eval = periodic_eval  # real speculative decoding every eval.every steps (eval/)
         self.device = resolve_device(cfg.device)
         self.run_dir = Path(cfg.run_dir)
         torch.manual_seed(cfg.seed)
@@ -303,6 +306,8 @@ class Trainer:
                 bar.set_postfix(loss=f"{last_record['loss']:.3f}", tau_hat=f"{last_record['tau_hat']:.2f}",
                                 tok_s=f"{last_record['tokens_per_s']:.0f}")
                 window, t0 = [], time.perf_counter()
+            if self.periodic_eval is not None and self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
+                self._run_periodic_eval()
             if self.step % self.cfg.checkpoint.every == 0 and self.step < self.total_steps:
                 self.save()
         bar.close()
@@ -317,6 +322,16 @@ class Trainer:
                    "data_lengths": self.dataset.length_stats(), "last": last_record}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+    def _run_periodic_eval(self) -> None:
+        self.drafter.eval()
+        with self.autocast:
+            record = {"step": self.step, **self.periodic_eval(self)}
+        self.drafter.train()
+        with open(self.run_dir / "eval.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.tracker.log({f"eval/{k}": v for k, v in record.items() if k != "step"}, self.step)
+        tqdm.write(f"eval at step {self.step}: tau {record['tau']:.3f} ({record['num_rounds']} rounds)")
 
     def _log(self, window: list[dict], seconds: float, metrics: MetricsFile) -> dict:
         correct = sum(w["correct"] for w in window)
@@ -347,8 +362,9 @@ class Trainer:
         return record
 
 
-def train(cfg: RunConfig, resume: str | None = None, target: Target | None = None, progress: bool = True) -> dict:
-    trainer = Trainer(cfg, target=target)
+def train(cfg: RunConfig, resume: str | None = None, target: Target | None = None, progress: bool = True,
+          periodic_eval: Callable[[Trainer], dict] | None = None) -> dict:
+    trainer = Trainer(cfg, target=target, periodic_eval=periodic_eval)
     if resume:
         if resume == "auto":
             path = ckpt.latest_checkpoint(cfg.run_dir)

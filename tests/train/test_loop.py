@@ -89,3 +89,19 @@ def test_bucket_mode_batches_have_fixed_shapes_and_precompile_leaves_weights(mak
         # Empty padding rows attend to one token (finite features) and own no loss tokens.
         empty = batch["loss_mask"].sum(1) == 0
         assert (batch["attention_mask"][empty].sum(1) == 1).all()
+
+
+def test_periodic_real_tau_eval_during_training(make_run_config, shared_tiny_target, tmp_path):
+    from dflash_train.eval.report import periodic_evaluator
+
+    prompts = tmp_path / "heldout.jsonl"
+    prompts.write_text(json.dumps({"prompt": "say phrase 1"}) + "\n" + json.dumps({"prompt": "q3: hi"}) + "\n")
+    cfg = make_run_config(overrides=["train.max_steps=4", "eval.every=2"])
+    evaluator = periodic_evaluator(str(prompts), num_prompts=2, max_new_tokens=6)
+    Trainer(cfg, target=shared_tiny_target, periodic_eval=evaluator).fit(progress=False)
+    lines = (tmp_path / "run" / "eval.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [2, 4]
+    for r in records:
+        assert 1.0 <= r["tau"] <= cfg.draft.block_size and r["num_rounds"] > 0
+        assert r["lossless"]["matches"] == r["lossless"]["total"] == 2
