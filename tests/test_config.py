@@ -84,3 +84,14 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml")) if (REPO / "configs").is_dir
 def test_shipped_configs_load(path):
     cfg = load_config(path)
     assert cfg.data.token_budget >= cfg.data.max_length
+
+
+GENERATE_CONFIGS = sorted((REPO / "configs" / "generate").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", GENERATE_CONFIGS, ids=lambda p: p.name)
+def test_shipped_generate_configs_load(path):
+    from dflash_train.data.generate_config import load_generate_config
+
+    cfg = load_generate_config(path)
+    assert cfg.inputs and cfg.output_dir
