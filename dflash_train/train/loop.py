@@ -132,6 +132,11 @@ class Trainer:
         self.drafter.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optim"]["optimizer"])
         self.scheduler.load_state_dict(saved["optim"]["scheduler"])
+        # The schedule follows THIS run's length (train.max_steps may have been raised to train on):
+        # same config -> the same rates as saved; a longer run -> the longer cosine, no jump.
+        for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
+            group["lr"] = base * factor(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
         self.step = state["step"]
         self.cursor = tuple(state["cursor"])
         self.tracking_run_id = state.get("tracking_run_id")

@@ -66,3 +66,18 @@ def test_resume_with_a_different_setup_is_refused(make_run_config, shared_tiny_t
     other = Trainer(make_run_config("r", ["train.max_steps=1"] + change), target=shared_tiny_target)
     with pytest.raises(ValueError, match=f"cannot resume.*\\n.*{field}"):
         other.resume(latest_checkpoint(cfg.run_dir))
+
+
+def test_resume_into_a_longer_run_follows_the_longer_schedule(make_run_config, shared_tiny_target):
+    from dflash_train.train.optim import lr_factor
+
+    short = make_run_config("run", ["train.max_steps=3"])
+    Trainer(short, target=shared_tiny_target).fit(progress=False)
+    longer = make_run_config("run", ["train.max_steps=6"])
+    trainer = Trainer(longer, target=shared_tiny_target)
+    trainer.resume(latest_checkpoint(longer.run_dir))
+    trainer.fit(progress=False)
+    lr = {m["step"]: m["lr"] for m in read_metrics(longer.run_dir)}
+    tc = longer.train
+    for step in (4, 5, 6):  # no jump to the short run's final 0 learning rate
+        assert lr[step] == pytest.approx(tc.lr * lr_factor(step - 1, 6, tc.warmup_ratio, tc.min_lr_ratio))
