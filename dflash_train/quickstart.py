@@ -18,6 +18,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from dflash_train.atomic import write_atomic
 from dflash_train.config import RunConfig, load_config
 from dflash_train.data.dataset import tokenize_files
 from dflash_train.data.generate import generate
@@ -46,11 +47,9 @@ class Sizes:
 
 
 def _write_prompts(path: Path, prompts: list[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
-                           for i, p in enumerate(prompts)))
-    tmp.replace(path)
+    text = "".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
+                   for i, p in enumerate(prompts))
+    write_atomic(path, lambda f: f.write(text.encode()))
 
 
 def regenerate(prompts_file: Path, out_dir: Path, sizes: Sizes, device: torch.device) -> dict:

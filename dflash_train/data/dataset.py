@@ -73,7 +73,7 @@ def tokenize_files(files, tokenizer, max_length: int, skip_invalid: bool, templa
             if not skip_invalid:
                 raise
             ds.stats.ok -= 1
-            ds.stats.skipped[str(err).split(": ", 1)[-1].split(" (")[0][:80]] += 1
+            ds.stats.skip(err)
             continue
         ds.append(tok.input_ids, tok.loss_mask)
     return ds

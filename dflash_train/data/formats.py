@@ -48,6 +48,10 @@ class RowStats:
     def total(self) -> int:
         return self.ok + sum(self.skipped.values())
 
+    def skip(self, err: DataError) -> None:
+        """Count a skipped row under its reason: the message without location and details."""
+        self.skipped[str(err).split(": ", 1)[-1].split(" (")[0][:80]] += 1
+
     def to_dict(self) -> dict:
         return {"rows": self.total, "ok": self.ok, "skipped": dict(self.skipped)}
 
@@ -175,7 +179,7 @@ def iter_conversations(
             except DataError as err:
                 if not skip_invalid:
                     raise
-                stats.skipped[str(err).split(": ", 1)[-1].split(" (")[0]] += 1
+                stats.skip(err)
                 continue
             stats.ok += 1
             yield Conversation(source=where, id=row_id(row, where), messages=messages)

@@ -69,6 +69,7 @@ class Trainer:
         self.uploader = self._remote_uploader()
         self.tracker = Tracker(cfg.tracking)
         self.tracking_run_id: str | None = None
+        self.compile_key: str | None = None  # set when a compiled path uses the persistent cache
         self.compile_state = self._activate_compile_cache()
         self.recompiles = RecompileWatch()
         if cfg.train.compile:
@@ -102,13 +103,19 @@ class Trainer:
 
     def _activate_compile_cache(self) -> str | None:
         """Compiled paths (flex on GPU, train.compile) get the persistent keyed cache, never /tmp."""
-        if not (self.use_flex and self.device.type == "cuda") and not self.cfg.train.compile:
+        if not self.use_flex and not self.cfg.train.compile:  # flex is only ever chosen on CUDA
             return None
         key = compile_cache.cache_key()
         state = compile_cache.cache_state(key)
         compile_cache.activate(key)
         self.compile_key = key
         return state
+
+    def draft_forward(self, task, features):
+        """The drafter's loss on one micro-batch, in the run's precision and attention path."""
+        with self.autocast:
+            return draft_loss(self.drafter, task, features, self.target.embed_weight, self.target.lm_head_weight,
+                              self.use_flex, self.cfg.train.ce_chunk_size)
 
     @property
     def attention_backend(self) -> str:
@@ -180,7 +187,8 @@ class Trainer:
         the run will need, so training itself never recompiles. Returns the shapes compiled."""
         tc, d = self.cfg.train, self.drafter.config
         gen = torch.Generator().manual_seed(0)
-        for rows, length in self.bucket_shapes():
+        shapes = self.bucket_shapes()
+        for rows, length in shapes:
             ids = torch.randint(0, self.target.vocab_size, (rows, length), generator=gen).to(self.device)
             loss_mask = torch.zeros_like(ids)
             loss_mask[:, length // 4 :] = 1
@@ -189,14 +197,10 @@ class Trainer:
             # drafter-only ranks of distributed training hold no target layers.
             feats = torch.randn(rows, length, len(d.target_layer_ids) * self.target.hidden_size,
                                 generator=gen).to(self.device, self.target.embed_weight.dtype)
-            with self.autocast:
-                out = draft_loss(self.drafter, task, feats, self.target.embed_weight, self.target.lm_head_weight,
-                                 self.use_flex, tc.ce_chunk_size)
-            out.weighted_ce_sum.backward()
+            self.draft_forward(task, feats).weighted_ce_sum.backward()
             self.drafter.zero_grad(set_to_none=True)
         self.recompiles.mark_warm()
-        return len(self.bucket_shapes())
-
+        return len(shapes)
 
     def features(self, batch: dict) -> torch.Tensor:
         layer_ids = self.drafter.config.target_layer_ids
@@ -229,12 +233,7 @@ class Trainer:
         correct = torch.zeros(d.block_size, device=self.device)
         counted = torch.zeros(d.block_size, device=self.device)
         for batch, task in micro:
-            feats = self.features(batch)
-            with self.autocast:
-                out = draft_loss(
-                    self.drafter, task, feats, self.target.embed_weight, self.target.lm_head_weight,
-                    self.use_flex, tc.ce_chunk_size,
-                )
+            out = self.draft_forward(task, self.features(batch))
             (out.weighted_ce_sum / denom).backward()
             loss_sum += out.weighted_ce_sum.detach()
             correct += out.correct_per_slot
@@ -272,10 +271,8 @@ class Trainer:
             batch = collate(dataset, indices, self.device)
             task = make_task(batch["input_ids"], batch["loss_mask"], tc.num_anchors, d.block_size, tc.gamma,
                              anchor_seed(self.cfg.seed, HELDOUT_SALT, index))
-            feats = self.target.features(batch["input_ids"], batch["attention_mask"], d.target_layer_ids)
-            with self.autocast:
-                out = draft_loss(self.drafter, task, feats, self.target.embed_weight, self.target.lm_head_weight,
-                                 self.use_flex and self.device.type == "cuda", tc.ce_chunk_size)
+            out = self.draft_forward(task, self.target.features(batch["input_ids"], batch["attention_mask"],
+                                                                d.target_layer_ids))
             loss_sum += out.weighted_ce_sum
             weight_sum += task.weights.sum()
             correct += out.correct_per_slot

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from dflash_train.atomic import write_atomic
 
 
 class MetricsFile:
@@ -21,9 +22,8 @@ class MetricsFile:
             line for line in self.path.read_text().splitlines()
             if line.strip() and json.loads(line).get("step", 0) <= step
         ]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        text = "".join(line + "\n" for line in kept)
+        write_atomic(self.path, lambda f: f.write(text.encode()))
 
     def write(self, record: dict) -> None:
         self._f.write(json.dumps(record) + "\n")

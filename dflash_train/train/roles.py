@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from dflash_train.config import RunConfig
 from dflash_train.data.dataset import TokenizedDataset
-from dflash_train.draft.objective import draft_loss, make_task
+from dflash_train.draft.objective import make_task
 from dflash_train.target import Target
 from dflash_train.train.layout import Layout
 from dflash_train.train.batches import anchor_seed, batch_shape, collate, epoch_plan, locate
@@ -181,9 +181,7 @@ class DrafterRank(Trainer):
             feats = pending()
             if k + 1 < len(tasks):
                 pending = self.link.recv_features(sources[k + 1], shape(headers[k + 1]), self.feature_dtype)
-            with self.autocast:
-                out = draft_loss(self.drafter, task, feats, self.target.embed_weight, self.target.lm_head_weight,
-                                 self.use_flex, tc.ce_chunk_size)
+            out = self.draft_forward(task, feats)
             (out.weighted_ce_sum / denom).backward()
             loss_sum += out.weighted_ce_sum.detach()
             correct += out.correct_per_slot

@@ -8,13 +8,12 @@ checkpoint that is safe to delete (no remote, or its receipt exists).
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from dflash_train.atomic import write_json_atomic
 from dflash_train.train.remote import FileEntry, RemoteStorageError, S3Store, S3Url, sha256_file, step_of
 
 # ---- resume ----------------------------------------------------------------------------------
@@ -89,10 +88,7 @@ def receipt_path(ckpt_dir: Path) -> Path:
 
 def write_receipt(ckpt_dir: Path, remote: str) -> None:
     """Persisted (not in memory) so a restarted run can still prune checkpoints uploaded before."""
-    path = receipt_path(ckpt_dir)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"remote": remote}))
-    os.replace(tmp, path)
+    write_json_atomic(receipt_path(ckpt_dir), {"remote": remote})
 
 
 def has_receipt(ckpt_dir: Path) -> bool:

@@ -26,7 +26,7 @@ def warmup(cfg: RunConfig, steps: int | None = None) -> dict:
     seconds = time.perf_counter() - t0
     info = {"steps": steps, "seconds": round(seconds, 1), "graphs": trainer.recompiles.graphs,
             "cache_state_before": trainer.compile_state}
-    if getattr(trainer, "compile_key", None):
+    if trainer.compile_key:
         compile_cache.mark_warm(trainer.compile_key, info=info)
         info["cache"] = str(compile_cache.cache_root() / trainer.compile_key)
     return info
