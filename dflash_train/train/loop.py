@@ -325,11 +325,18 @@ class Trainer:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
-    def _run_periodic_eval(self) -> None:
+    def run_eval(self, evaluator: Callable[[Trainer], dict]) -> dict:
+        """`evaluator(self)` with the drafter in eval mode and the run's autocast (fp32 weights,
+        bf16 target features on GPU), then back to training."""
         self.drafter.eval()
-        with self.autocast:
-            record = {"step": self.step, **self.periodic_eval(self)}
-        self.drafter.train()
+        try:
+            with self.autocast:
+                return evaluator(self)
+        finally:
+            self.drafter.train()
+
+    def _run_periodic_eval(self) -> None:
+        record = {"step": self.step, **self.run_eval(self.periodic_eval)}
         with open(self.run_dir / "eval.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         self.tracker.log({f"eval/{k}": v for k, v in record.items() if k != "step"}, self.step)
