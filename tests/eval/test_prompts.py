@@ -64,3 +64,17 @@ def test_jsonl_prompt_and_message_rows(tmp_path):
 def test_unknown_prompt_set():
     with pytest.raises(ValueError, match="unknown prompt set 'gsm8k'"):
         load_prompts("gsm8k")
+
+
+def test_prompts_command_splits_distinct_short_first_turns(tmp_path):
+    from dflash_train.cli import main
+
+    source = tmp_path / "src.jsonl"
+    texts = ["a", "b", "a", "x" * 50, "c", "d", "e"]  # a repeat and a too-long turn are skipped
+    source.write_text("".join(json.dumps({"id": f"r{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    assert main(["prompts", "--source", str(source), "--num", "4", "--heldout", "1", "--max-chars", "10",
+                 "--out", str(tmp_path / "out")]) == 0
+    train, heldout = (load_prompts(str(tmp_path / "out" / f"{n}_prompts.jsonl")) for n in ("train", "heldout"))
+    assert [(p.id, p.turns) for p in train] == [("r0", ["a"]), ("r1", ["b"]), ("r4", ["c"])]
+    assert [(p.id, p.turns) for p in heldout] == [("r5", ["d"])]
+    assert main(["prompts", "--source", str(source), "--num", "9", "--heldout", "1", "--out", str(tmp_path)]) == 2

@@ -56,3 +56,19 @@ def test_run_eval_on_smollm2_with_an_exported_drafter(smollm2, tmp_path):
                       out=str(tmp_path / "eval"), device="cpu")
     assert report["lossless"] == {"matches": 1, "total": 1} and report["drafter"] == str(export)
     assert (tmp_path / "eval" / "eval.json").is_file()
+
+
+def test_workers_split_the_prompts_and_merge_them_in_order(chat_target, tmp_path):
+    """Two processes, each with every other prompt, give the single-process report (same turns, same
+    order, same acceptance), except for timings."""
+    chat_target.model.save_pretrained(tmp_path / "target")
+    chat_target.tokenizer.save_pretrained(tmp_path / "target")
+    ckpt = save_checkpoint(tiny_drafter(chat_target, block_size=4), tmp_path / "ckpt")
+    args = dict(target=str(tmp_path / "target"), drafter=str(ckpt), prompts="mt-bench", max_new_tokens=6,
+                num_prompts=3, device="cpu")
+    one, two = run_eval(**args), run_eval(**args, workers=2)
+    assert (one["workers"], two["workers"]) == (1, 2)
+    same = ("num_prompts", "num_turns", "num_rounds", "tau", "acceptance_histogram", "position_acceptance", "lossless")
+    assert {k: two[k] for k in same} == {k: one[k] for k in same}
+    assert two["turns"] == one["turns"] and [t["id"] for t in two["turns"]][::2] == [p.id for p in load_prompts("mt-bench", 3)]
+    assert "2 processes share the device" in format_table(two)
