@@ -79,6 +79,9 @@ class TrainConfig(_Section):
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps; default = epochs x batches per epoch / grad_accum."""
+    time_budget_minutes: float | None = Field(None, gt=0)
+    """Wall-clock budget of one `fit`: once the step time is measured, the steps shrink to what fits
+    and the cosine schedule ends on time (a shorter, complete run rather than a cut-off one)."""
     grad_accum: int = Field(1, ge=1)
     num_anchors: int = Field(512, ge=1)
     gamma: float = Field(7.0, gt=0)

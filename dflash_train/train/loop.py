@@ -36,7 +36,8 @@ from dflash_train.train.build import draft_model_config, resolve_device
 from dflash_train.train.metrics import MetricsFile
 from dflash_train.train.storage import prune_local, resolve_resume
 from dflash_train.train.tracking import Tracker
-from dflash_train.train.optim import build_optimizer, build_scheduler
+from dflash_train.train.budget import TimeBudget
+from dflash_train.train.optim import build_optimizer, build_scheduler, retarget_scheduler
 
 log = logging.getLogger("dflash_train")
 
@@ -141,9 +142,7 @@ class Trainer:
         self.scheduler.load_state_dict(saved["optim"]["scheduler"])
         # The schedule follows THIS run's length (train.max_steps may have been raised to train on):
         # same config -> the same rates as saved; a longer run -> the longer cosine, no jump.
-        for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
-            group["lr"] = base * factor(self.scheduler.last_epoch)
-        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        retarget_scheduler(self.scheduler, self.cfg.train, self.total_steps)
         self.step = state["step"]
         self.cursor = tuple(state["cursor"])
         self.tracking_run_id = state.get("tracking_run_id")
@@ -300,9 +299,18 @@ class Trainer:
         last_record: dict = {}
         t0 = time.perf_counter()
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not progress, desc="train", dynamic_ncols=True)
+        planned = self.total_steps
+        budget = tc.time_budget_minutes and TimeBudget(tc.time_budget_minutes, self.step, tc.compile_warmup_steps,
+                                                       tc.log_every)
         while self.step < self.total_steps:
             window.append(self.train_step())
             bar.update(1)
+            fitted = budget and budget.steps_that_fit(self.step, planned)
+            if fitted and fitted != self.total_steps:
+                log.log(logging.INFO if self.total_steps == planned else logging.DEBUG,
+                        "time budget: %d of %d planned steps fit; the schedule now ends there", fitted, planned)
+                self.total_steps = bar.total = fitted
+                retarget_scheduler(self.scheduler, tc, fitted)
             if self.step % tc.log_every == 0 or self.step == self.total_steps:
                 last_record = self._log(window, time.perf_counter() - t0, metrics)
                 bar.set_postfix(loss=f"{last_record['loss']:.3f}", tau_hat=f"{last_record['tau_hat']:.2f}",

@@ -32,3 +32,13 @@ def build_scheduler(optimizer, cfg: TrainConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
     )
+
+
+def retarget_scheduler(scheduler, cfg: TrainConfig, total_steps: int) -> None:
+    """From its current step on, `scheduler` follows the schedule of a `total_steps` run, and the
+    optimizer's rates are set to that schedule's value now (no jump when the length is unchanged)."""
+    factor = lambda step: lr_factor(step, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)  # noqa: E731
+    scheduler.lr_lambdas = [factor] * len(scheduler.optimizer.param_groups)
+    for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]

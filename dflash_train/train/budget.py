@@ -1,0 +1,34 @@
+"""A wall-clock budget for a training run: it ends on time WITH its learning-rate schedule complete.
+
+Once the step time is known (after the compile warm-up), the run's total steps shrink to those that
+fit in the time left, re-estimated as training goes on; the trainer then retargets the cosine to
+that length. Cutting a run by a timeout instead would stop it at a high learning rate.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+
+RESERVE = 0.03
+"""Share of the budget kept for the final checkpoint and summary."""
+
+
+class TimeBudget:
+    def __init__(self, minutes: float, first_step: int, warmup_steps: int, every: int, clock=None):
+        self.clock = clock or perf_counter
+        self.deadline = self.clock() + 60.0 * minutes * (1 - RESERVE)
+        self.probe_step = first_step + warmup_steps  # compile-free steps only are timed
+        self.every = max(1, every)
+        self.probe_time: float | None = None
+
+    def steps_that_fit(self, step: int, planned: int) -> int | None:
+        """The run's total steps given the time left (never above `planned`), re-estimated every
+        `every` steps after the probe; None while the step time is not known yet."""
+        if step == self.probe_step:
+            self.probe_time = self.clock()
+            return None
+        if self.probe_time is None or (step - self.probe_step) % self.every:
+            return None
+        now = self.clock()
+        per_step = (now - self.probe_time) / (step - self.probe_step)
+        return min(planned, step + max(0, int((self.deadline - now) / per_step)))

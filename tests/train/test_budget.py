@@ -1,0 +1,56 @@
+"""The time budget: the run's steps shrink to what fits and its cosine schedule still ends on time."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_train.train.budget import RESERVE, TimeBudget
+from dflash_train.train.loop import Trainer
+from dflash_train.train.metrics import read_metrics
+from dflash_train.train.optim import lr_factor
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_steps_that_fit_follow_the_measured_step_time():
+    clock = FakeClock()
+    budget = TimeBudget(minutes=10, first_step=0, warmup_steps=5, every=10, clock=clock)
+    clock.now = 30.0  # compile + warm-up steps, not timed
+    assert budget.steps_that_fit(5, planned=10_000) is None  # the probe starts here
+    clock.now = 30.0 + 10 * 0.5  # 10 steps of 0.5 s
+    deadline = 600 * (1 - RESERVE)
+    assert budget.steps_that_fit(15, planned=10_000) == 15 + int((deadline - clock.now) / 0.5)
+    assert budget.steps_that_fit(16, planned=10_000) is None  # re-estimated every 10 steps only
+    assert budget.steps_that_fit(25, planned=100) == 100  # never above the planned length
+    clock.now = 1000.0
+    assert budget.steps_that_fit(35, planned=10_000) == 35  # past the deadline: stop now
+
+
+def test_a_budgeted_run_ends_early_with_its_schedule_complete(make_run_config, shared_tiny_target, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr("dflash_train.train.budget.perf_counter", clock)
+    cfg = make_run_config(overrides=["train.max_steps=100", "train.time_budget_minutes=1", "train.log_every=1",
+                                     "train.compile_warmup_steps=2", "train.warmup_ratio=0.1"])
+    trainer = Trainer(cfg, target=shared_tiny_target)
+    step = trainer.train_step
+
+    def timed_step():  # every step "takes" 2 s: 60 s x (1 - RESERVE) hold 29 steps
+        clock.now += 2.0
+        return step()
+
+    monkeypatch.setattr(trainer, "train_step", timed_step)
+    summary = trainer.fit(progress=False)
+    assert summary["steps"] == 29
+    lrs = [r["lr"] for r in read_metrics(cfg.run_dir)]
+    assert len(lrs) == 29
+    # Steps before the estimate followed the 100-step schedule, the rest the 29-step one: the
+    # cosine reaches its end at the last step instead of being cut off near its peak.
+    assert lrs[:3] == pytest.approx([cfg.train.lr * lr_factor(s, 100, 0.1, 0.0) for s in range(3)])
+    assert lrs[-5:] == pytest.approx([cfg.train.lr * lr_factor(s, 29, 0.1, 0.0) for s in range(24, 29)])
+    assert lrs[-1] < 0.01 * cfg.train.lr
