@@ -5,7 +5,8 @@
 #   train    -> configs/smollm2-h200.yaml, then export the last checkpoint
 #   eval     -> greedy speculative decoding on HumanEval (164), MT-Bench (80 x 2 turns) and the 200
 #               held-out prompts: tau, histogram, lossless check (fp32), then speedup in one process
-# Usage: bash examples/smollm2_h200.sh [prompts|generate|train|eval|all]   (default: all)
+# Usage: bash examples/smollm2_h200.sh [prompts|generate|train|eval|all]   (default: all;
+#        eval = eval-sets, then eval-curve: tau at 1/3 and 2/3 of training, speedup in one process)
 # Each stage reads what the one before wrote under $RUN; each can be rerun (generate resumes).
 # The variables below shrink it (CI runs it on CPU with a dozen prompts: tests/test_examples.py).
 set -euo pipefail
@@ -48,11 +49,16 @@ evaluate() {  # $1: drafter dir, $2: prompt set, $3: report dir; extra args foll
     --dtype float32 --device "$DEVICE" ${EVAL_PROMPTS:+--num-prompts "$EVAL_PROMPTS"} --out "$out" "$@"
 }
 
-eval_all() {
+eval_sets() {  # the trained drafter on the three sets
   evaluate "$RUN/export" humaneval "$RUN/eval/humaneval" --workers "$WORKERS"
   evaluate "$RUN/export" "$RUN/data/heldout_prompts.jsonl" "$RUN/eval/sharegpt" --workers "$WORKERS"
   evaluate "$RUN/export" mt-bench "$RUN/eval/mt-bench" --workers "$WORKERS"
-  for ckpt in "$RUN"/checkpoints/step_*; do  # tau against training length
+}
+
+eval_curve() {  # tau against training length: checkpoints at ~1/3 and ~2/3 of the run; then speedup
+  local ckpts=("$RUN"/checkpoints/step_*) n
+  n=${#ckpts[@]}
+  for ckpt in $(printf '%s\n' "${ckpts[$((n / 3))]}" "${ckpts[$((2 * n / 3))]}" | sort -u); do
     evaluate "$ckpt" humaneval "$RUN/eval/humaneval_$(basename "$ckpt")" --workers "$WORKERS"
   done
   evaluate "$RUN/export" humaneval "$RUN/eval/humaneval_speedup" --num-prompts "$SPEEDUP_PROMPTS"  # 1 process
@@ -62,7 +68,9 @@ case "${1:-all}" in
   prompts) prompts ;;
   generate) generate ;;
   train) train ;;
-  eval) eval_all ;;
-  all) prompts; generate; train; eval_all ;;
-  *) echo "usage: $0 [prompts|generate|train|eval|all]" >&2; exit 2 ;;
+  eval) eval_sets; eval_curve ;;
+  eval-sets) eval_sets ;;
+  eval-curve) eval_curve ;;
+  all) prompts; generate; train; eval_sets; eval_curve ;;
+  *) echo "usage: $0 [prompts|generate|train|eval|eval-sets|eval-curve|all]" >&2; exit 2 ;;
 esac
