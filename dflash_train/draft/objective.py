@@ -47,6 +47,20 @@ def attention_mask_for(task: BlockTask, block_size: int, context_len: int, use_f
     return masks.dense_mask(task.anchors, block_size, context_len)
 
 
+def draft_hidden(
+    drafter: DFlashDraftModel, task: BlockTask, features: torch.Tensor, embed_weight: torch.Tensor, use_flex: bool
+) -> torch.Tensor:
+    """Final hidden states [b, N*B, H] of every anchor's block, each attending to the context
+    strictly before its anchor and to its own block."""
+    cfg = drafter.config
+    b, t = task.input_ids.shape
+    block_ids = masks.block_inputs(task.input_ids, task.anchors, cfg.block_size, cfg.mask_token_id)
+    ctx_pos = torch.arange(t, device=features.device).expand(b, t)
+    blk_pos = masks.block_positions(task.anchors, cfg.block_size)
+    mask = attention_mask_for(task, cfg.block_size, t, use_flex)
+    return drafter(features, embed_weight[block_ids], ctx_pos, blk_pos, mask)
+
+
 def draft_loss(
     drafter: DFlashDraftModel,
     task: BlockTask,
@@ -56,12 +70,6 @@ def draft_loss(
     use_flex: bool,
     ce_chunk_size: int,
 ) -> BlockLoss:
-    cfg = drafter.config
-    b, t = task.input_ids.shape
-    block_ids = masks.block_inputs(task.input_ids, task.anchors, cfg.block_size, cfg.mask_token_id)
-    block_embeds = embed_weight[block_ids]
-    ctx_pos = torch.arange(t, device=features.device).expand(b, t)
-    blk_pos = masks.block_positions(task.anchors, cfg.block_size)
-    mask = attention_mask_for(task, cfg.block_size, t, use_flex)
-    hidden = drafter(features, block_embeds, ctx_pos, blk_pos, mask)
-    return block_loss(hidden, lm_head_weight, task.labels, task.weights, cfg.block_size, ce_chunk_size)
+    hidden = draft_hidden(drafter, task, features, embed_weight, use_flex)
+    block_size = drafter.config.block_size
+    return block_loss(hidden, lm_head_weight, task.labels, task.weights, block_size, ce_chunk_size)

@@ -203,3 +203,27 @@ def test_greedy_equals_reference_on_smollm2(smollm2):
         ids = smollm2.tokenizer(text, return_tensors="pt").input_ids
         ref = reference_greedy(smollm2.model, ids, 12, stop_ids=set(stop_ids))
         assert speculative_generate(smollm2, drafter, ids, 12, stop_ids=stop_ids).tokens == ref
+
+
+def test_training_blocks_equal_the_blocks_drafted_at_inference(target):
+    """Train/inference parity: the block the objective trains at anchor a (features of the whole
+    sequence, masked to positions < a) gives the same proposals as the block speculative decoding
+    drafts once a is the last verified token (features of positions < a only, fresh draft cache)."""
+    from dflash_train.draft.model import DraftKVCache
+    from dflash_train.draft.objective import draft_hidden, make_task
+    from dflash_train.eval.spec_decode import draft_block
+
+    drafter = tiny_drafter(target, block_size=5)
+    ids = prompt(30, target.vocab_size, seed=3)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, 6:] = 1
+    task = make_task(ids, loss_mask, num_anchors=7, block_size=5, gamma=7.0, anchor_seed=0)
+    features = target.features(ids, torch.ones_like(ids), drafter.config.target_layer_ids)
+    trained = draft_hidden(drafter, task, features, target.embed_weight, use_flex=False)[0] @ target.lm_head_weight.T
+    anchors = task.anchors[0][task.valid[0]].tolist()
+    assert len(anchors) == 7
+    for n, a in enumerate(anchors):
+        block = torch.tensor([int(ids[0, a])] + [drafter.config.mask_token_id] * 4)
+        cache = DraftKVCache(drafter.config.num_hidden_layers)
+        drafted = draft_block(drafter, target, block, a, features[:, :a], cache)
+        torch.testing.assert_close(drafted, trained[n * 5 + 1 : n * 5 + 5], rtol=1e-4, atol=1e-4)
