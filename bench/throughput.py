@@ -73,8 +73,9 @@ def matmul_tflops(device) -> float:
     return 2 * n**3 / sec / 1e12
 
 
-def count_host_syncs(fn, device) -> int | None:
-    """Synchronising CUDA calls made by one call of `fn` (torch's sync debug mode warns on each)."""
+def host_syncs(fn, device) -> list[str] | None:
+    """Where one call of `fn` synchronised with the host: the Python line of every synchronising
+    CUDA call (torch's sync debug mode warns on each)."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize()
@@ -85,7 +86,7 @@ def count_host_syncs(fn, device) -> int | None:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def make_batch(shape: str, batch: int, max_length: int, device, gen, full: bool = False):
@@ -174,7 +175,7 @@ def main(argv=None):
     t_draft = timed(draft_step, device, args.steps, warm)
     t_e2e = timed(lambda: draft_step(target_step()), device, args.steps, 1)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    syncs = count_host_syncs(lambda: draft_step(target_step()), device)
+    syncs = host_syncs(lambda: draft_step(target_step()), device)
     levers = {}
     if device.type == "cuda":
         levers["e2e_overlap_tokens_per_s"] = tokens / timed(lambda: overlapped(args.steps), device, 1, 1) * args.steps
@@ -201,7 +202,8 @@ def main(argv=None):
         "drafter_mfu": peak_tflops and flop_draft / t_draft / 1e12 / peak_tflops,
         "e2e_mfu": peak_tflops and (flop_target + flop_draft) / t_e2e / 1e12 / peak_tflops,
         "peak_memory_gib": peak,
-        "host_syncs_per_step": syncs,
+        "host_syncs_per_step": None if syncs is None else len(syncs),
+        "host_sync_sites": syncs,
         "full_length": args.full_length,
         **levers,
         "e2e_overlap_mfu": peak_tflops and levers and (flop_target + flop_draft) * levers["e2e_overlap_tokens_per_s"]
