@@ -140,7 +140,7 @@ def main(argv=None):
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
     def target_step():
-        return target.features(ids, attn, layer_ids)
+        return target.features(ids, layer_ids)
 
     feats = target_step()
     task = make_task(ids, loss_mask, anchors, 16, 7.0, 0)

@@ -166,12 +166,18 @@ class Target:
                 h.remove()
 
     @torch.no_grad()
-    def features(self, input_ids, attention_mask, layer_ids: list[int]) -> torch.Tensor:
-        """Concatenated outputs of `layer_ids`: [b, T, K*H] in the target's dtype."""
+    def features(self, input_ids, layer_ids: list[int]) -> torch.Tensor:
+        """Concatenated outputs of `layer_ids`: [b, T, K*H] in the target's dtype.
+
+        Rows are right-padded (as the trainer collates): under causal attention no real token sees
+        a later pad, and positions count from 0 either way, so no padding mask is passed. With one,
+        transformers checks on the host whether it is all ones: a device sync every forward, and
+        SDPA loses its is_causal kernels. Pad positions get features that nothing reads.
+        """
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
         with self.capture(layer_ids, stop_after_last=True) as store:
             try:
-                base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                base(input_ids=input_ids, use_cache=False)
             except _StopForward:
                 pass
         return torch.cat([store[i] for i in layer_ids], dim=-1)

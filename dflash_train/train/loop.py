@@ -204,11 +204,11 @@ class Trainer:
     def features(self, batch: dict) -> torch.Tensor:
         layer_ids = self.drafter.config.target_layer_ids
         if not self.cfg.data.cache_features:
-            return self.target.features(batch["input_ids"], batch["attention_mask"], layer_ids)
+            return self.target.features(batch["input_ids"], layer_ids)
         missing = [i for i in batch["indices"] if i not in self.feature_cache]
         if missing:
             sub = collate(self.dataset, missing, self.device)
-            feats = self.target.features(sub["input_ids"], sub["attention_mask"], layer_ids)
+            feats = self.target.features(sub["input_ids"], layer_ids)
             for row, i in enumerate(missing):
                 self.feature_cache[i] = feats[row, : len(self.dataset.input_ids[i])]
         t = batch["input_ids"].shape[1]
@@ -270,8 +270,7 @@ class Trainer:
             batch = collate(dataset, indices, self.device)
             task = make_task(batch["input_ids"], batch["loss_mask"], tc.num_anchors, d.block_size, tc.gamma,
                              anchor_seed(self.cfg.seed, HELDOUT_SALT, index))
-            out = self.draft_forward(task, self.target.features(batch["input_ids"], batch["attention_mask"],
-                                                                d.target_layer_ids))
+            out = self.draft_forward(task, self.target.features(batch["input_ids"], d.target_layer_ids))
             loss_sum += out.weighted_ce_sum
             weight_sum += task.weights.sum()
             correct += out.correct_per_slot

@@ -139,7 +139,7 @@ class TargetFeeder:
                 self.link.send_header(dst, batch, seed)
         for m, batch, _ in batches:
             feats = functools.cache(
-                lambda b=batch: self.target.features(b["input_ids"], b["attention_mask"], self.layer_ids)
+                lambda b=batch: self.target.features(b["input_ids"], self.layer_ids)
             )
             for group, dst in enumerate(self.layout.consumers(m)):
                 self.link.send_features(dst, lambda g=group, f=feats: self._select(f(), g))

@@ -25,7 +25,7 @@ def batch():
 @pytest.mark.parametrize("layer_ids", [[0], [1, 2], [2, 0]])
 def test_features_equal_hf_hidden_states(target, layer_ids):
     ids, attn = batch()
-    feats = target.features(ids, attn, layer_ids)
+    feats = target.features(ids, layer_ids)
     with torch.no_grad():
         hs = target.model(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
     ref = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
@@ -35,15 +35,15 @@ def test_features_equal_hf_hidden_states(target, layer_ids):
 
 
 def test_early_stop_does_not_change_features(target):
-    ids, attn = batch()
-    early = target.features(ids, attn, [1])
+    ids, _ = batch()
+    early = target.features(ids, [1])
     ran_last = []
     handle = target.layers[-1].register_forward_hook(lambda *a: ran_last.append(True))
     try:
-        target.features(ids, attn, [1])
+        target.features(ids, [1])
         assert not ran_last, "layers after the deepest captured one must not run"
         with torch.no_grad(), target.capture([1], stop_after_last=False) as store:
-            target.model(input_ids=ids, attention_mask=attn)
+            target.model(input_ids=ids)
     finally:
         handle.remove()
     assert ran_last
@@ -52,7 +52,7 @@ def test_early_stop_does_not_change_features(target):
 
 def test_bad_layer_id_is_refused_with_the_range(target):
     with pytest.raises(ValueError, match=r"0\.\.3"):
-        target.features(*batch(), [4])
+        target.features(batch()[0], [4])
 
 
 def test_mask_token_explicit_id():
@@ -84,7 +84,7 @@ def test_mask_token_none_available_is_a_clear_error():
 def test_last_layer_id_matches_hf_hidden_states(target):
     ids, attn = batch()
     last = target.num_layers - 1
-    feats = target.features(ids, attn, [last])
+    feats = target.features(ids, [last])
     with torch.no_grad():
         hs = target.model(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
     valid = attn.bool()

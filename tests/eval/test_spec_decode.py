@@ -74,7 +74,7 @@ def test_drafter_sees_the_targets_features_of_every_verified_position(target):
     assert positions.tolist() == list(range(positions.shape[0]))  # contiguous, each position once
     # Independent reference: one cache-free forward over the final sequence.
     seq = torch.cat([ids, torch.tensor([res.tokens])], dim=1)
-    full = target.features(seq, torch.ones_like(seq), drafter.config.target_layer_ids)
+    full = target.features(seq, drafter.config.target_layer_ids)
     torch.testing.assert_close(torch.cat(drafter.contexts, 1), full[:, : positions.shape[0]], rtol=1e-4, atol=1e-5)
 
 
@@ -218,7 +218,7 @@ def test_training_blocks_equal_the_blocks_drafted_at_inference(target):
     loss_mask = torch.zeros_like(ids)
     loss_mask[:, 6:] = 1
     task = make_task(ids, loss_mask, num_anchors=7, block_size=5, gamma=7.0, anchor_seed=0)
-    features = target.features(ids, torch.ones_like(ids), drafter.config.target_layer_ids)
+    features = target.features(ids, drafter.config.target_layer_ids)
     trained = draft_hidden(drafter, task, features, target.embed_weight, use_flex=False)[0] @ target.lm_head_weight.T
     anchors = task.anchors[0][task.valid[0]].tolist()
     assert len(anchors) == 7

@@ -62,7 +62,7 @@ def test_grad_accum_step_is_the_global_weighted_mean(make_run_config, shared_tin
     for _ in range(2):
         batch, seed = ref.next_micro_batch()
         task = make_task(batch["input_ids"], batch["loss_mask"], tc.num_anchors, d.block_size, tc.gamma, seed)
-        feats = ref.target.features(batch["input_ids"], batch["attention_mask"], d.target_layer_ids)
+        feats = ref.target.features(batch["input_ids"], d.target_layer_ids)
         out = draft_loss(ref.drafter, task, feats, ref.target.embed_weight, ref.target.lm_head_weight, False, 16)
         sums.append(out.weighted_ce_sum)
         weights.append(task.weights.sum())
