@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dflash_train.atomic import new_temp_dir, swap_dir
 from dflash_train.config import TargetConfig
@@ -102,6 +104,38 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
+CAUSAL_SDPA = "dflash_causal_sdpa"
+"""Attention for whole-sequence forwards of right-padded rows: SDPA on its is_causal kernels, no
+mask. transformers has no mask function under this name, so it prepares none, and so runs none of
+its host-side mask checks (padding all ones? packed sequences?): each is a device sync per forward."""
+
+
+def _causal_sdpa(module, query, key, value, attention_mask, **kwargs):
+    if kwargs.get("sliding_window"):
+        raise ValueError(f"{CAUSAL_SDPA} is for full-attention layers only (got sliding_window)")
+    return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+
+AttentionInterface.register(CAUSAL_SDPA, _causal_sdpa)
+
+
+@contextlib.contextmanager
+def _unmasked_causal_attention(config):
+    """CAUSAL_SDPA for the duration of a cache-free forward, where the model runs plain SDPA over
+    full-attention layers only (anything else keeps its own attention and masks)."""
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    eligible = config._attn_implementation == "sdpa" and layer_types == {"full_attention"} and not getattr(
+        config, "sliding_window", None
+    )
+    saved = config._attn_implementation
+    if eligible:
+        config._attn_implementation = CAUSAL_SDPA
+    try:
+        yield eligible
+    finally:
+        config._attn_implementation = saved
+
+
 class _StopForward(Exception):
     pass
 
@@ -170,12 +204,12 @@ class Target:
         """Concatenated outputs of `layer_ids`: [b, T, K*H] in the target's dtype.
 
         Rows are right-padded (as the trainer collates): under causal attention no real token sees
-        a later pad, and positions count from 0 either way, so no padding mask is passed. With one,
-        transformers checks on the host whether it is all ones: a device sync every forward, and
-        SDPA loses its is_causal kernels. Pad positions get features that nothing reads.
+        a later pad, and positions count from 0 either way, so no padding mask is needed, and none
+        is built (see CAUSAL_SDPA): no device sync, SDPA on its causal kernels. Pad positions get
+        features that nothing reads.
         """
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
-        with self.capture(layer_ids, stop_after_last=True) as store:
+        with self.capture(layer_ids, stop_after_last=True) as store, _unmasked_causal_attention(base.config):
             try:
                 base(input_ids=input_ids, use_cache=False)
             except _StopForward:

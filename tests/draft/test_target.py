@@ -89,3 +89,42 @@ def test_last_layer_id_matches_hf_hidden_states(target):
         hs = target.model(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
     valid = attn.bool()
     torch.testing.assert_close(feats[valid], hs[last + 1][valid], rtol=1e-5, atol=1e-5)
+
+
+def test_features_build_no_attention_mask(target, monkeypatch):
+    """Training forwards run SDPA's causal kernels with no mask: transformers' mask preparation (and
+    its host-side checks, a device sync each) must not run; the attention setting is restored."""
+    import transformers.masking_utils as masking
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("mask preparation ran")
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", forbidden)
+    monkeypatch.setattr(masking, "_ignore_causal_mask_sdpa", forbidden)
+    assert target.model.config._attn_implementation == "sdpa"
+    ids, attn = batch()
+    feats = target.features(ids, [1, 2])
+    assert target.model.config._attn_implementation == "sdpa"
+    monkeypatch.undo()
+    with torch.no_grad():
+        hs = target.model(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
+    valid = attn.bool()
+    torch.testing.assert_close(feats[valid], torch.cat([hs[2], hs[3]], -1)[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_layers_keep_their_masks():
+    """A model with sliding-window layers keeps transformers' own masks: windows are honoured."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_train.target import Target
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
+                         sliding_window=3, max_window_layers=0, layer_types=["sliding_attention"] * 2)
+    model = Qwen3ForCausalLM(config).eval()
+    target = Target(model=model, tokenizer=tiny_tokenizer(), name="sliding", device=torch.device("cpu"))
+    ids = batch()[0][:1]
+    with torch.no_grad():
+        ref = model(input_ids=ids, output_hidden_states=True).hidden_states[2]
+    torch.testing.assert_close(target.features(ids, [1]), ref, rtol=1e-5, atol=1e-5)
