@@ -99,7 +99,7 @@ def make_batch(shape: str, batch: int, max_length: int, device, gen, full: bool 
     pos = torch.arange(t)[None]
     attn = (pos < lengths[:, None]).long()
     loss_mask = attn * (pos >= (0.15 * lengths[:, None]).long())
-    return ids.to(device), attn.to(device), loss_mask.to(device), int(lengths.sum())
+    return ids.to(device), loss_mask.to(device), int(lengths.sum())
 
 
 def main(argv=None):
@@ -136,7 +136,7 @@ def main(argv=None):
     use_flex = device.type == "cuda"
     layer_ids = drafter.config.target_layer_ids
     gen = torch.Generator().manual_seed(0)
-    ids, attn, loss_mask, tokens = make_batch(shape, args.batch, max_length, device, gen, args.full_length)
+    ids, loss_mask, tokens = make_batch(shape, args.batch, max_length, device, gen, args.full_length)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
     def target_step():

@@ -131,7 +131,7 @@ def _unmasked_causal_attention(config):
     if eligible:
         config._attn_implementation = CAUSAL_SDPA
     try:
-        yield eligible
+        yield
     finally:
         config._attn_implementation = saved
 

@@ -8,6 +8,7 @@ Outputs: a JSON report, a PNG (acceptance-length histogram, per-position accepta
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -129,6 +130,19 @@ def summarize(parts: list[dict], max_new_tokens: int, temperature: float) -> dic
     }
 
 
+def _decode_share(
+    target: Target, drafter: DFlashDraftModel, prompts: list[Prompt], max_new_tokens: int, temperature: float,
+    block_size: int | None, seed: int,
+) -> dict:
+    """One process's share of an evaluation: warm up, then decode_prompts."""
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    block_size = block_size or drafter.config.block_size
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+    _warm_up(target, drafter, prompts[0], block_size, generator)
+    return decode_prompts(target, drafter, prompts, max_new_tokens, temperature, block_size, generator)
+
+
 def evaluate(
     target: Target,
     drafter: DFlashDraftModel,
@@ -139,12 +153,7 @@ def evaluate(
     seed: int = 0,
 ) -> dict:
     """Decode every turn speculatively and with the target alone, in this process; a report dict."""
-    if not prompts:
-        raise ValueError("no prompts to evaluate")
-    block_size = block_size or drafter.config.block_size
-    generator = torch.Generator(device=target.device).manual_seed(seed)
-    _warm_up(target, drafter, prompts[0], block_size, generator)
-    part = decode_prompts(target, drafter, prompts, max_new_tokens, temperature, block_size, generator)
+    part = _decode_share(target, drafter, prompts, max_new_tokens, temperature, block_size, seed)
     return summarize([part], max_new_tokens, temperature)
 
 
@@ -210,20 +219,22 @@ def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
     return json_path, png_path
 
 
-def _eval_worker(
+def _load_and_decode(
     target_cfg: TargetConfig, drafter_path: str, device: str, prompts: list[Prompt], max_new_tokens: int,
-    temperature: float, block_size: int | None, seed: int, threads: int,
+    temperature: float, block_size: int | None, seed: int,
 ) -> dict:
-    """One evaluation process: its own target and drafter on `device`, its share of the prompts."""
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s eval worker {seed}: %(message)s")
-    torch.set_num_threads(threads)
     dev = torch.device(device)
     target = load_target(target_cfg, dev)
     drafter = load_drafter(drafter_path, target, dev)
-    block_size = block_size or drafter.config.block_size
-    generator = torch.Generator(device=dev).manual_seed(seed)
-    _warm_up(target, drafter, prompts[0], block_size, generator)
-    return decode_prompts(target, drafter, prompts, max_new_tokens, temperature, block_size, generator)
+    return _decode_share(target, drafter, prompts, max_new_tokens, temperature, block_size, seed)
+
+
+def _eval_worker(*share, threads: int) -> dict:
+    """One evaluation process (spawned): its own target and drafter, its share of the prompts."""
+    seed = share[-1]  # seed + worker index: names the worker in its log lines
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s eval worker {seed}: %(message)s")
+    torch.set_num_threads(threads)
+    return _load_and_decode(*share)
 
 
 def run_eval(
@@ -258,21 +269,17 @@ def run_eval(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     target_cfg = TargetConfig(path=target, dtype=dtype)
     chosen = load_prompts(prompts, num_prompts)
-    workers = min(workers, len(chosen))
+    workers = max(1, min(workers, len(chosen)))
+    shares = [(target_cfg, str(drafter), device, chosen[w::workers], max_new_tokens, temperature, block_size, seed + w)
+              for w in range(workers)]
     if workers == 1:
-        dev = torch.device(device)
-        tgt = load_target(target_cfg, dev)
-        report = evaluate(tgt, load_drafter(drafter, tgt, dev), chosen, max_new_tokens, temperature, block_size, seed)
+        parts = [_load_and_decode(*shares[0])]
     else:
         threads = max(1, torch.get_num_threads() // workers)
         context = torch.multiprocessing.get_context("spawn")  # CUDA cannot be used in forked children
         with ProcessPoolExecutor(workers, mp_context=context) as pool:
-            futures = [
-                pool.submit(_eval_worker, target_cfg, str(drafter), device, chosen[w::workers], max_new_tokens,
-                            temperature, block_size, seed + w, threads)
-                for w in range(workers)
-            ]
-            report = summarize([f.result() for f in futures], max_new_tokens, temperature)
+            parts = list(pool.map(functools.partial(_eval_worker, threads=threads), *zip(*shares)))
+    report = summarize(parts, max_new_tokens, temperature)
     report.update(drafter=str(drafter), prompts=prompts)
     if out is not None:
         write_report(report, out)
