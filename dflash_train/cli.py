@@ -106,7 +106,8 @@ def cmd_eval(args) -> int:
     report = run_eval(
         target=args.target, drafter=args.drafter, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, block_size=args.block_size, num_prompts=args.num_prompts, out=args.out,
-        device=args.device, seed=args.seed, workers=args.workers, dtype=args.dtype,
+        device=args.device, seed=args.seed, batch_size=args.batch_size, speed_prompts=args.speed_prompts,
+        dtype=args.dtype,
     )
     print(format_table(report))
     if args.out:
@@ -169,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-invalid", dest="skip_invalid", action="store_true", default=None)
     p.add_argument("--device")
     p.add_argument("--batch-size", dest="batch_size", type=int)
+    p.add_argument("--engine", choices=["padded", "continuous"], help="local backend: generation engine")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("prompts", help="first user turns of a prompt set -> train / held-out prompt files for generate")
@@ -192,8 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="target/drafter compute dtype (auto: bf16 on GPU); float32 for an exact lossless check")
-    p.add_argument("--workers", type=int, default=1,
-                   help="processes sharing the device, each decoding its share of the prompts (speedup: use 1)")
+    p.add_argument("--batch-size", type=int, default=64, help="prompts decoded together for acceptance")
+    p.add_argument("--speed-prompts", type=int, default=8,
+                   help="first turns decoded one at a time, with caches, for the speedup (0: no speed figures)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("export", help="checkpoint -> folder SGLang, vLLM and z-lab load")

@@ -59,7 +59,7 @@ def real_tau(trainer: Trainer, prompts: list[Prompt], max_new_tokens: int) -> di
     """Greedy speculative decoding on held-out prompts: tau, and losslessness vs target greedy."""
     report = trainer.run_eval(periodic_evaluator(prompts, None, max_new_tokens))
     lossless = report["lossless"]
-    return {"tau": report["tau"], "rounds": report["num_rounds"], "speedup": report["speedup"],
+    return {"tau": report["tau"], "rounds": report["num_rounds"],
             "lossless": f"{lossless['matches']}/{lossless['total']}"}
 
 

@@ -206,15 +206,25 @@ class Target:
         Rows are right-padded (as the trainer collates): under causal attention no real token sees
         a later pad, and positions count from 0 either way, so no padding mask is needed, and none
         is built (see CAUSAL_SDPA): no device sync, SDPA on its causal kernels. Pad positions get
-        features that nothing reads.
+        features that nothing reads. The forward stops after the last layer it needs.
         """
+        return self._forward(input_ids, layer_ids, stop_early=True)[1]
+
+    @torch.no_grad()
+    def hidden_and_features(self, input_ids, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole forward of right-padded rows: final-normed hidden states [b, T, H] (logits =
+        them @ lm_head) and `features(input_ids, layer_ids)`."""
+        return self._forward(input_ids, layer_ids, stop_early=False)
+
+    def _forward(self, input_ids, layer_ids: list[int], stop_early: bool):
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
-        with self.capture(layer_ids, stop_after_last=True) as store, _unmasked_causal_attention(base.config):
+        hidden = None
+        with self.capture(layer_ids, stop_after_last=stop_early) as store, _unmasked_causal_attention(base.config):
             try:
-                base(input_ids=input_ids, use_cache=False)
+                hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state
             except _StopForward:
                 pass
-        return torch.cat([store[i] for i in layer_ids], dim=-1)
+        return hidden, torch.cat([store[i] for i in layer_ids], dim=-1)
 
 
 def resolve_mask_token_id(explicit: int | None, tokenizer, embed_rows: int) -> int:

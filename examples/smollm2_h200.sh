@@ -4,9 +4,10 @@
 #   generate -> SmolLM2 answers the 8,000 itself, greedy, <= 512 new tokens (in-process, resumable)
 #   train    -> configs/smollm2-h200.yaml, then export the last checkpoint
 #   eval     -> greedy speculative decoding on HumanEval (164), MT-Bench (80 x 2 turns) and the 200
-#               held-out prompts: tau, histogram, lossless check (fp32), then speedup in one process
+#               held-out prompts: tau, histogram, lossless check (fp32, prompts decoded in batches),
+#               then speedup (bf16, batch 1, KV caches: as served)
 # Usage: bash examples/smollm2_h200.sh [prompts|generate|train|eval|all]   (default: all;
-#        eval = eval-sets, then eval-curve: tau at 1/3 and 2/3 of training, speedup in one process)
+#        eval = eval-sets, then eval-curve: tau at 1/3 and 2/3 of training, then the speedup)
 # Each stage reads what the one before wrote under $RUN; each can be rerun (generate resumes).
 # The variables below shrink it (CI runs it on CPU with a dozen prompts: tests/test_examples.py).
 set -euo pipefail
@@ -16,12 +17,14 @@ DEVICE=${DEVICE:-cuda}
 NUM_PROMPTS=${NUM_PROMPTS:-8200}   # held-out ones included
 HELDOUT=${HELDOUT:-200}
 ANSWER_TOKENS=${ANSWER_TOKENS:-512}
-BATCH=${BATCH:-1024}               # generation batch (left-padded, one `generate` call each)
+BATCH=${BATCH:-1024}               # generation batch (one `generate` / `generate_batch` call each)
+ENGINE=${ENGINE:-padded}           # in-process generation engine: padded or continuous
 TRAIN_ARGS=${TRAIN_ARGS:-}         # extra dotted overrides of $CONFIG
-WORKERS=${WORKERS:-8}              # eval processes sharing the GPU (batch-1 decoding is host-bound)
+EVAL_BATCH=${EVAL_BATCH:-256}      # prompts decoded together for acceptance
 NEW_TOKENS=${NEW_TOKENS:-256}      # eval answer length
 EVAL_PROMPTS=${EVAL_PROMPTS:-}     # first N prompts of each eval set (default: all)
-SPEEDUP_PROMPTS=${SPEEDUP_PROMPTS:-40}
+CURVE_PROMPTS=${CURVE_PROMPTS:-}   # first N HumanEval prompts for the earlier checkpoints (default: all)
+SPEEDUP_PROMPTS=${SPEEDUP_PROMPTS:-20}
 DT=(python3 -m dflash_train)
 
 last_checkpoint() { ls -d "$RUN"/checkpoints/step_* | sort | tail -1; }
@@ -33,7 +36,7 @@ prompts() {
 generate() {
   "${DT[@]}" generate -c configs/generate/smollm2-local.yaml --input "$RUN/data/train_prompts.jsonl" \
     --output "$RUN/data/train" --max-tokens "$ANSWER_TOKENS" --device "$DEVICE" --batch-size "$BATCH" \
-    --concurrency $((2 * BATCH))
+    --concurrency $((2 * BATCH)) --engine "$ENGINE"
 }
 
 train() {
@@ -43,25 +46,28 @@ train() {
   "${DT[@]}" export "$(last_checkpoint)" "$RUN/export"
 }
 
-evaluate() {  # $1: drafter dir, $2: prompt set, $3: report dir; extra args follow
+evaluate() {  # $1: drafter dir, $2: prompt set, $3: report dir; extra args follow (the last --num-prompts wins)
   local drafter=$1 set=$2 out=$3; shift 3
   "${DT[@]}" eval --target smollm2 --drafter "$drafter" --prompts "$set" --max-new-tokens "$NEW_TOKENS" \
-    --dtype float32 --device "$DEVICE" ${EVAL_PROMPTS:+--num-prompts "$EVAL_PROMPTS"} --out "$out" "$@"
+    --device "$DEVICE" --batch-size "$EVAL_BATCH" ${EVAL_PROMPTS:+--num-prompts "$EVAL_PROMPTS"} --out "$out" "$@"
 }
 
-eval_sets() {  # the trained drafter on the three sets
-  evaluate "$RUN/export" humaneval "$RUN/eval/humaneval" --workers "$WORKERS"
-  evaluate "$RUN/export" "$RUN/data/heldout_prompts.jsonl" "$RUN/eval/sharegpt" --workers "$WORKERS"
-  evaluate "$RUN/export" mt-bench "$RUN/eval/mt-bench" --workers "$WORKERS"
+eval_sets() {  # the trained drafter on the three sets; fp32: the lossless check is exact
+  evaluate "$RUN/export" humaneval "$RUN/eval/humaneval" --dtype float32 --speed-prompts 0
+  evaluate "$RUN/export" "$RUN/data/heldout_prompts.jsonl" "$RUN/eval/sharegpt" --dtype float32 --speed-prompts 0
+  evaluate "$RUN/export" mt-bench "$RUN/eval/mt-bench" --dtype float32 --speed-prompts 0
 }
 
 eval_curve() {  # tau against training length: checkpoints at ~1/3 and ~2/3 of the run; then speedup
   local ckpts=("$RUN"/checkpoints/step_*) n
   n=${#ckpts[@]}
   for ckpt in $(printf '%s\n' "${ckpts[$((n / 3))]}" "${ckpts[$((2 * n / 3))]}" | sort -u); do
-    evaluate "$ckpt" humaneval "$RUN/eval/humaneval_$(basename "$ckpt")" --workers "$WORKERS"
+    evaluate "$ckpt" humaneval "$RUN/eval/humaneval_$(basename "$ckpt")" --dtype float32 --speed-prompts 0 \
+      ${CURVE_PROMPTS:+--num-prompts "$CURVE_PROMPTS"}
   done
-  evaluate "$RUN/export" humaneval "$RUN/eval/humaneval_speedup" --num-prompts "$SPEEDUP_PROMPTS"  # 1 process
+  # Speed as served: bf16 (the target's dtype), one prompt at a time, KV caches.
+  evaluate "$RUN/export" humaneval "$RUN/eval/humaneval_speedup" --num-prompts "$SPEEDUP_PROMPTS" \
+    --speed-prompts "$SPEEDUP_PROMPTS"
 }
 
 case "${1:-all}" in

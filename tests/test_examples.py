@@ -21,7 +21,8 @@ def test_smollm2_example_runs_end_to_end_on_cpu(tmp_path):
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # python3 = this venv's
         "RUN": str(run), "DEVICE": "cpu", "NUM_PROMPTS": "10", "HELDOUT": "2", "ANSWER_TOKENS": "12", "BATCH": "8",
-        "WORKERS": "2", "NEW_TOKENS": "6", "EVAL_PROMPTS": "2", "SPEEDUP_PROMPTS": "1",
+        "EVAL_BATCH": "2", "NEW_TOKENS": "6", "EVAL_PROMPTS": "3", "CURVE_PROMPTS": "2", "SPEEDUP_PROMPTS": "1",
+        "ENGINE": "continuous",
         "TRAIN_ARGS": "target.dtype=auto train.max_steps=2 train.num_anchors=4 data.length_bucket=0 "
                       "data.max_length=256 data.token_budget=512 checkpoint.every=1",
     }
@@ -31,8 +32,9 @@ def test_smollm2_example_runs_end_to_end_on_cpu(tmp_path):
     assert len((run / "data" / "heldout_prompts.jsonl").read_text().splitlines()) == 2
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
     assert (run / "export" / "config.json").is_file()
-    expected = {"humaneval": 2, "sharegpt": 2, "mt-bench": 4, "humaneval_step_00000001": 2,
+    expected = {"humaneval": 3, "sharegpt": 2, "mt-bench": 6, "humaneval_step_00000001": 2,
                 "humaneval_step_00000002": 2, "humaneval_speedup": 1}
     for name, turns in expected.items():
         report = json.loads((run / "eval" / name / "eval.json").read_text())
         assert report["num_turns"] == turns and report["lossless"] == {"matches": turns, "total": turns}, name
+        assert (report["speedup"] is not None) == (name == "humaneval_speedup"), name

@@ -58,6 +58,10 @@ class LocalConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     batch_size: int = Field(16, ge=1)
+    engine: Literal["padded", "continuous"] = "padded"
+    """padded: one left-padded `generate` per batch (every row runs until the longest ends);
+    continuous: transformers' continuous batching (paged KV cache, finished rows replaced at once,
+    CUDA graphs), the faster engine for big batches on a GPU (docs/benchmarks/generate_local.md)."""
 
 
 class GenerateConfig(_Section):
@@ -121,6 +125,7 @@ FLAG_KEYS = {
     "device": "local.device",
     "dtype": "local.dtype",
     "batch_size": "local.batch_size",
+    "engine": "local.engine",
 }
 _LIST_KEYS = {"inputs", "http.server_urls"}
 

@@ -1,6 +1,7 @@
 """In-process generation with transformers: batched, left-padded, greedy or sampled.
 
-For small targets (the SmolLM2 quickstart on CPU) and single-GPU runs without a server.
+For small targets (the SmolLM2 quickstart on CPU) and single-GPU runs without a server. Two
+engines: one left-padded `generate` per batch, or transformers' continuous batching.
 Concurrent `complete` calls queue up; one worker thread takes whatever is waiting (up to
 `batch_size`, same sampling settings) and runs one `model.generate` for all of it, so batches
 fill up naturally while the previous one runs.
@@ -14,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from transformers import GenerationConfig
 
 from dflash_train.config import TargetConfig
 from dflash_train.data.backends import Completion, GenParams
@@ -41,45 +43,72 @@ def encode_prompt(tokenizer, messages: list[dict], thinking: bool | None) -> lis
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-@torch.no_grad()
-def generate_batch(model, tokenizer, prompts: list[list[int]], params: GenParams) -> list[Completion]:
-    """Answer token-id prompts in one left-padded `generate` call."""
-    device = next(model.parameters()).device
-    stops = stop_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
-    width = max(map(len, prompts))
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(prompts):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids)
-        attention_mask[row, width - len(ids) :] = 1
+def _cut_at_stop(ids: list[int], stops: set[int]) -> tuple[list[int], bool]:
+    """New tokens up to and including the first stop token; whether one ended them."""
+    end = next((i for i, t in enumerate(ids) if t in stops), None)
+    return (ids, False) if end is None else (ids[: end + 1], True)
+
+
+def _generation_config(params: GenParams, stops: set[int], pad_id: int) -> GenerationConfig:
     sample = params.temperature > 0
-    if sample and params.seed is not None:
-        torch.manual_seed(params.seed)
-    out = model.generate(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
+    return GenerationConfig(
         max_new_tokens=params.max_tokens,
         do_sample=sample,
         temperature=params.temperature if sample else None,
         top_p=params.top_p if sample else None,
         top_k=None,
-        eos_token_id=sorted(stops),
+        eos_token_id=sorted(stops) or None,
         pad_token_id=pad_id,
     )
-    completions = []
-    for ids, prompt in zip(out[:, width:].tolist(), prompts):
-        end = next((i for i, t in enumerate(ids) if t in stops), None)
-        new = ids if end is None else ids[: end + 1]
-        completions.append(
-            Completion(
-                text=tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False),
-                prompt_tokens=len(prompt),
-                completion_tokens=len(new),
-                finish_reason="length" if end is None else "stop",
-            )
+
+
+def _padded_generate(model, prompts: list[list[int]], gen: GenerationConfig) -> list[list[int]]:
+    device = next(model.parameters()).device
+    width = max(map(len, prompts))
+    input_ids = torch.full((len(prompts), width), gen.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[row, width - len(ids) :] = 1
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=gen)
+    return out[:, width:].tolist()
+
+
+def _continuous_generate(model, prompts: list[list[int]], gen: GenerationConfig) -> list[list[int]]:
+    results = list(model.generate_batch(prompts, generation_config=gen, progress_bar=False).values())
+    # generate_batch logs failed or lost requests instead of raising: a missing answer must not
+    # pass for an empty one.
+    failed = [(i, r.error) for i, r in enumerate(results) if r.error is not None]
+    if len(results) != len(prompts) or failed:
+        raise RuntimeError(
+            f"continuous batching answered {len(results)} of {len(prompts)} prompts; failed: {failed[:3]}"
         )
-    return completions
+    return [r.generated_tokens for r in results]
+
+
+@torch.no_grad()
+def generate_ids(model, prompts: list[list[int]], params: GenParams, stops: set[int], pad_id: int,
+                 engine: str = "padded") -> list[tuple[list[int], bool]]:
+    """Per token-id prompt: (new token ids cut after the first stop token, whether one ended them)."""
+    if params.temperature > 0 and params.seed is not None:
+        torch.manual_seed(params.seed)
+    run = _continuous_generate if engine == "continuous" else _padded_generate
+    return [_cut_at_stop(ids, stops) for ids in run(model, prompts, _generation_config(params, stops, pad_id))]
+
+
+def generate_batch(model, tokenizer, prompts: list[list[int]], params: GenParams, engine: str = "padded") -> list[Completion]:
+    """Answer token-id prompts in one `generate` (padded) or `generate_batch` (continuous) call."""
+    stops = stop_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
+    return [
+        Completion(
+            text=tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False),
+            prompt_tokens=len(prompt),
+            completion_tokens=len(new),
+            finish_reason="stop" if stopped else "length",
+        )
+        for (new, stopped), prompt in zip(generate_ids(model, prompts, params, stops, pad_id, engine), prompts)
+    ]
 
 
 @dataclass
@@ -90,11 +119,13 @@ class _Request:
 
 
 class LocalBackend:
-    def __init__(self, model, tokenizer, *, name: str, batch_size: int, identity: dict | None = None):
+    def __init__(self, model, tokenizer, *, name: str, batch_size: int, identity: dict | None = None,
+                 engine: str = "padded"):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.batch_size = batch_size
+        self.engine = engine
         self._target_identity = identity or {}
         self._queue: deque[_Request] = deque()
         self._wake: asyncio.Event | None = None
@@ -105,7 +136,8 @@ class LocalBackend:
         auto = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(auto if cfg.device == "auto" else cfg.device)
         target = load_target(TargetConfig(path=path, dtype=cfg.dtype), device)
-        return cls(target.model, target.tokenizer, name=path, batch_size=cfg.batch_size, identity=target.identity)
+        return cls(target.model, target.tokenizer, name=path, batch_size=cfg.batch_size, identity=target.identity,
+                   engine=cfg.engine)
 
     async def identity(self) -> dict:
         return {
@@ -142,7 +174,9 @@ class LocalBackend:
                 prompts = [r.prompt for r in batch]
                 try:
                     # A thread keeps the event loop (HTTP server, writer) responsive during generate.
-                    results = await asyncio.to_thread(generate_batch, self.model, self.tokenizer, prompts, batch[0].params)
+                    results = await asyncio.to_thread(
+                        generate_batch, self.model, self.tokenizer, prompts, batch[0].params, self.engine
+                    )
                 except Exception as err:  # noqa: BLE001 -- a bug or OOM must reach the callers, not kill the worker
                     for r in batch:
                         if not r.future.done():

@@ -1,18 +1,18 @@
-"""Real speculative-decoding evaluation: acceptance, speed against the target alone, losslessness.
+"""Real speculative-decoding evaluation: acceptance, losslessness, speed against the target alone.
 
-Every turn of every prompt is decoded twice on the same context: speculatively, and by the target
-alone (greedy, with its KV cache). Multi-turn prompts continue from the speculative answer, which
-is the target's own answer (identical at temperature 0, a target sample above it).
+Acceptance: every turn of every prompt is decoded speculatively, many prompts at a time
+(batched_speculative); multi-turn prompts continue from the speculative answer, which is the
+target's own answer (identical at temperature 0, a target sample above it). At temperature 0 each
+answer is compared with transformers' greedy `generate`. Speed: the first turns of a few prompts
+are decoded one at a time with KV caches, speculatively and by the target alone.
 Outputs: a JSON report, a PNG (acceptance-length histogram, per-position acceptance), a table.
 """
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 import logging
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -23,6 +23,9 @@ from dflash_train.atomic import write_atomic
 from dflash_train.config import TargetConfig
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.export import load_drafter
+from dflash_train.data.backends import GenParams
+from dflash_train.data.local_backend import generate_ids
+from dflash_train.eval.batched import batched_speculative
 from dflash_train.eval.prompts import Prompt, load_prompts
 from dflash_train.eval.spec_decode import speculative_generate, target_greedy
 from dflash_train.target import Target, load_target
@@ -52,66 +55,84 @@ def _decode_rate(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
-def _warm_up(target: Target, drafter: DFlashDraftModel, prompt: Prompt, block_size: int, generator) -> None:
-    """Kernels and allocator warmed on one short decode, so no prompt's timing carries start-up cost."""
+def _warm_up(target: Target, drafter: DFlashDraftModel, ids: torch.Tensor, block_size: int, generator) -> None:
+    """Kernels and allocator warmed on one short decode, so no timing carries start-up cost."""
     stop_ids = stop_token_ids(target)
-    ids = encode(target, prompt.messages([]))
     speculative_generate(target, drafter, ids, 8, stop_ids, 0.0, block_size, generator)
     target_greedy(target, ids, 8, stop_ids)
 
 
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
 @torch.no_grad()
-def decode_prompts(
+def decode_turns(
+    target: Target, drafter: DFlashDraftModel, prompts: list[Prompt], max_new_tokens: int, temperature: float,
+    block_size: int, generator: torch.Generator, batch_size: int,
+) -> dict:
+    """Acceptance over every turn of `prompts`, `batch_size` rows at a time (batched_speculative);
+    turn t of every prompt is asked after its answers to turns < t. At temperature 0 each answer is
+    checked against transformers' own batched greedy `generate` (the lossless check)."""
+    stop_ids = stop_token_ids(target)
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
+    greedy = GenParams(temperature=0.0, top_p=1.0, max_tokens=max_new_tokens)
+    answers: list[list[str]] = [[] for _ in prompts]
+    turns: list[list[dict]] = [[] for _ in prompts]
+    lengths, position_accepts = [], [0] * (block_size - 1)
+    for t in range(max(len(p.turns) for p in prompts)):
+        asked = [i for i, p in enumerate(prompts) if len(p.turns) > t]
+        ids = [encode(target, prompts[i].messages(answers[i]))[0].tolist() for i in asked]
+        specs = batched_speculative(target, drafter, ids, max_new_tokens, stop_ids, temperature, block_size,
+                                    generator, batch_size)
+        references = [None] * len(ids)
+        if temperature == 0:
+            references = [new for i in range(0, len(ids), batch_size) for new, _ in
+                          generate_ids(target.model, ids[i : i + batch_size], greedy, set(stop_ids), pad_id)]
+        for i, prompt_ids, spec, reference in zip(asked, ids, specs, references):
+            lengths += spec.acceptance_lengths
+            position_accepts = [a + b for a, b in zip(position_accepts, spec.position_accepts)]
+            record = {"id": prompts[i].id, "turn": t, "prompt_tokens": len(prompt_ids), "new_tokens": len(spec.tokens),
+                      "tau": round(spec.tau, 3), "lossless": None}
+            if reference is not None:
+                record["lossless"] = spec.tokens == reference
+                if not record["lossless"]:
+                    record["first_difference"] = _first_difference(spec.tokens, reference)
+            turns[i].append(record)
+            answers[i].append(target.tokenizer.decode(spec.tokens, skip_special_tokens=True))
+        log.info("eval turn %d: %d prompts, tau %.2f so far", t + 1, len(asked), sum(lengths) / max(1, len(lengths)))
+    return {"lengths": lengths, "position_accepts": position_accepts, "turns": [r for rows in turns for r in rows]}
+
+
+@torch.no_grad()
+def measure_speed(
     target: Target, drafter: DFlashDraftModel, prompts: list[Prompt], max_new_tokens: int, temperature: float,
     block_size: int, generator: torch.Generator,
 ) -> dict:
-    """Decode every turn of `prompts` speculatively and with the target alone: raw sums and, per
-    prompt, its turn records (one process's share of an evaluation)."""
+    """Decode tokens/s of batch-1 speculative decoding (KV caches, as a server runs it) and of the
+    target alone, on the first turns of `prompts`, after a warm-up."""
     stop_ids = stop_token_ids(target)
-    part = {"target": target.name, "device": str(target.device), "block_size": block_size,
-            "lengths": [], "position_accepts": [0] * (block_size - 1), "prompts": [],
-            "spec_tokens": 0, "spec_seconds": 0.0, "base_tokens": 0, "base_seconds": 0.0}
-    for prompt in prompts:
-        answers: list[str] = []
-        turns = []
-        for t in range(len(prompt.turns)):
-            ids = encode(target, prompt.messages(answers))
-            spec = speculative_generate(target, drafter, ids, max_new_tokens, stop_ids, temperature, block_size, generator)
-            base = target_greedy(target, ids, max_new_tokens, stop_ids)
-            part["lengths"] += spec.acceptance_lengths
-            part["position_accepts"] = [a + b for a, b in zip(part["position_accepts"], spec.position_accepts)]
-            # The first token comes from the prefill in both decodes; the timed part is the rest.
-            part["spec_tokens"] += len(spec.tokens) - 1
-            part["spec_seconds"] += spec.decode_seconds
-            part["base_tokens"] += len(base.tokens) - 1
-            part["base_seconds"] += base.decode_seconds
-            turns.append({
-                "id": prompt.id, "turn": t, "prompt_tokens": ids.shape[1], "new_tokens": len(spec.tokens),
-                "tau": round(spec.tau, 3), "lossless": spec.tokens == base.tokens if temperature == 0 else None,
-            })
-            answers.append(target.tokenizer.decode(spec.tokens, skip_special_tokens=True))
-            log.info("eval %s turn %d: tau %.2f, %d tokens", prompt.id, t, spec.tau, len(spec.tokens))
-        part["prompts"].append(turns)
-    return part
+    ids = [encode(target, p.messages([])) for p in prompts]
+    _warm_up(target, drafter, ids[0], block_size, generator)
+    spec_tokens = spec_seconds = base_tokens = base_seconds = 0
+    for prompt_ids in ids:
+        spec = speculative_generate(target, drafter, prompt_ids, max_new_tokens, stop_ids, temperature, block_size,
+                                    generator)
+        base = target_greedy(target, prompt_ids, max_new_tokens, stop_ids)
+        # The first token comes from the prefill in both decodes; the timed part is the rest.
+        spec_tokens, spec_seconds = spec_tokens + len(spec.tokens) - 1, spec_seconds + spec.decode_seconds
+        base_tokens, base_seconds = base_tokens + len(base.tokens) - 1, base_seconds + base.decode_seconds
+    spec_rate, base_rate = _decode_rate(spec_tokens, spec_seconds), _decode_rate(base_tokens, base_seconds)
+    return {"speed_prompts": len(ids), "spec_tokens_per_s": spec_rate, "target_tokens_per_s": base_rate,
+            "speedup": spec_rate / base_rate if base_rate > 0 else 0.0}
 
 
-def summarize(parts: list[dict], max_new_tokens: int, temperature: float) -> dict:
-    """One report from the parts of an evaluation; parts[w] decoded prompts w, w+W, w+2W, ... (W parts)."""
-    block_size = parts[0]["block_size"]
-    lengths = [n for part in parts for n in part["lengths"]]
-    position_accepts = [sum(col) for col in zip(*(part["position_accepts"] for part in parts))]
-    per_prompt = [part["prompts"] for part in parts]
-    num_prompts = sum(map(len, per_prompt))
-    turns = [t for i in range(num_prompts) for t in per_prompt[i % len(parts)][i // len(parts)]]
-    total = {k: sum(part[k] for part in parts) for k in ("spec_tokens", "spec_seconds", "base_tokens", "base_seconds")}
-    spec_rate = _decode_rate(total["spec_tokens"], total["spec_seconds"])
-    base_rate = _decode_rate(total["base_tokens"], total["base_seconds"])
+def summarize(decoded: dict, speed: dict, block_size: int, max_new_tokens: int, temperature: float) -> dict:
+    """The report: acceptance from decode_turns, speed from measure_speed."""
+    lengths, turns = decoded["lengths"], decoded["turns"]
     rounds = max(1, len(lengths))
     return {
-        "target": parts[0]["target"],
-        "device": parts[0]["device"],
-        "workers": len(parts),
-        "num_prompts": num_prompts,
+        "num_prompts": len({t["id"] for t in turns}),
         "num_turns": len(turns),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
@@ -119,28 +140,13 @@ def summarize(parts: list[dict], max_new_tokens: int, temperature: float) -> dic
         "num_rounds": len(lengths),
         "tau": sum(lengths) / rounds,
         "acceptance_histogram": {str(k): lengths.count(k) for k in range(1, block_size + 1)},
-        "position_acceptance": [a / rounds for a in position_accepts],
-        "spec_tokens_per_s": spec_rate,
-        "target_tokens_per_s": base_rate,
-        "speedup": spec_rate / base_rate if base_rate > 0 else 0.0,
+        "position_acceptance": [a / rounds for a in decoded["position_accepts"]],
+        **speed,
         "lossless": (
             {"matches": sum(t["lossless"] for t in turns), "total": len(turns)} if temperature == 0 else None
         ),
         "turns": turns,
     }
-
-
-def _decode_share(
-    target: Target, drafter: DFlashDraftModel, prompts: list[Prompt], max_new_tokens: int, temperature: float,
-    block_size: int | None, seed: int,
-) -> dict:
-    """One process's share of an evaluation: warm up, then decode_prompts."""
-    if not prompts:
-        raise ValueError("no prompts to evaluate")
-    block_size = block_size or drafter.config.block_size
-    generator = torch.Generator(device=target.device).manual_seed(seed)
-    _warm_up(target, drafter, prompts[0], block_size, generator)
-    return decode_prompts(target, drafter, prompts, max_new_tokens, temperature, block_size, generator)
 
 
 def evaluate(
@@ -151,10 +157,24 @@ def evaluate(
     temperature: float = 0.0,
     block_size: int | None = None,
     seed: int = 0,
+    batch_size: int = 64,
+    speed_prompts: int = 8,
 ) -> dict:
-    """Decode every turn speculatively and with the target alone, in this process; a report dict."""
-    part = _decode_share(target, drafter, prompts, max_new_tokens, temperature, block_size, seed)
-    return summarize([part], max_new_tokens, temperature)
+    """A report dict: acceptance over every turn of `prompts` (decode_turns), speed on the first
+    turns of the first `speed_prompts` of them (measure_speed; 0 skips it)."""
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    if batch_size < 1 or speed_prompts < 0:
+        raise ValueError(f"batch_size must be >= 1 and speed_prompts >= 0, got {batch_size} and {speed_prompts}")
+    block_size = block_size or drafter.config.block_size
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+    decoded = decode_turns(target, drafter, prompts, max_new_tokens, temperature, block_size, generator, batch_size)
+    speed = {"speed_prompts": 0, "spec_tokens_per_s": None, "target_tokens_per_s": None, "speedup": None}
+    if speed_prompts:
+        speed = measure_speed(target, drafter, prompts[:speed_prompts], max_new_tokens, temperature, block_size,
+                              generator)
+    return {"target": target.name, "device": str(target.device),
+            **summarize(decoded, speed, block_size, max_new_tokens, temperature)}
 
 
 def periodic_evaluator(prompts: str | list[Prompt], num_prompts: int | None, max_new_tokens: int):
@@ -163,8 +183,8 @@ def periodic_evaluator(prompts: str | list[Prompt], num_prompts: int | None, max
     held_out = load_prompts(prompts, num_prompts) if isinstance(prompts, str) else prompts[:num_prompts]
 
     def run(trainer) -> dict:
-        report = evaluate(trainer.target, trainer.drafter, held_out, max_new_tokens)
-        keep = ("tau", "num_rounds", "position_acceptance", "speedup", "lossless")
+        report = evaluate(trainer.target, trainer.drafter, held_out, max_new_tokens, speed_prompts=0)
+        keep = ("tau", "num_rounds", "position_acceptance", "lossless")
         return {k: report[k] for k in keep}
 
     return run
@@ -178,10 +198,11 @@ def format_table(report: dict) -> str:
     table.add_column("value", justify="right")
     table.add_row("tau (accepted per round, incl. bonus)", f"{report['tau']:.2f}")
     table.add_row("rounds", str(report["num_rounds"]))
-    table.add_row("speculative decode tokens/s", f"{report['spec_tokens_per_s']:.1f}")
-    table.add_row("target-only decode tokens/s", f"{report['target_tokens_per_s']:.1f}")
-    shared = f" ({report['workers']} processes share the device)" if report.get("workers", 1) > 1 else ""
-    table.add_row("speedup" + shared, f"{report['speedup']:.2f}x")
+    if report["speedup"] is not None:
+        on = f" ({report['speed_prompts']} prompts, batch 1)"
+        table.add_row("speculative decode tokens/s" + on, f"{report['spec_tokens_per_s']:.1f}")
+        table.add_row("target-only decode tokens/s" + on, f"{report['target_tokens_per_s']:.1f}")
+        table.add_row("speedup", f"{report['speedup']:.2f}x")
     if report["lossless"] is not None:
         table.add_row("lossless (== target greedy)", f"{report['lossless']['matches']}/{report['lossless']['total']}")
     rates = report["position_acceptance"]
@@ -219,24 +240,6 @@ def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
     return json_path, png_path
 
 
-def _load_and_decode(
-    target_cfg: TargetConfig, drafter_path: str, device: str, prompts: list[Prompt], max_new_tokens: int,
-    temperature: float, block_size: int | None, seed: int,
-) -> dict:
-    dev = torch.device(device)
-    target = load_target(target_cfg, dev)
-    drafter = load_drafter(drafter_path, target, dev)
-    return _decode_share(target, drafter, prompts, max_new_tokens, temperature, block_size, seed)
-
-
-def _eval_worker(*share, threads: int) -> dict:
-    """One evaluation process (spawned): its own target and drafter, its share of the prompts."""
-    seed = share[-1]  # seed + worker index: names the worker in its log lines
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s eval worker {seed}: %(message)s")
-    torch.set_num_threads(threads)
-    return _load_and_decode(*share)
-
-
 def run_eval(
     target: str,
     drafter: str,
@@ -248,14 +251,12 @@ def run_eval(
     out: str | None = None,
     device: str = "auto",
     seed: int = 0,
-    workers: int = 1,
+    batch_size: int = 64,
+    speed_prompts: int = 8,
     dtype: str = "auto",
 ) -> dict:
     """`dflash-train eval`: load target, drafter and prompts, evaluate, write the report if `out`.
 
-    workers > 1 runs that many processes on the same device, each with its own models and every
-    workers-th prompt: batch-1 decoding of a small target leaves a GPU mostly idle, waiting on the
-    host. Their decode timings then share the device, so take speedup from a workers=1 run.
     dtype: the target's (and drafter's) compute dtype; float32 makes the lossless check exact where
     bf16 rounding can flip near-ties between a 16-token verification and a 1-token decode.
     """
@@ -263,23 +264,13 @@ def run_eval(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if block_size is not None and block_size < 2:
         raise ValueError(f"block size must be >= 2 (one verified token + proposals), got {block_size}")
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    target_cfg = TargetConfig(path=target, dtype=dtype)
     chosen = load_prompts(prompts, num_prompts)
-    workers = max(1, min(workers, len(chosen)))
-    shares = [(target_cfg, str(drafter), device, chosen[w::workers], max_new_tokens, temperature, block_size, seed + w)
-              for w in range(workers)]
-    if workers == 1:
-        parts = [_load_and_decode(*shares[0])]
-    else:
-        threads = max(1, torch.get_num_threads() // workers)
-        context = torch.multiprocessing.get_context("spawn")  # CUDA cannot be used in forked children
-        with ProcessPoolExecutor(workers, mp_context=context) as pool:
-            parts = list(pool.map(functools.partial(_eval_worker, threads=threads), *zip(*shares)))
-    report = summarize(parts, max_new_tokens, temperature)
+    dev = torch.device(device)
+    loaded = load_target(TargetConfig(path=target, dtype=dtype), dev)
+    report = evaluate(loaded, load_drafter(str(drafter), loaded, dev), chosen, max_new_tokens, temperature,
+                      block_size, seed, batch_size, speed_prompts)
     report.update(drafter=str(drafter), prompts=prompts)
     if out is not None:
         write_report(report, out)

@@ -56,12 +56,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _check_budget(max_new_tokens: int) -> None:
+def check_budget(max_new_tokens: int) -> None:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
-def _emit(out: list[int], new: list[int], max_new_tokens: int, stop_ids: set[int]) -> bool:
+def emit_tokens(out: list[int], new: list[int], max_new_tokens: int, stop_ids: set[int]) -> bool:
     """Append tokens one by one, exactly as a token-at-a-time decode would; True when finished."""
     for t in new:
         out.append(t)
@@ -70,7 +70,7 @@ def _emit(out: list[int], new: list[int], max_new_tokens: int, stop_ids: set[int
     return False
 
 
-def _sample(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
     """[..., V] -> [...]: argmax at temperature 0, else a sample of softmax(logits / T)."""
     if temperature == 0:
         return logits.argmax(-1)
@@ -85,7 +85,7 @@ def _sample(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor
 @torch.no_grad()
 def target_greedy(target: Target, input_ids: torch.Tensor, max_new_tokens: int, stop_ids=()) -> DecodeResult:
     """Plain greedy decode with the target's KV cache: the reference, and target-only tokens/s."""
-    _check_budget(max_new_tokens)
+    check_budget(max_new_tokens)
     stop_ids = set(stop_ids)
     cache = DynamicCache(config=target.model.config)
     logits = target.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
@@ -93,7 +93,7 @@ def target_greedy(target: Target, input_ids: torch.Tensor, max_new_tokens: int, 
     token = logits[0, -1].argmax()
     _sync(target.device)
     t0 = time.perf_counter()
-    while not _emit(out, [int(token)], max_new_tokens, stop_ids):
+    while not emit_tokens(out, [int(token)], max_new_tokens, stop_ids):
         logits = target.model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True).logits
         token = logits[0, -1].argmax()
     _sync(target.device)
@@ -189,7 +189,7 @@ def speculative_generate(
     target sample (speculative sampling). `generator` must live on the target's device.
     """
     assert input_ids.shape[0] == 1, "speculative decoding here is one sequence at a time"
-    _check_budget(max_new_tokens)
+    check_budget(max_new_tokens)
     cfg = drafter.config
     block_size = block_size or cfg.block_size
     layer_ids, stop_ids = cfg.target_layer_ids, set(stop_ids)
@@ -199,8 +199,8 @@ def speculative_generate(
     logits, context_new = _target_forward(target, input_ids, target_cache, layer_ids, keep=1)  # no [P, V] logits
     out: list[int] = []
     result = SpecResult(tokens=out, decode_seconds=0.0, block_size=block_size, position_accepts=[0] * (block_size - 1))
-    token = int(_sample(logits[-1], temperature, generator))
-    if _emit(out, [token], max_new_tokens, stop_ids):
+    token = int(sample_tokens(logits[-1], temperature, generator))
+    if emit_tokens(out, [token], max_new_tokens, stop_ids):
         return result
 
     draft_cache = DraftKVCache(cfg.num_hidden_layers)
@@ -211,7 +211,7 @@ def speculative_generate(
         block = torch.full((block_size,), cfg.mask_token_id, dtype=torch.long, device=device)
         block[0] = token
         draft_logits = draft_block(drafter, target, block, start, context_new, draft_cache)
-        block[1:] = _sample(draft_logits, temperature, generator)
+        block[1:] = sample_tokens(draft_logits, temperature, generator)
         target_logits, features = _target_forward(target, block[None], target_cache, layer_ids)
         if temperature == 0:
             n, token = accept_greedy(block[1:], target_logits)
@@ -227,7 +227,7 @@ def speculative_generate(
         start += n + 1
         target_cache.crop(-(block_size - n - 1))  # negative = tokens to drop (transformers >= 5.17)
         context_new = features[:, : n + 1]
-        if _emit(out, block[1 : n + 1].tolist() + [token], max_new_tokens, stop_ids):
+        if emit_tokens(out, block[1 : n + 1].tolist() + [token], max_new_tokens, stop_ids):
             break
     _sync(device)
     result.decode_seconds = time.perf_counter() - t0

@@ -10,7 +10,7 @@ import torch
 from dflash_train.data.backends import GenParams
 from dflash_train.data.generate import generate
 from dflash_train.data.generate_config import LocalConfig, build_generate_config
-from dflash_train.data.local_backend import LocalBackend, encode_prompt
+from dflash_train.data.local_backend import LocalBackend, encode_prompt, generate_ids, stop_ids
 from tests.data.conftest import read_rows, write_jsonl
 
 PROMPTS = [
@@ -42,6 +42,21 @@ def test_batched_greedy_equals_model_generate_prompt_by_prompt(tiny_target):
         assert (answer.prompt_tokens, answer.completion_tokens) == (len(ids), end)
         assert answer.finish_reason == ("stop" if end < len(new) or new[-1] == tokenizer.eos_token_id else "length")
     assert len({a.text for a in answers}) == len(PROMPTS)  # a random model that says one thing proves nothing
+
+
+def test_continuous_batching_answers_exactly_as_the_padded_generate(tiny_target):
+    backend = LocalBackend.load(str(tiny_target), LocalConfig(device="cpu"))
+    model, tokenizer = backend.model, backend.tokenizer
+    prompts = [encode_prompt(tokenizer, m, None) for m in PROMPTS]
+    params = GenParams(temperature=0.0, top_p=1.0, max_tokens=20)
+    stops = stop_ids(model, tokenizer)
+    free = generate_ids(model, prompts, params, stops, pad_id=0)
+    stops.add(free[0][0][5])  # a token the first answer reaches: that row must stop there
+    padded = generate_ids(model, prompts, params, stops, pad_id=0, engine="padded")
+    continuous = generate_ids(model, prompts, params, stops, pad_id=0, engine="continuous")
+    assert continuous == padded
+    assert padded[0][1] and len(padded[0][0]) <= 6
+    assert any(not stopped and len(ids) == 20 for ids, stopped in padded)  # both endings covered
 
 
 def test_thinking_switch_reaches_the_chat_template(tiny_target):

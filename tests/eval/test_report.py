@@ -32,7 +32,7 @@ def test_evaluate_multi_turn_report(chat_target, tmp_path):
     # Proposal k is accepted in exactly the rounds of length > k.
     rates = report["position_acceptance"]
     assert rates == pytest.approx([sum(v for k, v in hist.items() if k > j) / report["num_rounds"] for j in (1, 2)])
-    assert report["spec_tokens_per_s"] > 0 and report["target_tokens_per_s"] > 0
+    assert report["spec_tokens_per_s"] > 0 and report["target_tokens_per_s"] > 0 and report["speed_prompts"] == 2
 
     json_path, png_path = write_report(report, tmp_path / "out")
     assert json.loads(json_path.read_text())["tau"] == report["tau"]
@@ -58,17 +58,11 @@ def test_run_eval_on_smollm2_with_an_exported_drafter(smollm2, tmp_path):
     assert (tmp_path / "eval" / "eval.json").is_file()
 
 
-def test_workers_split_the_prompts_and_merge_them_in_order(chat_target, tmp_path):
-    """Two processes, each with every other prompt, give the single-process report (same turns, same
-    order, same acceptance), except for timings."""
-    chat_target.model.save_pretrained(tmp_path / "target")
-    chat_target.tokenizer.save_pretrained(tmp_path / "target")
-    ckpt = save_checkpoint(tiny_drafter(chat_target, block_size=4), tmp_path / "ckpt")
-    args = dict(target=str(tmp_path / "target"), drafter=str(ckpt), prompts="mt-bench", max_new_tokens=6,
-                num_prompts=3, device="cpu")
-    one, two = run_eval(**args), run_eval(**args, workers=2)
-    assert (one["workers"], two["workers"]) == (1, 2)
-    same = ("num_prompts", "num_turns", "num_rounds", "tau", "acceptance_histogram", "position_acceptance", "lossless")
-    assert {k: two[k] for k in same} == {k: one[k] for k in same}
-    assert two["turns"] == one["turns"] and [t["id"] for t in two["turns"]][::2] == [p.id for p in load_prompts("mt-bench", 3)]
-    assert "2 processes share the device" in format_table(two)
+def test_batch_size_changes_nothing_but_the_grouping(chat_target):
+    """Prompts decoded 1, 2 or 3 at a time give one report (the batched decode keeps rows apart)."""
+    drafter = tiny_drafter(chat_target, block_size=4)
+    prompts = load_prompts("mt-bench", 3)
+    reports = [evaluate(chat_target, drafter, prompts, max_new_tokens=6, batch_size=b, speed_prompts=0) for b in (1, 2, 3)]
+    assert reports[0] == reports[1] == reports[2]
+    assert [(t["id"], t["turn"]) for t in reports[0]["turns"]] == [(p.id, t) for p in prompts for t in (0, 1)]
+    assert reports[0]["speedup"] is None and "speedup" not in format_table(reports[0])
