@@ -42,7 +42,7 @@ def stop_token_ids(target: Target) -> list[int]:
     eos = getattr(target.model.generation_config, "eos_token_id", None)
     if eos is None:
         eos = target.tokenizer.eos_token_id
-    return sorted(set(eos)) if isinstance(eos, list) else [eos]
+    return sorted(set(eos if isinstance(eos, list) else [eos]) - {None})  # none at all: decode to the budget
 
 
 def encode(target: Target, messages: list[dict]) -> torch.Tensor:
@@ -75,7 +75,7 @@ def decode_turns(
     turn t of every prompt is asked after its answers to turns < t. At temperature 0 each answer is
     checked against transformers' own batched greedy `generate` (the lossless check)."""
     stop_ids = stop_token_ids(target)
-    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
+    pad_id = next((t for t in (target.tokenizer.pad_token_id, *stop_ids) if t is not None), 0)
     greedy = GenParams(temperature=0.0, top_p=1.0, max_tokens=max_new_tokens)
     answers: list[list[str]] = [[] for _ in prompts]
     turns: list[list[dict]] = [[] for _ in prompts]
