@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import traceback
 import warnings
 
 import torch
@@ -73,20 +74,29 @@ def matmul_tflops(device) -> float:
     return 2 * n**3 / sec / 1e12
 
 
-def host_syncs(fn, device) -> list[str] | None:
-    """Where one call of `fn` synchronised with the host: the Python line of every synchronising
-    CUDA call (torch's sync debug mode warns on each)."""
+def host_syncs(fn, device) -> list[list[str]] | None:
+    """Where one call of `fn` synchronised with the host: for every synchronising CUDA call (torch's
+    sync debug mode warns on each), the innermost Python frames of the stack that made it. The
+    warning's own line alone can be inside torch (a frame of torch.cuda), which names no culprit."""
     if device.type != "cuda":
         return None
+    stacks = []
+
+    def record(message, *_args, **_kwargs):
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+            stacks.append([f"{f.filename}:{f.lineno} {f.name}" for f in frames[-8:]])
+
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record  # restored when the block exits
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return stacks
 
 
 def make_batch(shape: str, batch: int, max_length: int, device, gen, full: bool = False):
