@@ -66,3 +66,23 @@ def test_batch_size_changes_nothing_but_the_grouping(chat_target):
     assert reports[0] == reports[1] == reports[2]
     assert [(t["id"], t["turn"]) for t in reports[0]["turns"]] == [(p.id, t) for p in prompts for t in (0, 1)]
     assert reports[0]["speedup"] is None and "speedup" not in format_table(reports[0])
+
+
+def test_a_reference_that_differs_is_reported_with_where(chat_target, monkeypatch):
+    """The lossless check compares with transformers' greedy `generate`: a reference that differs
+    from token 3 on must fail the check for that turn and name the position."""
+    import dflash_train.eval.report as report_module
+
+    real = report_module.generate_ids
+
+    def off_by_one_at_3(*args, **kwargs):
+        answers = real(*args, **kwargs)
+        return [(ids[:3] + [(ids[3] + 1) % 49152] + ids[4:], stopped) if i == 0 else (ids, stopped)
+                for i, (ids, stopped) in enumerate(answers)]
+
+    monkeypatch.setattr(report_module, "generate_ids", off_by_one_at_3)
+    drafter = tiny_drafter(chat_target, block_size=4)
+    report = evaluate(chat_target, drafter, load_prompts("humaneval", 2), max_new_tokens=6, speed_prompts=0)
+    assert report["lossless"] == {"matches": 1, "total": 2}
+    assert report["turns"][0]["lossless"] is False and report["turns"][0]["first_difference"] == 3
+    assert report["turns"][1]["lossless"] is True and "first_difference" not in report["turns"][1]
