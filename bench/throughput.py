@@ -74,29 +74,40 @@ def matmul_tflops(device) -> float:
     return 2 * n**3 / sec / 1e12
 
 
-def host_syncs(fn, device) -> list[list[str]] | None:
-    """Where one call of `fn` synchronised with the host: for every synchronising CUDA call (torch's
-    sync debug mode warns on each), the innermost Python frames of the stack that made it. The
-    warning's own line alone can be inside torch (a frame of torch.cuda), which names no culprit."""
+def host_syncs(fn, device) -> list[str] | None:
+    """The synchronising CUDA calls of one call of `fn`, counted with torch's sync debug mode
+    ("warn"), each as the Python line its warning was raised at. A warning can surface late, at the
+    next call into torch (seen at `set_sync_debug_mode` itself), so its line may name no culprit:
+    first_sync finds the call."""
     if device.type != "cuda":
         return None
-    stacks = []
-
-    def record(message, *_args, **_kwargs):
-        if "synchroniz" in str(message):
-            frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
-            stacks.append([f"{f.filename}:{f.lineno} {f.name}" for f in frames[-8:]])
-
     torch.cuda.synchronize()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        warnings.showwarning = record  # restored when the block exits
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return stacks
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+def first_sync(fn, device) -> list[str] | None:
+    """The innermost Python frames of the first synchronising CUDA call of `fn`, which the "error"
+    sync debug mode turns into an exception at the call itself (fn is cut short there: run last)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as err:
+        if "synchroniz" not in str(err):
+            raise
+        return [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_tb(err.__traceback__)[-8:]]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return []
 
 
 def make_batch(shape: str, batch: int, max_length: int, device, gen, full: bool = False):
@@ -214,6 +225,7 @@ def main(argv=None):
         "peak_memory_gib": peak,
         "host_syncs_per_step": None if syncs is None else len(syncs),
         "host_sync_sites": syncs,
+        "first_sync_stack": first_sync(lambda: draft_step(target_step()), device),  # last: cuts a step short
         "full_length": args.full_length,
         **levers,
         "e2e_overlap_mfu": peak_tflops and levers and (flop_target + flop_draft) * levers["e2e_overlap_tokens_per_s"]
