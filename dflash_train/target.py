@@ -210,10 +210,17 @@ class Target:
         """
         return self._forward(input_ids, layer_ids, stop_early=True)[1]
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits from final-normed hidden states: its output layer (bias included) and
+        final logit soft-capping (Gemma 2), as its own forward computes them."""
+        logits = self.model.get_output_embeddings()(hidden)
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
     @torch.no_grad()
     def hidden_and_features(self, input_ids, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole forward of right-padded rows: final-normed hidden states [b, T, H] (logits =
-        them @ lm_head) and `features(input_ids, layer_ids)`."""
+        """The whole forward of right-padded rows: final-normed hidden states [b, T, H] (see
+        `logits`) and `features(input_ids, layer_ids)`."""
         return self._forward(input_ids, layer_ids, stop_early=False)
 
     def _forward(self, input_ids, layer_ids: list[int], stop_early: bool):

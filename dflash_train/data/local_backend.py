@@ -10,6 +10,7 @@ fill up naturally while the previous one runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections import deque
 from dataclasses import dataclass, field
@@ -54,12 +55,25 @@ def _generation_config(params: GenParams, stops: set[int], pad_id: int) -> Gener
     return GenerationConfig(
         max_new_tokens=params.max_tokens,
         do_sample=sample,
-        temperature=params.temperature if sample else None,
-        top_p=params.top_p if sample else None,
-        top_k=None,
+        temperature=params.temperature if sample else 1.0,
+        top_p=params.top_p if sample else 1.0,
+        top_k=0,  # off: an unset top_k would be filled with transformers' default of 50
         eos_token_id=sorted(stops) or None,
         pad_token_id=pad_id,
     )
+
+
+@contextlib.contextmanager
+def _plain_distribution(model):
+    """transformers fills every field a generation config leaves unset from the model's own
+    (repetition penalties, n-gram bans, top_k...). Answers here come from the model's plain next-token
+    distribution, argmax at temperature 0: what speculative decoding verifies against."""
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
 
 
 def _padded_generate(model, prompts: list[list[int]], gen: GenerationConfig) -> list[list[int]]:
@@ -93,7 +107,9 @@ def generate_ids(model, prompts: list[list[int]], params: GenParams, stops: set[
     if params.temperature > 0 and params.seed is not None:
         torch.manual_seed(params.seed)
     run = _continuous_generate if engine == "continuous" else _padded_generate
-    return [_cut_at_stop(ids, stops) for ids in run(model, prompts, _generation_config(params, stops, pad_id))]
+    with _plain_distribution(model):
+        answers = run(model, prompts, _generation_config(params, stops, pad_id))
+    return [_cut_at_stop(ids, stops) for ids in answers]
 
 
 def generate_batch(model, tokenizer, prompts: list[list[int]], params: GenParams, engine: str = "padded") -> list[Completion]:

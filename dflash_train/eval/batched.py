@@ -50,7 +50,7 @@ def _verify(target: Target, rows: list[list[int]], starts: torch.Tensor, block_s
     and features [R, T, K*H] of every position."""
     hidden, features = target.hidden_and_features(_right_padded(rows, target.device), layer_ids)
     at = (starts[:, None] + torch.arange(block_size, device=starts.device))[..., None].expand(-1, -1, hidden.shape[-1])
-    return hidden.gather(1, at) @ target.lm_head_weight.T, features
+    return target.logits(hidden.gather(1, at)), features
 
 
 def _accept(proposals, draft_logits, target_logits, temperature, generator) -> list[tuple[int, int]]:
@@ -73,7 +73,7 @@ def _decode_group(target, drafter, prompts, max_new_tokens, stop_ids, temperatur
     # Prefill: the first token, and the prompt's features as the first context.
     starts = torch.tensor([len(p) for p in prompts], device=device)
     hidden, context = target.hidden_and_features(_right_padded(prompts, device), layer_ids)
-    first = sample_tokens(hidden[torch.arange(len(prompts), device=device), starts - 1] @ target.lm_head_weight.T,
+    first = sample_tokens(target.logits(hidden[torch.arange(len(prompts), device=device), starts - 1]),
                           temperature, generator).tolist()
     seqs = [list(p) + [t] for p, t in zip(prompts, first)]  # committed; the last is the next block's slot 0
     active = [i for i, t in enumerate(first) if not emit_tokens(results[i].tokens, [t], max_new_tokens, stop_ids)]

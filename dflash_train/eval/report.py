@@ -101,7 +101,8 @@ def decode_turns(
             turns[i].append(record)
             answers[i].append(target.tokenizer.decode(spec.tokens, skip_special_tokens=True))
         log.info("eval turn %d: %d prompts, tau %.2f so far", t + 1, len(asked), sum(lengths) / max(1, len(lengths)))
-    return {"lengths": lengths, "position_accepts": position_accepts, "turns": [r for rows in turns for r in rows]}
+    return {"num_prompts": len(prompts), "lengths": lengths, "position_accepts": position_accepts,
+            "turns": [r for rows in turns for r in rows]}
 
 
 @torch.no_grad()
@@ -132,7 +133,7 @@ def summarize(decoded: dict, speed: dict, block_size: int, max_new_tokens: int, 
     lengths, turns = decoded["lengths"], decoded["turns"]
     rounds = max(1, len(lengths))
     return {
-        "num_prompts": len({t["id"] for t in turns}),
+        "num_prompts": decoded["num_prompts"],
         "num_turns": len(turns),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
@@ -183,7 +184,8 @@ def periodic_evaluator(prompts: str | list[Prompt], num_prompts: int | None, max
     held_out = load_prompts(prompts, num_prompts) if isinstance(prompts, str) else prompts[:num_prompts]
 
     def run(trainer) -> dict:
-        report = evaluate(trainer.target, trainer.drafter, held_out, max_new_tokens, speed_prompts=0)
+        # A few rows at a time: the trainer's target, drafter and optimizer stay resident meanwhile.
+        report = evaluate(trainer.target, trainer.drafter, held_out, max_new_tokens, batch_size=8, speed_prompts=0)
         keep = ("tau", "num_rounds", "position_acceptance", "lossless")
         return {k: report[k] for k in keep}
 

@@ -59,6 +59,31 @@ def test_continuous_batching_answers_exactly_as_the_padded_generate(tiny_target)
     assert any(not stopped and len(ids) == 20 for ids, stopped in padded)  # both endings covered
 
 
+def test_answers_come_from_the_plain_distribution_not_the_models_generation_settings(tiny_target):
+    """A checkpoint's generation_config may carry a repetition penalty or n-gram ban; the answers
+    (and eval's lossless reference) must be the plain argmax that speculative decoding verifies."""
+    backend = LocalBackend.load(str(tiny_target), LocalConfig(device="cpu"))
+    model, tokenizer = backend.model, backend.tokenizer
+    prompt = encode_prompt(tokenizer, PROMPTS[2], None)
+    ids = torch.tensor([prompt])
+    argmax = []
+    with torch.no_grad():
+        for _ in range(16):
+            argmax.append(int(model(input_ids=ids).logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[argmax[-1]]])], dim=1)
+    params = GenParams(temperature=0.0, top_p=1.0, max_tokens=16)
+    model.generation_config.repetition_penalty = 5.0
+    model.generation_config.no_repeat_ngram_size = 1
+    try:
+        penalised = model.generate(torch.tensor([prompt]), max_new_tokens=16, pad_token_id=0)[0, len(prompt):].tolist()
+        for engine in ("padded", "continuous"):
+            assert generate_ids(model, [prompt], params, set(), pad_id=0, engine=engine) == [(argmax, False)]
+    finally:
+        model.generation_config.repetition_penalty = 1.0
+        model.generation_config.no_repeat_ngram_size = 0
+    assert penalised != argmax  # the settings do change what transformers' generate does by default
+
+
 def test_thinking_switch_reaches_the_chat_template(tiny_target):
     backend = LocalBackend.load(str(tiny_target), LocalConfig(device="cpu"))
     off = backend.tokenizer.decode(encode_prompt(backend.tokenizer, PROMPTS[0], False))

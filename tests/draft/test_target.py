@@ -128,3 +128,31 @@ def test_sliding_window_layers_keep_their_masks():
     with torch.no_grad():
         ref = model(input_ids=ids, output_hidden_states=True).hidden_states[2]
     torch.testing.assert_close(target.features(ids, [1]), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_whole_forward_gives_the_models_own_logits_and_features(target):
+    """hidden_and_features + logits = model(...).logits (what eval's batched decoder verifies with)."""
+    ids = torch.randint(0, target.vocab_size - 1, (2, 9))
+    hidden, features = target.hidden_and_features(ids, [0, 3])
+    with torch.no_grad():
+        out = target.model(input_ids=ids, output_hidden_states=True)
+    torch.testing.assert_close(target.logits(hidden), out.logits)
+    torch.testing.assert_close(features, torch.cat([out.hidden_states[1], out.hidden_states[4]], dim=-1))
+
+
+def test_logits_apply_the_models_soft_capping():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from dflash_train.target import Target
+
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                           final_logit_softcapping=0.5, initializer_range=0.5)).eval()
+    target = Target(model=model, tokenizer=tiny_tokenizer(), name="gemma2", device=torch.device("cpu"))
+    ids = torch.randint(0, 64, (1, 6))
+    hidden, _ = target.hidden_and_features(ids, [0])
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    assert model.lm_head(hidden).abs().max() > 2 and expected.abs().max() <= 0.5  # the cap bites
+    torch.testing.assert_close(target.logits(hidden), expected)

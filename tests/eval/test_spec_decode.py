@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.draft.model import DFlashDraftModel
+from dflash_train.eval.batched import batched_speculative
 from dflash_train.eval.report import stop_token_ids
 from dflash_train.eval.spec_decode import accept_sampled, speculative_generate, target_greedy
 
@@ -166,8 +167,10 @@ def test_accept_sampled_accepts_everything_when_drafter_equals_target():
 
 
 @pytest.mark.slow
-def test_sampled_generation_follows_target_marginals():
-    """Tokens 2 and 3 (decided by verification) have the target's exact marginals."""
+@pytest.mark.parametrize("batched", [False, True])
+def test_sampled_generation_follows_target_marginals(batched):
+    """Tokens 2 and 3 (decided by verification) have the target's exact marginals, decoding one
+    sequence at a time or all 800 together."""
     target = tiny_target(vocab_size=16, num_layers=2, seed=5)
     drafter = tiny_drafter(target, block_size=4, layer_ids=(0, 1), num_layers=1, seed=6)
     ids = prompt(4, 16, seed=2)
@@ -183,9 +186,12 @@ def test_sampled_generation_follows_target_marginals():
     marginal2 = joint12.sum(0)
     marginal3 = (joint12.reshape(-1, 1) * p3_given_12).sum(0)
     g = torch.Generator().manual_seed(0)
-    samples = torch.tensor(
-        [speculative_generate(target, drafter, ids, 3, temperature=1.0, generator=g).tokens for _ in range(800)]
-    )
+    if batched:
+        decoded = batched_speculative(target, drafter, ids.tolist() * 800, 3, temperature=1.0, generator=g,
+                                      batch_size=800)
+    else:
+        decoded = [speculative_generate(target, drafter, ids, 3, temperature=1.0, generator=g) for _ in range(800)]
+    samples = torch.tensor([d.tokens for d in decoded])
     assert chi_square_pvalue(samples[:, 0], p1) > 1e-3
     assert chi_square_pvalue(samples[:, 1], marginal2) > 1e-3
     assert chi_square_pvalue(samples[:, 2], marginal3) > 1e-3
