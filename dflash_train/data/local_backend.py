@@ -44,6 +44,12 @@ def encode_prompt(tokenizer, messages: list[dict], thinking: bool | None) -> lis
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def pad_token_id(tokenizer, stops) -> int:
+    """The tokenizer's pad id, else the smallest stop id, else 0: left or right padding that no
+    real token attends to, so any id serves."""
+    return next((t for t in (tokenizer.pad_token_id, *sorted(stops)) if t is not None), 0)
+
+
 def _cut_at_stop(ids: list[int], stops: set[int]) -> tuple[list[int], bool]:
     """New tokens up to and including the first stop token; whether one ended them."""
     end = next((i for i, t in enumerate(ids) if t in stops), None)
@@ -115,7 +121,7 @@ def generate_ids(model, prompts: list[list[int]], params: GenParams, stops: set[
 def generate_batch(model, tokenizer, prompts: list[list[int]], params: GenParams, engine: str = "padded") -> list[Completion]:
     """Answer token-id prompts in one `generate` (padded) or `generate_batch` (continuous) call."""
     stops = stop_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
+    pad_id = pad_token_id(tokenizer, stops)
     return [
         Completion(
             text=tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False),

@@ -71,16 +71,18 @@ def _decode_group(target, drafter, prompts, max_new_tokens, stop_ids, temperatur
     results = [SpecResult(tokens=[], decode_seconds=0.0, block_size=block_size, position_accepts=[0] * (block_size - 1))
                for _ in prompts]
     # Prefill: the first token, and the prompt's features as the first context.
-    starts = torch.tensor([len(p) for p in prompts], device=device)
+    last_prompt_token = torch.tensor([len(p) - 1 for p in prompts], device=device)
     hidden, context = target.hidden_and_features(_right_padded(prompts, device), layer_ids)
-    first = sample_tokens(target.logits(hidden[torch.arange(len(prompts), device=device), starts - 1]),
+    first = sample_tokens(target.logits(hidden[torch.arange(len(prompts), device=device), last_prompt_token]),
                           temperature, generator).tolist()
     seqs = [list(p) + [t] for p, t in zip(prompts, first)]  # committed; the last is the next block's slot 0
     active = [i for i, t in enumerate(first) if not emit_tokens(results[i].tokens, [t], max_new_tokens, stop_ids)]
     keep = torch.tensor(active, dtype=torch.long, device=device)
     while active:
-        context, starts = context[keep], starts[keep]
-        context = context[:, : int(max(len(seqs[i]) for i in active)) - 1]
+        # Each row's block starts at its last committed token; the last forward's features cover
+        # every position before it (the slot 0 and accepted proposals it verified included).
+        starts = torch.tensor([len(seqs[i]) - 1 for i in active], device=device)
+        context = context[keep, : int(starts.max())]
         last = torch.tensor([seqs[i][-1] for i in active], device=device)
         draft_logits = _draft(drafter, target, context, starts, last, block_size)
         proposals = sample_tokens(draft_logits, temperature, generator)
@@ -88,7 +90,7 @@ def _decode_group(target, drafter, prompts, max_new_tokens, stop_ids, temperatur
         target_logits, context = _verify(
             target, [seqs[i] + drafted[r] for r, i in enumerate(active)], starts, block_size, layer_ids
         )
-        still, advance = [], []
+        still = []
         for r, (i, (n, token)) in enumerate(zip(active, _accept(proposals, draft_logits, target_logits,
                                                                   temperature, generator))):
             result = results[i]
@@ -96,11 +98,8 @@ def _decode_group(target, drafter, prompts, max_new_tokens, stop_ids, temperatur
             for k in range(n):
                 result.position_accepts[k] += 1
             seqs[i] += drafted[r][:n] + [token]
-            advance.append(n + 1)
             if not emit_tokens(result.tokens, drafted[r][:n] + [token], max_new_tokens, stop_ids):
                 still.append(r)
-        # This round's features cover each kept row's slot 0 and accepted proposals: its next context.
-        starts = starts + torch.tensor(advance, device=device)
         keep = torch.tensor(still, dtype=torch.long, device=device)
         active = [active[r] for r in still]
     return results

@@ -24,7 +24,7 @@ from dflash_train.config import TargetConfig
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.export import load_drafter
 from dflash_train.data.backends import GenParams
-from dflash_train.data.local_backend import generate_ids
+from dflash_train.data.local_backend import generate_ids, pad_token_id
 from dflash_train.eval.batched import batched_speculative
 from dflash_train.eval.prompts import Prompt, load_prompts
 from dflash_train.eval.spec_decode import speculative_generate, target_greedy
@@ -75,7 +75,7 @@ def decode_turns(
     turn t of every prompt is asked after its answers to turns < t. At temperature 0 each answer is
     checked against transformers' own batched greedy `generate` (the lossless check)."""
     stop_ids = stop_token_ids(target)
-    pad_id = next((t for t in (target.tokenizer.pad_token_id, *stop_ids) if t is not None), 0)
+    pad_id = pad_token_id(target.tokenizer, stop_ids)
     greedy = GenParams(temperature=0.0, top_p=1.0, max_tokens=max_new_tokens)
     answers: list[list[str]] = [[] for _ in prompts]
     turns: list[list[dict]] = [[] for _ in prompts]
