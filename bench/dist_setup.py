@@ -45,12 +45,13 @@ def main(argv=None):
     ds = random_dataset(args.rows, args.max_length // 3, args.max_length, shape["vocab_size"])
     save_prepared(ds, out / "data", tokenizer_fingerprint(tokenizer), args.max_length)
     cfg = {
-        "run_dir": str(out / "run"), "device": "cuda",
+        "run_dir": str(out / "run"), "device": device,
         "target": {"path": str(out / "target"), "dtype": "bfloat16"},
-        "draft": {"num_layers": 5, "block_size": 16, "mask_token_id": shape["vocab_size"] - 1, "attention": "flex"},
+        "draft": {"num_layers": 5, "block_size": 16, "mask_token_id": shape["vocab_size"] - 1,
+                  "attention": "flex" if device == "cuda" else "sdpa"},
         "data": {"train_files": [str(out / "data")], "max_length": args.max_length, "token_budget": args.max_length,
                  "max_batch_size": 1},
-        "train": {"max_steps": args.steps, "num_anchors": 512, "log_every": 10, "compile": True},
+        "train": {"max_steps": args.steps, "num_anchors": 512, "log_every": 10, "compile": device == "cuda"},
         "checkpoint": {"every": 10**6, "keep_last": 1},
     }
     (out / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))

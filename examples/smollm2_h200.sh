@@ -7,8 +7,10 @@
 #               held-out prompts: tau, histogram, lossless check (fp32, prompts decoded in batches),
 #               then speedup (bf16, batch 1, KV caches: as served)
 # Usage: bash examples/smollm2_h200.sh [prompts|generate|train|eval|all]   (default: all;
-#        eval = eval-sets, then eval-curve: tau at 1/3 and 2/3 of training, then the speedup)
+#        eval = eval-sets, eval-curve (tau at 1/3 and 2/3 of training), then speedup)
 # Each stage reads what the one before wrote under $RUN; each can be rerun (generate resumes).
+# The eval stages are independent: on two GPUs, run them side by side with CUDA_VISIBLE_DEVICES
+# (EVAL_SETS picks the sets of eval-sets).
 # The variables below shrink it (CI runs it on CPU with a dozen prompts: tests/test_examples.py).
 set -euo pipefail
 RUN=${RUN:-runs/smollm2-h200}
@@ -25,6 +27,7 @@ NEW_TOKENS=${NEW_TOKENS:-256}      # eval answer length
 EVAL_PROMPTS=${EVAL_PROMPTS:-}     # first N prompts of each eval set (default: all)
 CURVE_PROMPTS=${CURVE_PROMPTS:-}   # first N HumanEval prompts for the earlier checkpoints (default: all)
 SPEEDUP_PROMPTS=${SPEEDUP_PROMPTS:-20}
+EVAL_SETS=${EVAL_SETS:-humaneval sharegpt mt-bench}
 DT=(python3 -m dflash_train)
 
 last_checkpoint() { ls -d "$RUN"/checkpoints/step_* | sort | tail -1; }
@@ -53,20 +56,28 @@ evaluate() {  # $1: drafter dir, $2: prompt set, $3: report dir; extra args foll
 }
 
 eval_sets() {  # the trained drafter on the three sets; fp32: the lossless check is exact
-  evaluate "$RUN/export" humaneval "$RUN/eval/humaneval" --dtype float32 --speed-prompts 0
-  evaluate "$RUN/export" "$RUN/data/heldout_prompts.jsonl" "$RUN/eval/sharegpt" --dtype float32 --speed-prompts 0
-  evaluate "$RUN/export" mt-bench "$RUN/eval/mt-bench" --dtype float32 --speed-prompts 0
+  local set
+  for set in $EVAL_SETS; do
+    case $set in
+      humaneval|mt-bench) evaluate "$RUN/export" "$set" "$RUN/eval/$set" --dtype float32 --speed-prompts 0 ;;
+      sharegpt) evaluate "$RUN/export" "$RUN/data/heldout_prompts.jsonl" "$RUN/eval/sharegpt" --dtype float32 \
+                  --speed-prompts 0 ;;
+      *) echo "unknown eval set '$set' in EVAL_SETS (humaneval, sharegpt, mt-bench)" >&2; return 2 ;;
+    esac
+  done
 }
 
-eval_curve() {  # tau against training length: the checkpoints at ~1/3 and ~2/3 of the run; then speedup
+eval_curve() {  # tau against training length: the checkpoints at ~1/3 and ~2/3 of the run
   local ckpts=("$RUN"/checkpoints/step_*) m
   m=$((${#ckpts[@]} - 1))  # the earlier checkpoints (eval-sets has the last)
   for ckpt in $(printf '%s\n' "${ckpts[$((m / 3))]}" "${ckpts[$((2 * m / 3))]}" | sort -u); do
     evaluate "$ckpt" humaneval "$RUN/eval/humaneval_$(basename "$ckpt")" --dtype float32 --speed-prompts 0 \
       ${CURVE_PROMPTS:+--num-prompts "$CURVE_PROMPTS"}
   done
-  # Speed as served: bf16 (the target's dtype), one prompt at a time, KV caches (its lossless count is
-  # bf16's: near-ties may flip between a 16-token verification and a 1-token decode).
+}
+
+speedup() {  # speed as served: bf16 (the target's dtype), one prompt at a time, KV caches (its lossless
+  # count is bf16's: near-ties may flip between a 16-token verification and a 1-token decode)
   evaluate "$RUN/export" humaneval "$RUN/eval/humaneval_speedup" --num-prompts "$SPEEDUP_PROMPTS" \
     --speed-prompts "$SPEEDUP_PROMPTS"
 }
@@ -75,9 +86,10 @@ case "${1:-all}" in
   prompts) prompts ;;
   generate) generate ;;
   train) train ;;
-  eval) eval_sets; eval_curve ;;
+  eval) eval_sets; eval_curve; speedup ;;
   eval-sets) eval_sets ;;
   eval-curve) eval_curve ;;
-  all) prompts; generate; train; eval_sets; eval_curve ;;
-  *) echo "usage: $0 [prompts|generate|train|eval|eval-sets|eval-curve|all]" >&2; exit 2 ;;
+  speedup) speedup ;;
+  all) prompts; generate; train; eval_sets; eval_curve; speedup ;;
+  *) echo "usage: $0 [prompts|generate|train|eval|eval-sets|eval-curve|speedup|all]" >&2; exit 2 ;;
 esac

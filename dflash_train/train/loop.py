@@ -83,9 +83,7 @@ class Trainer:
                 )
             for layer in self.drafter.layers:
                 layer.compile(dynamic=False if static else None)  # in place: state_dict names unchanged
-        self.autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
-        )
+        self.autocast = self._precision()
 
     def _remote_uploader(self):
         """Background uploads to checkpoint.remote; a bad remote warns at once but never stops training."""
@@ -111,6 +109,14 @@ class Trainer:
         compile_cache.activate(key)
         self.compile_key = key
         return state
+
+    def _precision(self):
+        """bf16 autocast on GPU. On CPU the drafter runs in the target's dtype: fp32 stays exact, and a
+        bf16/fp16 target's features and heads would otherwise meet fp32 drafter weights in one matmul."""
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        low = self.target.embed_weight.dtype
+        return torch.autocast("cpu", dtype=low) if low in (torch.bfloat16, torch.float16) else nullcontext()
 
     def draft_forward(self, task, features):
         """The drafter's loss on one micro-batch, in the run's precision and attention path."""

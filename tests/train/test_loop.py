@@ -105,3 +105,18 @@ def test_periodic_real_tau_eval_during_training(make_run_config, shared_tiny_tar
     for r in records:
         assert 1.0 <= r["tau"] <= cfg.draft.block_size and r["num_rounds"] > 0
         assert r["lossless"]["matches"] == r["lossless"]["total"] == 2
+
+
+def test_cpu_step_with_a_bf16_target_matches_the_fp32_target(make_run_config):
+    """A bf16 target on CPU: its features and heads are bf16 while the drafter's weights are fp32.
+    The step must run (it used to fail in the first matmul) and give the fp32 target's loss."""
+    from tiny import tiny_target
+
+    cfg = make_run_config(overrides=["train.max_steps=1"])
+    fp32 = tiny_target(seed=3)
+    bf16 = tiny_target(seed=3)
+    bf16.model.to(torch.bfloat16)
+    assert bf16.embed_weight.dtype == torch.bfloat16
+    reference = Trainer(cfg, target=fp32).train_step()["loss"].item()
+    loss = Trainer(make_run_config("bf16", overrides=["train.max_steps=1"]), target=bf16).train_step()["loss"].item()
+    assert abs(loss - reference) < 0.02 * reference, (loss, reference)
