@@ -30,28 +30,32 @@ def main(argv=None):
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     ap.add_argument("--rows", type=int, default=2000)
     ap.add_argument("--max-length", type=int, default=3072)
+    ap.add_argument("--min-length", type=int, help="shortest conversation (default max_length / 3); "
+                    "= max_length gives one static shape, the performance issue's")
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--anchors", type=int, default=512)
     args = ap.parse_args(argv)
     out = Path(args.out)
     shape = SHAPES[args.shape]
     tokenizer = tiny_tokenizer()
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = Qwen3ForCausalLM(Qwen3Config(**shape, tie_word_embeddings=False, max_position_embeddings=32768))
-    model.to(torch.bfloat16).save_pretrained(out / "target")
-    tokenizer.save_pretrained(out / "target")
-    del model
-    ds = random_dataset(args.rows, args.max_length // 3, args.max_length, shape["vocab_size"])
+    if not (out / "target" / "config.json").is_file():  # the same seed gives the same target: keep it
+        with torch.device(device):
+            model = Qwen3ForCausalLM(Qwen3Config(**shape, tie_word_embeddings=False, max_position_embeddings=32768))
+        model.to(torch.bfloat16).save_pretrained(out / "target")
+        tokenizer.save_pretrained(out / "target")
+        del model
+    ds = random_dataset(args.rows, args.min_length or args.max_length // 3, args.max_length, shape["vocab_size"])
     save_prepared(ds, out / "data", tokenizer_fingerprint(tokenizer), args.max_length)
     cfg = {
         "run_dir": str(out / "run"), "device": device,
-        "target": {"path": str(out / "target"), "dtype": "bfloat16"},
+        "target": {"path": str(out / "target"), "dtype": "bfloat16" if device == "cuda" else "float32"},
         "draft": {"num_layers": 5, "block_size": 16, "mask_token_id": shape["vocab_size"] - 1,
                   "attention": "flex" if device == "cuda" else "sdpa"},
         "data": {"train_files": [str(out / "data")], "max_length": args.max_length, "token_budget": args.max_length,
                  "max_batch_size": 1},
-        "train": {"max_steps": args.steps, "num_anchors": 512, "log_every": 10, "compile": device == "cuda"},
+        "train": {"max_steps": args.steps, "num_anchors": args.anchors, "log_every": 10, "compile": device == "cuda"},
         "checkpoint": {"every": 10**6, "keep_last": 1},
     }
     (out / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))

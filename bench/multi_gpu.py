@@ -10,6 +10,7 @@ layout trains on the same global batches and its losses can be compared step by 
 variant, as <out>/<variant>.json: the launch command, steady tokens/s (mean of the metrics' windows
 after --warm steps), per-GPU utilisation and memory sampled through NVML during those windows,
 the hidden-state stream it needed (tokens/s x bytes per token) and the per-step losses.
+tokens/s counts training time only; checkpoint saves are logged apart (paused_s).
 `link` measures the GPU-to-GPU bandwidth of one feature message (torchrun, NCCL send/recv).
 `fault` kills the target rank after --kill-steps[0], resumes, kills the drafter rank after
 --kill-steps[1], resumes to the end: records how long each launcher took to exit after the kill and
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -117,6 +119,7 @@ def launch(setup: Path, name: str, extra: list[str], env: dict, steps: int, args
 
 def run_variant(setup: Path, name: str, args) -> dict:
     extra, gpus, env = VARIANTS[name]
+    shutil.rmtree(setup / "runs" / name, ignore_errors=True)  # a fresh run, not appended to an old one
     metrics = setup / "runs" / name / "metrics.jsonl"
     t0 = time.monotonic()
     with Monitor(metrics) as monitor:
@@ -130,8 +133,8 @@ def run_variant(setup: Path, name: str, args) -> dict:
             "steady_tokens_per_s": tps, "tokens_per_s_per_gpu": tps and tps / gpus,
             "feature_stream_gb_per_s": tps and tps * per_token / 1e9, "feature_bytes_per_token": per_token,
             "gpu_window": monitor.window(args.warm), "losses": {r["step"]: r["loss"] for r in records},
-            "windows": [{k: r[k] for k in ("step", "tokens_per_s", "compiled_graphs", "recompiles_since_warmup")}
-                        for r in records]}
+            "windows": [{k: r.get(k) for k in ("step", "tokens_per_s", "paused_s", "compiled_graphs",
+                                                "recompiles_since_warmup")} for r in records]}
 
 
 def _yaml(path: Path) -> dict:
@@ -141,16 +144,20 @@ def _yaml(path: Path) -> dict:
 
 
 def kill_rank_when(proc: subprocess.Popen, metrics: Path, step: int, rank: int, timeout: float) -> dict:
-    """SIGKILL the worker with RANK=`rank` once `step` is logged; time the launcher's exit."""
+    """SIGKILL the worker with RANK=`rank` once this launch logged `step`; time the launcher's exit."""
     import psutil
 
-    deadline = time.monotonic() + timeout
-    while not any(s >= step for s in logged_steps(metrics)):
+    launched, deadline = time.time(), time.monotonic() + timeout
+    # A resumed run rewrites the file first (steps up to its checkpoint): older lines do not count.
+    while not (metrics.exists() and metrics.stat().st_mtime > launched
+               and any(s >= step for s in logged_steps(metrics))):
         if proc.poll() is not None or time.monotonic() > deadline:
             return {"error": f"step {step} never logged (launcher rc {proc.poll()})"}
-        time.sleep(0.2)
+        time.sleep(0.05)
     agent = psutil.Process(proc.pid)  # `launch` execs torchrun: its direct children are the workers
-    victim = next(p for p in agent.children() if p.environ().get("RANK") == str(rank))
+    victim = next((p for p in agent.children() if p.environ().get("RANK") == str(rank)), None)
+    if victim is None:
+        return {"error": f"no worker with RANK={rank} (launcher rc {proc.poll()})"}
     descendants = agent.children(recursive=True)  # workers and their compile subprocesses
     victim.kill()
     t_kill = time.monotonic()
@@ -167,6 +174,7 @@ def kill_rank_when(proc: subprocess.Popen, metrics: Path, step: int, rank: int, 
 
 def fault_run(setup: Path, args) -> dict:
     extra, _, env = VARIANTS["1t1d"]
+    shutil.rmtree(setup / "runs" / "fault", ignore_errors=True)
     metrics = setup / "runs" / "fault" / "metrics.jsonl"
     events = []
     for rank, step in zip((0, 1), args.kill_steps):

@@ -1,7 +1,8 @@
-"""The throughput benchmark keeps working: its CPU mode runs in CI (figures come from the H200)."""
+"""The benchmarks keep working: their CPU modes run in CI (figures come from the H200s)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -19,3 +20,24 @@ def test_throughput_benchmark_cpu_mode(tmp_path):
     for key in ("target_tokens_per_s", "drafter_tokens_per_s", "e2e_tokens_per_s"):
         assert result[key] > 0
     assert result["anchors"] == 16 and result["block_size"] == 16
+
+
+@pytest.mark.slow
+def test_multi_gpu_fault_run_cpu(tmp_path):
+    """bench/multi_gpu.py on CPU (gloo): killing the target rank, then a drafter rank, stops each
+    launch within seconds; two resumes finish the run with the uninterrupted run's exact losses."""
+    import dist_setup
+    import multi_gpu
+
+    setup, out = tmp_path / "setup", tmp_path / "out"
+    dist_setup.main(["--out", str(setup), "--shape", "tiny", "--rows", "64", "--max-length", "128", "--anchors", "8"])
+    multi_gpu.main(["--setup", str(setup), "--out", str(out), "--variants", "1t1d", "fault", "--steps", "40",
+                    "--warm", "5", "--log-every", "1", "--checkpoint-every", "5", "--kill-steps", "10", "25"])
+    reference = json.loads((out / "1t1d.json").read_text())
+    assert reference["returncode"] == 0 and reference["steady_tokens_per_s"] > 0
+    fault = json.loads((out / "fault.json").read_text())
+    assert [k["killed_rank"] for k in fault["kills"]] == [0, 1]
+    for kill in fault["kills"]:
+        assert kill["launcher_rc"] != 0 and kill["exit_s_after_kill"] < 60 and not kill["surviving_processes"], kill
+    assert fault["resume_returncode"] == 0 and fault["final_step"] == 40
+    assert fault["compared_steps"] == list(range(1, 41)) and fault["max_abs_loss_diff_vs_1t1d"] == 0.0

@@ -303,6 +303,7 @@ class Trainer:
         window: list[dict] = []
         last_record: dict = {}
         t0 = time.perf_counter()
+        paused = 0.0  # checkpoint saves and periodic evals: logged apart, not counted as training time
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not progress, desc="train", dynamic_ncols=True)
         planned = self.total_steps
         budget = tc.time_budget_minutes and TimeBudget(tc.time_budget_minutes, self.step, tc.compile_warmup_steps,
@@ -317,14 +318,16 @@ class Trainer:
                 self.total_steps = bar.total = fitted
                 retarget_scheduler(self.scheduler, tc, fitted)
             if self.step % tc.log_every == 0 or self.step == self.total_steps:
-                last_record = self._log(window, time.perf_counter() - t0, metrics)
+                last_record = self._log(window, time.perf_counter() - t0, paused, metrics)
                 bar.set_postfix(loss=f"{last_record['loss']:.3f}", tau_hat=f"{last_record['tau_hat']:.2f}",
                                 tok_s=f"{last_record['tokens_per_s']:.0f}")
-                window, t0 = [], time.perf_counter()
+                window, t0, paused = [], time.perf_counter(), 0.0
+            t_pause = time.perf_counter()
             if self.periodic_eval is not None and self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
                 self._run_periodic_eval()
             if self.step % self.cfg.checkpoint.every == 0 and self.step < self.total_steps:
                 self.save()
+            paused += time.perf_counter() - t_pause
         bar.close()
         final = self.save()
         metrics.close()
@@ -355,7 +358,9 @@ class Trainer:
         self.tracker.log({f"eval/{k}": v for k, v in record.items() if k != "step"}, self.step)
         tqdm.write(f"eval at step {self.step}: tau {record['tau']:.3f} ({record['num_rounds']} rounds)")
 
-    def _log(self, window: list[dict], seconds: float, metrics: MetricsFile) -> dict:
+    def _log(self, window: list[dict], seconds: float, paused: float, metrics: MetricsFile) -> dict:
+        """tokens_per_s counts training time only: a window that held a checkpoint save (seconds for a
+        large drafter's optimizer state) or an eval would otherwise read as a throughput drop."""
         correct = sum(w["correct"] for w in window)
         counted = sum(w["counted"] for w in window)
         record = {
@@ -364,7 +369,8 @@ class Trainer:
             "loss": float(torch.stack([w["loss"] for w in window]).mean()),
             "lr": window[-1]["lr"],
             "grad_norm": float(torch.stack([torch.as_tensor(w["grad_norm"]) for w in window]).mean()),
-            "tokens_per_s": sum(w["tokens"] for w in window) / max(seconds, 1e-9),
+            "tokens_per_s": sum(w["tokens"] for w in window) / max(seconds - paused, 1e-9),
+            "paused_s": round(paused, 3),
             "attention_backend": self.attention_backend,
             "compiled_graphs": self.recompiles.graphs,
             "recompiles_since_warmup": self.recompiles.since_warm,

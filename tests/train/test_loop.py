@@ -120,3 +120,20 @@ def test_cpu_step_with_a_bf16_target_matches_the_fp32_target(make_run_config):
     reference = Trainer(cfg, target=fp32).train_step()["loss"].item()
     loss = Trainer(make_run_config("bf16", overrides=["train.max_steps=1"]), target=bf16).train_step()["loss"].item()
     assert abs(loss - reference) < 0.02 * reference, (loss, reference)
+
+
+def test_checkpoint_time_is_logged_apart_from_training_throughput(make_run_config, shared_tiny_target):
+    """A window holding a slow save must not read as a throughput drop (the guard compares these)."""
+    import time
+
+    overrides = ["train.max_steps=4", "train.log_every=2", "checkpoint.every=1"]
+    plain = Trainer(make_run_config("plain", overrides=overrides), target=shared_tiny_target)
+    plain.fit(progress=False)
+    slow = Trainer(make_run_config("slow", overrides=overrides), target=shared_tiny_target)
+    save = slow.save
+    slow.save = lambda: (time.sleep(1.0), save())[1]
+    slow.fit(progress=False)
+    fast_records, slow_records = read_metrics(plain.run_dir), read_metrics(slow.run_dir)
+    for fast, late in zip(fast_records, slow_records):
+        assert late["paused_s"] >= 1.0 > fast["paused_s"]
+        assert late["tokens_per_s"] > 0.4 * fast["tokens_per_s"], (late, fast)
