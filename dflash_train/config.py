@@ -98,6 +98,8 @@ class TrainConfig(_Section):
 class CheckpointConfig(_Section):
     every: int = Field(500, ge=1)
     keep_last: int = Field(3, ge=1)
+    background: bool = True
+    """Write checkpoints in a background thread after a CPU copy: training waits for the copy only."""
     remote: str | None = None
     """s3://bucket/prefix to upload checkpoints to (extra `s3`)."""
     endpoint_url: str | None = None

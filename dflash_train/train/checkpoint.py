@@ -7,6 +7,9 @@ Layout: <run_dir>/checkpoints/step_00000100/
   trainer_state.json  step, data cursor, RNG states, target identity, config
 A checkpoint is written into a hidden temp dir, fsynced, then renamed: a crash at any moment
 leaves either the previous checkpoints or a complete new one, never a half-written one.
+Saving is two halves: `snapshot` copies the state to CPU (training waits for this only), then
+`write_checkpoint` does the disk I/O, which `CheckpointWriter` runs in a background thread: an 8B
+target's 5-layer drafter with AdamW is 11.7 GiB and took ~19 s to write with every rank stalled.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import json
 import random
 import re
 import shutil
+import threading
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -66,30 +71,78 @@ def set_rng_state(state: dict) -> None:
         )
 
 
-def save_checkpoint(
-    run_dir: str | Path,
-    step: int,
-    drafter: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    trainer_state: dict,
-    extra_files: dict[str, str] | None = None,
-) -> Path:
+def _to_cpu(obj):
+    """A CPU copy of every tensor in a state tree (a CPU tensor is cloned too: the optimizer keeps
+    updating its own in place), and copies of the containers around them."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True).contiguous()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def snapshot(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, trainer_state: dict,
+             extra_files: dict[str, str] | None = None) -> dict:
+    """Everything one checkpoint holds, on CPU and detached from training."""
+    return {
+        "weights": _to_cpu(drafter.state_dict()),
+        "draft_config": drafter.config.to_dict(),
+        "optim": _to_cpu({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}),
+        "state": dict(trainer_state, rng=rng_state()),
+        "extra_files": dict(extra_files or {}),
+    }
+
+
+def write_checkpoint(run_dir: str | Path, step: int, snap: dict) -> Path:
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp_step_{step:08d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    weights = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-    (tmp / "draft_config.json").write_text(json.dumps(drafter.config.to_dict(), indent=2))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-    state = dict(trainer_state, step=step, rng=rng_state())
-    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, default=str))
-    for name, text in (extra_files or {}).items():
+    save_file(snap["weights"], tmp / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "draft_config.json").write_text(json.dumps(snap["draft_config"], indent=2))
+    torch.save(snap["optim"], tmp / "optimizer.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(dict(snap["state"], step=step), indent=2, default=str))
+    for name, text in snap["extra_files"].items():
         (tmp / name).write_text(text)
     return swap_dir(tmp, final)  # re-saving a step (final == periodic) replaces it atomically
+
+
+def save_checkpoint(run_dir: str | Path, step: int, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler, trainer_state: dict, extra_files: dict[str, str] | None = None) -> Path:
+    return write_checkpoint(run_dir, step, snapshot(drafter, optimizer, scheduler, trainer_state, extra_files))
+
+
+class CheckpointWriter:
+    """Runs one write at a time in a background thread; `submit` first waits for the previous one,
+    so at most one CPU snapshot is held. A failed write is raised by the next `submit` or `wait`.
+    The thread is not a daemon: a training error still lets the write in flight finish."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, write: Callable[[], object]) -> None:
+        self.wait()
+        self._thread = threading.Thread(target=self._run, args=(write,), name="dflash-checkpoint-writer")
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"writing a checkpoint failed: {error}") from error
+
+    def _run(self, write: Callable[[], object]) -> None:
+        try:
+            write()
+        except BaseException as err:  # handed to the training thread
+            self._error = err
 
 
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict:

@@ -68,6 +68,7 @@ class Trainer:
         self.cursor = (0, 0)  # (epoch, batch index) of the next micro-batch
         self.feature_cache: dict[int, torch.Tensor] = {}
         self.uploader = self._remote_uploader()
+        self.checkpoint_writer = ckpt.CheckpointWriter()
         self.tracker = Tracker(cfg.tracking)
         self.tracking_run_id: str | None = None
         self.compile_key: str | None = None  # set when a compiled path uses the persistent cache
@@ -155,7 +156,9 @@ class Trainer:
         ckpt.set_rng_state(state["rng"])
         log.info("resumed from %s at step %d", saved["path"], self.step)
 
-    def save(self) -> Path:
+    def save(self, wait: bool = False) -> Path:
+        """Checkpoint this step. With checkpoint.background the disk write (and the upload and pruning
+        after it) runs while training goes on; `wait` returns only once it is on disk."""
         state = {
             "cursor": list(self.cursor),
             "compatibility": self.compatibility(),
@@ -163,15 +166,21 @@ class Trainer:
             "data_rows": self.dataset.stats.to_dict(),
             "tracking_run_id": self.tracking_run_id,
         }
-        path = ckpt.save_checkpoint(
-            self.run_dir, self.step, self.drafter, self.optimizer, self.scheduler, state,
-            extra_files={"config.yaml": dump_config(self.cfg), "manifest.json": json.dumps(self.manifest, indent=2)},
-        )
+        self.checkpoint_writer.wait()  # one snapshot in memory at a time
+        snap = ckpt.snapshot(self.drafter, self.optimizer, self.scheduler, state, extra_files={
+            "config.yaml": dump_config(self.cfg), "manifest.json": json.dumps(self.manifest, indent=2)})
+        step = self.step
+        self.checkpoint_writer.submit(lambda: self._write_checkpoint(step, snap))
+        if wait or not self.cfg.checkpoint.background:
+            self.checkpoint_writer.wait()
+        return ckpt.checkpoints_dir(self.run_dir) / f"step_{step:08d}"
+
+    def _write_checkpoint(self, step: int, snap: dict) -> None:
+        path = ckpt.write_checkpoint(self.run_dir, step, snap)
         if self.uploader is not None:
             self.uploader.enqueue(path)
         safe = self.uploader.is_safe_to_delete if self.uploader is not None else (lambda _: True)
         prune_local(ckpt.checkpoints_dir(self.run_dir), self.cfg.checkpoint.keep_last, safe)
-        return path
 
     # ---- data -------------------------------------------------------------------------------
     def next_micro_batch(self) -> tuple[dict, int]:
@@ -329,7 +338,7 @@ class Trainer:
                 self.save()
             paused += time.perf_counter() - t_pause
         bar.close()
-        final = self.save()
+        final = self.save(wait=True)
         metrics.close()
         self.tracker.finish()
         if self.uploader is not None:

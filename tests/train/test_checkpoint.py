@@ -64,3 +64,36 @@ def test_load_refuses_a_non_checkpoint(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="not a checkpoint"):
         ckpt.load_checkpoint(tmp_path)
+
+
+def test_snapshot_is_detached_from_later_training(make_run_config, shared_tiny_target, tmp_path):
+    """A background write must hold the state of the step it was taken at: the optimizer updates
+    weights and AdamW moments in place (on CPU too) while the write is still running."""
+    import torch
+
+    trainer = Trainer(make_run_config(overrides=["train.max_steps=3"]), target=shared_tiny_target)
+    trainer.train_step()
+    snap = ckpt.snapshot(trainer.drafter, trainer.optimizer, trainer.scheduler, {"cursor": [0, 1]})
+    weights = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+    moments = {i: s["exp_avg"].clone() for i, s in trainer.optimizer.state_dict()["state"].items()}
+    trainer.train_step()
+    assert any(not torch.equal(v, weights[k]) for k, v in trainer.drafter.state_dict().items())
+    loaded = ckpt.load_checkpoint(ckpt.write_checkpoint(tmp_path, 1, snap))
+    assert loaded["model"].keys() == weights.keys()
+    for k, v in weights.items():
+        assert torch.equal(loaded["model"][k], v), k
+    for i, m in moments.items():
+        assert torch.equal(loaded["optim"]["optimizer"]["state"][i]["exp_avg"], m), i
+    assert loaded["state"]["step"] == 1 and loaded["state"]["cursor"] == [0, 1]
+
+
+def test_a_failed_background_write_stops_training(make_run_config, shared_tiny_target, monkeypatch):
+    def disk_full(*args):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(ckpt, "write_checkpoint", disk_full)
+    cfg = make_run_config(overrides=["train.max_steps=4", "checkpoint.every=1"])
+    import pytest
+
+    with pytest.raises(RuntimeError, match="writing a checkpoint failed: No space left on device"):
+        Trainer(cfg, target=shared_tiny_target).fit(progress=False)

@@ -131,7 +131,7 @@ def test_checkpoint_time_is_logged_apart_from_training_throughput(make_run_confi
     plain.fit(progress=False)
     slow = Trainer(make_run_config("slow", overrides=overrides), target=shared_tiny_target)
     save = slow.save
-    slow.save = lambda: (time.sleep(1.0), save())[1]
+    slow.save = lambda **kw: (time.sleep(1.0), save(**kw))[1]
     slow.fit(progress=False)
     fast_records, slow_records = read_metrics(plain.run_dir), read_metrics(slow.run_dir)
     for fast, late in zip(fast_records, slow_records):

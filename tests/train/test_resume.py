@@ -25,7 +25,7 @@ def test_resume_reproduces_straight_run_exactly(make_run_config, shared_tiny_tar
     cfg = make_run_config("interrupted", common)
     first = Trainer(cfg, target=shared_tiny_target)
     first_losses = [float(first.train_step()["loss"]) for _ in range(N)]
-    first.save()
+    first.save(wait=True)
     del first
     resumed = Trainer(cfg, target=shared_tiny_target)
     resumed.resume(latest_checkpoint(cfg.run_dir))
