@@ -31,7 +31,10 @@ def sample_anchors(
     eligible = torch.zeros_like(lm)
     eligible[:, :-1] = lm[:, :-1] & lm[:, 1:]
     # Random keys; ineligible positions get +inf so a sort puts eligible ones first, in random order.
-    keys = torch.rand(b, t, generator=generator, device="cpu").to(loss_mask.device)
+    # Drawn on CPU (the same anchors on every device); a pinned non-blocking upload is no host sync.
+    keys = torch.rand(b, t, generator=generator, device="cpu")
+    if loss_mask.is_cuda:
+        keys = keys.pin_memory().to(loss_mask.device, non_blocking=True)
     keys = keys.masked_fill(~eligible, math.inf)
     n = min(num_anchors, t)
     picked = keys.argsort(dim=1)[:, :n]

@@ -57,10 +57,12 @@ def collate(ds: TokenizedDataset, indices, device, shape: tuple[int, int] | None
         ids[row, :n] = torch.from_numpy(ds.input_ids[i].astype(np.int64))
         loss_mask[row, :n] = torch.from_numpy(ds.loss_mask[i].astype(np.int64))
         attn[row, :n] = 1
+    pin = torch.device(device).type == "cuda"  # a truly asynchronous upload needs page-locked memory
+    upload = lambda t: (t.pin_memory() if pin else t).to(device, non_blocking=True)  # noqa: E731
     return {
-        "input_ids": ids.to(device, non_blocking=True),
-        "loss_mask": loss_mask.to(device, non_blocking=True),
-        "attention_mask": attn.to(device, non_blocking=True),
+        "input_ids": upload(ids),
+        "loss_mask": upload(loss_mask),
+        "attention_mask": upload(attn),
         "indices": list(indices),
         "num_tokens": int(sum(len(ds.input_ids[i]) for i in indices)),
     }
