@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 
 from dflash_train.config import RunConfig
@@ -39,3 +41,12 @@ def draft_model_config(cfg: RunConfig, target: Target) -> DraftModelConfig:
         rope_theta=rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)),
         max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
     )
+
+
+def autocast_for(device: torch.device, target_dtype: torch.dtype) -> AbstractContextManager:
+    """bf16 autocast on GPU. On CPU the drafter runs in the target's dtype: fp32 stays exact, and a
+    bf16/fp16 target's features and heads would otherwise meet fp32 drafter weights in one matmul."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    low = target_dtype in (torch.bfloat16, torch.float16)
+    return torch.autocast("cpu", dtype=target_dtype) if low else nullcontext()

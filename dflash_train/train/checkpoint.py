@@ -111,11 +111,6 @@ def write_checkpoint(run_dir: str | Path, step: int, snap: dict) -> Path:
     return swap_dir(tmp, final)  # re-saving a step (final == periodic) replaces it atomically
 
 
-def save_checkpoint(run_dir: str | Path, step: int, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler, trainer_state: dict, extra_files: dict[str, str] | None = None) -> Path:
-    return write_checkpoint(run_dir, step, snapshot(drafter, optimizer, scheduler, trainer_state, extra_files))
-
-
 class CheckpointWriter:
     """Runs one write at a time in a background thread; `submit` first waits for the previous one,
     so at most one CPU snapshot is held. A failed write is raised by the next `submit` or `wait`.

@@ -12,7 +12,6 @@ import json
 import logging
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -32,7 +31,7 @@ from dflash_train.ops.recompiles import RecompileWatch
 from dflash_train.target import Target, load_target
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.batches import HELDOUT_SALT, anchor_seed, batch_shape, collate, epoch_plan, locate
-from dflash_train.train.build import draft_model_config, resolve_device
+from dflash_train.train.build import autocast_for, draft_model_config, resolve_device
 from dflash_train.train.metrics import MetricsFile
 from dflash_train.train.storage import prune_local, resolve_resume
 from dflash_train.train.tracking import Tracker
@@ -67,7 +66,11 @@ class Trainer:
         self.manifest: dict | None = None  # written at the start of fit(); checkpoints carry it
         self.cursor = (0, 0)  # (epoch, batch index) of the next micro-batch
         self.feature_cache: dict[int, torch.Tensor] = {}
-        self.uploader = self._remote_uploader()
+        self.uploader = None  # background uploads to checkpoint.remote
+        if cfg.checkpoint.remote:
+            from dflash_train.train.uploader import remote_uploader  # boto3 only when asked for
+
+            self.uploader = remote_uploader(cfg.checkpoint)
         self.checkpoint_writer = ckpt.CheckpointWriter()
         self.tracker = Tracker(cfg.tracking)
         self.tracking_run_id: str | None = None
@@ -84,22 +87,7 @@ class Trainer:
                 )
             for layer in self.drafter.layers:
                 layer.compile(dynamic=False if static else None)  # in place: state_dict names unchanged
-        self.autocast = self._precision()
-
-    def _remote_uploader(self):
-        """Background uploads to checkpoint.remote; a bad remote warns at once but never stops training."""
-        ck = self.cfg.checkpoint
-        if not ck.remote:
-            return None
-        from dflash_train.train.remote import RemoteStorageError, S3Store
-        from dflash_train.train.uploader import BackgroundUploader
-
-        store = S3Store(ck.remote, endpoint_url=ck.endpoint_url, region=ck.region)
-        try:
-            store.check_access()
-        except RemoteStorageError as err:
-            log.warning("checkpoint.remote is not usable yet (training goes on, local copies kept): %s", err)
-        return BackgroundUploader(store, keep_last=ck.keep_last)
+        self.autocast = autocast_for(self.device, self.target.embed_weight.dtype)
 
     def _activate_compile_cache(self) -> str | None:
         """Compiled paths (flex on GPU, train.compile) get the persistent keyed cache, never /tmp."""
@@ -110,14 +98,6 @@ class Trainer:
         compile_cache.activate(key)
         self.compile_key = key
         return state
-
-    def _precision(self):
-        """bf16 autocast on GPU. On CPU the drafter runs in the target's dtype: fp32 stays exact, and a
-        bf16/fp16 target's features and heads would otherwise meet fp32 drafter weights in one matmul."""
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        low = self.target.embed_weight.dtype
-        return torch.autocast("cpu", dtype=low) if low in (torch.bfloat16, torch.float16) else nullcontext()
 
     def draft_forward(self, task, features):
         """The drafter's loss on one micro-batch, in the run's precision and attention path."""

@@ -117,3 +117,13 @@ class BackgroundUploader:
             return
         if deleted:
             log.info("deleted remote checkpoints %s (keep_last=%d)", ", ".join(deleted), self.keep_last)
+
+
+def remote_uploader(ck) -> BackgroundUploader:
+    """The uploader for `checkpoint.remote`: a bad remote warns at once but never stops training."""
+    store = S3Store(ck.remote, endpoint_url=ck.endpoint_url, region=ck.region)
+    try:
+        store.check_access()
+    except RemoteStorageError as err:
+        log.warning("checkpoint.remote is not usable yet (training goes on, local copies kept): %s", err)
+    return BackgroundUploader(store, keep_last=ck.keep_last)
