@@ -213,8 +213,8 @@ def link_worker(shape: list[int], repeats: int) -> None:
 
 
 def link_variant(setup: Path, args) -> dict:
-    per_token = feature_bytes_per_token(setup, _yaml(setup / "run.yaml"))
-    tokens = _yaml(setup / "run.yaml")["data"]["max_length"]
+    run_cfg = _yaml(setup / "run.yaml")
+    per_token, tokens = feature_bytes_per_token(setup, run_cfg), run_cfg["data"]["max_length"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
            "--link-worker", str(tokens), str(per_token // 2)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout

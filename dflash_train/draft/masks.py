@@ -17,6 +17,14 @@ import math
 import torch
 
 
+def upload(host: torch.Tensor, device) -> torch.Tensor:
+    """A CPU tensor on `device` without a host sync: a pageable `.to(cuda)` waits for the copy,
+    a page-locked one with non_blocking does not."""
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def sample_anchors(
     loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,10 +39,8 @@ def sample_anchors(
     eligible = torch.zeros_like(lm)
     eligible[:, :-1] = lm[:, :-1] & lm[:, 1:]
     # Random keys; ineligible positions get +inf so a sort puts eligible ones first, in random order.
-    # Drawn on CPU (the same anchors on every device); a pinned non-blocking upload is no host sync.
-    keys = torch.rand(b, t, generator=generator, device="cpu")
-    if loss_mask.is_cuda:
-        keys = keys.pin_memory().to(loss_mask.device, non_blocking=True)
+    # Drawn on CPU: the same anchors on every device.
+    keys = upload(torch.rand(b, t, generator=generator, device="cpu"), loss_mask.device)
     keys = keys.masked_fill(~eligible, math.inf)
     n = min(num_anchors, t)
     picked = keys.argsort(dim=1)[:, :n]

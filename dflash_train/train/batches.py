@@ -12,6 +12,7 @@ import torch
 from dflash_train.config import DataConfig, RunConfig
 from dflash_train.data.batching import bucket_shape, make_batches
 from dflash_train.data.dataset import TokenizedDataset
+from dflash_train.draft.masks import upload
 
 HELDOUT_SALT = 2**31 - 1
 """Anchor seeds of held-out evaluation never coincide with those of a training epoch."""
@@ -57,12 +58,10 @@ def collate(ds: TokenizedDataset, indices, device, shape: tuple[int, int] | None
         ids[row, :n] = torch.from_numpy(ds.input_ids[i].astype(np.int64))
         loss_mask[row, :n] = torch.from_numpy(ds.loss_mask[i].astype(np.int64))
         attn[row, :n] = 1
-    pin = torch.device(device).type == "cuda"  # a truly asynchronous upload needs page-locked memory
-    upload = lambda t: (t.pin_memory() if pin else t).to(device, non_blocking=True)  # noqa: E731
     return {
-        "input_ids": upload(ids),
-        "loss_mask": upload(loss_mask),
-        "attention_mask": upload(attn),
+        "input_ids": upload(ids, device),
+        "loss_mask": upload(loss_mask, device),
+        "attention_mask": upload(attn, device),
         "indices": list(indices),
         "num_tokens": int(sum(len(ds.input_ids[i]) for i in indices)),
     }
