@@ -3,6 +3,8 @@
 GPU (the performance issue's shape): Qwen3-8B-shaped random-init target (no download), 5-layer
 drafter, max_length 3072, 512 anchors, block 16, lengths drawn from a realistic spread.
     python bench/throughput.py --compile --out bench_h200.json
+SmolLM2-135M-shaped target with the real-data run's step (about 40 sequences x 256 anchors):
+    python bench/throughput.py --shape smollm2 --batch 40 --max-length 1024 --anchors 256 --draft-layers 4
 CPU (kept working by CI): a tiny config.
     python bench/throughput.py --tiny --steps 3
 MFU counts 2 x params x tokens (x3 with backward) plus attention, against a bf16 matmul rate
@@ -32,6 +34,9 @@ from dflash_train.train.optim import build_optimizer
 SHAPES = {
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    # SmolLM2-135M's dimensions (a Llama; Qwen3's q/k norms add next to nothing): the real-data run's target
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, vocab_size=49152),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512),
 }
@@ -125,7 +130,8 @@ def make_batch(shape: str, batch: int, max_length: int, device, gen, full: bool 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="CPU: a tiny config (what CI runs)")
+    ap.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", "smollm2"], help="target dimensions (GPU)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--anchors", type=int, default=512)
@@ -135,7 +141,7 @@ def main(argv=None):
     ap.add_argument("--full-length", action="store_true", help="every sequence max_length long (DESIGN.md's shape)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    shape = "tiny" if args.tiny else "qwen3-8b"
+    shape = "tiny" if args.tiny else args.shape
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     max_length = 128 if args.tiny else args.max_length
     anchors = 16 if args.tiny else args.anchors

