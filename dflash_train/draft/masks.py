@@ -88,7 +88,7 @@ def block_labels(
     sequence and a response token. Weight w_k = exp(-(k-1)/gamma): early slots matter most since
     acceptance stops at the first miss.
     """
-    b, t = input_ids.shape
+    t = input_ids.shape[1]
     pos = block_positions(anchors, block_size)  # [b, N*B]
     inside = pos < t
     pos_c = pos.clamp(max=t - 1)
@@ -101,7 +101,8 @@ def block_labels(
         & loss_mask.bool().gather(1, pos_c)
         & valid.repeat_interleave(block_size, dim=1)
     )
-    weights = torch.where(counted, decay[None, :].expand(b, -1), torch.zeros((), dtype=torch.float32))
+    # A Python 0.0, not a 0-dim CPU tensor: moving that one to the GPU is a host sync (seen on the H200).
+    weights = torch.where(counted, decay[None, :], 0.0)
     return labels, weights
 
 
