@@ -199,14 +199,20 @@ async def _pump(cfg: GenerateConfig, backend: Backend, writer: ShardWriter, done
     pending: set[asyncio.Task] = set()
 
     def finish(tasks) -> None:
+        # Every failure is retrieved here (a batch that fails fails thousands of rows at once: asyncio
+        # would print each one's traceback as "never retrieved"); the finished rows are kept.
+        failures = [err for err in (task.exception() for task in tasks) if err is not None]
         for task in tasks:
-            row = task.result()
-            writer.add(row)
-            stats.written[row["status"]] += 1
-            stats.completion_tokens += row["completion_tokens"]
-        bar.update(len(tasks))
+            if task.exception() is None:
+                row = task.result()
+                writer.add(row)
+                stats.written[row["status"]] += 1
+                stats.completion_tokens += row["completion_tokens"]
+        bar.update(len(tasks) - len(failures))
         elapsed = time.monotonic() - stats.started
         bar.set_postfix(tok_s=f"{stats.completion_tokens / elapsed:.0f}", err=stats.written["error"], refresh=False)
+        if failures:
+            raise failures[0]
 
     bad_input: DataError | None = None
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -22,6 +23,8 @@ from dflash_train.config import TargetConfig
 from dflash_train.data.backends import Completion, GenParams
 from dflash_train.data.generate_config import LocalConfig
 from dflash_train.target import load_target
+
+log = logging.getLogger("dflash_train")
 
 
 def chat_template_hash(tokenizer) -> str | None:
@@ -196,9 +199,7 @@ class LocalBackend:
                 prompts = [r.prompt for r in batch]
                 try:
                     # A thread keeps the event loop (HTTP server, writer) responsive during generate.
-                    results = await asyncio.to_thread(
-                        generate_batch, self.model, self.tokenizer, prompts, batch[0].params, self.engine
-                    )
+                    results = await asyncio.to_thread(self._generate_fitting, prompts, batch[0].params)
                 except Exception as err:  # noqa: BLE001 -- a bug or OOM must reach the callers, not kill the worker
                     for r in batch:
                         if not r.future.done():
@@ -207,6 +208,23 @@ class LocalBackend:
                 for r, result in zip(batch, results):
                     if not r.future.done():
                         r.future.set_result(result)
+
+    def _generate_fitting(self, prompts: list[list[int]], params: GenParams) -> list[Completion]:
+        """generate_batch, halving the batch on CUDA out-of-memory (and keeping the smaller size for
+        later batches): the size that fits depends on the longest prompts, which no one knows ahead."""
+        try:
+            return generate_batch(self.model, self.tokenizer, prompts, params, self.engine)
+        except torch.OutOfMemoryError:
+            if len(prompts) == 1:
+                raise
+        # Out of the except block: its traceback no longer pins the failed batch's activations.
+        torch.cuda.empty_cache()
+        half = (len(prompts) + 1) // 2
+        if half < self.batch_size:
+            self.batch_size = half
+            log.warning("out of GPU memory generating %d prompts at once: generation batch size now %d",
+                        len(prompts), half)
+        return self._generate_fitting(prompts[:half], params) + self._generate_fitting(prompts[half:], params)
 
     async def aclose(self) -> None:
         if self._worker is not None:

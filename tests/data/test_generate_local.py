@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 import torch
 
 from dflash_train.data.backends import GenParams
@@ -115,3 +116,68 @@ def test_local_and_http_served_model_regenerate_identically(tmp_path, tiny_targe
     meta = json.loads((tmp_path / "local" / "meta.json").read_text())
     assert meta["settings"]["sampling"]["thinking"] is False and len(meta["chat_template_hash"]) == 16
     assert meta["identity"]["target"]["num_layers"] == 2
+
+
+def test_out_of_memory_halves_the_batch_and_loses_no_answer(tiny_target, monkeypatch, caplog):
+    from dflash_train.data import local_backend
+
+    params = GenParams(temperature=0.0, top_p=1.0, max_tokens=16)
+
+    def answer(backend, prompts):
+        async def run():
+            try:
+                return await asyncio.gather(*(backend.complete(m, params) for m in prompts))
+            finally:
+                await backend.aclose()
+        return asyncio.run(run())
+
+    expected = answer(LocalBackend.load(str(tiny_target), LocalConfig(device="cpu", batch_size=8)), PROMPTS)
+    real, sizes = local_backend.generate_batch, []
+
+    def fits_two(model, tokenizer, prompts, *args):
+        sizes.append(len(prompts))
+        if len(prompts) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, tokenizer, prompts, *args)
+
+    monkeypatch.setattr(local_backend, "generate_batch", fits_two)
+    backend = LocalBackend.load(str(tiny_target), LocalConfig(device="cpu", batch_size=8))
+    with caplog.at_level("WARNING", logger="dflash_train"):
+        assert answer(backend, PROMPTS) == expected
+    assert sizes == [4, 2, 2] and backend.batch_size == 2
+    assert "generation batch size now 2" in caplog.text
+    sizes.clear()
+    assert answer(backend, PROMPTS) == expected  # later batches start at the size that fitted
+    assert sizes == [2, 2]
+
+    def never_fits(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(local_backend, "generate_batch", never_fits)
+    with pytest.raises(torch.OutOfMemoryError):  # a single prompt that does not fit fails, it does not vanish
+        answer(LocalBackend.load(str(tiny_target), LocalConfig(device="cpu", batch_size=8)), PROMPTS[:1])
+
+
+def test_a_failing_batch_stops_the_run_keeps_finished_rows_and_reports_once(tmp_path, tiny_target, monkeypatch, caplog):
+    import gc
+
+    from dflash_train.data import local_backend
+
+    real, calls = local_backend.generate_batch, []
+
+    def second_batch_breaks(model, tokenizer, prompts, *args):
+        calls.append(len(prompts))
+        if len(calls) == 2:
+            raise RuntimeError("a bug in the second batch")
+        return real(model, tokenizer, prompts, *args)
+
+    monkeypatch.setattr(local_backend, "generate_batch", second_batch_breaks)
+    inputs = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "messages": m} for i, m in enumerate(PROMPTS * 3)])
+    cfg = build_generate_config({"inputs": [str(inputs)], "output_dir": str(tmp_path / "out"), "backend": "local",
+                                 "progress": False, "model": str(tiny_target), "concurrency": 8,
+                                 "sampling": {"max_tokens": 6}}, {"device": "cpu", "batch_size": 4})
+    with caplog.at_level("ERROR", logger="asyncio"), pytest.raises(RuntimeError, match="second batch"):
+        generate(cfg)
+    gc.collect()  # asyncio reports an unretrieved task exception when the task is collected
+    assert "never retrieved" not in caplog.text
+    assert calls[:2] == [4, 4] and len(read_rows(tmp_path / "out")) == 4  # the first batch's rows are committed
