@@ -20,6 +20,15 @@ class TimeBudget:
         self.probe_step = first_step + warmup_steps  # compile-free steps only are timed
         self.every = max(1, every)
         self.probe_time: float | None = None
+        self.reported: int | None = None
+
+    def worth_reporting(self, fitted: int) -> bool:
+        """The first estimate, then each that moved over 10% from the last one reported: the first
+        can be far off while later buckets still compile, and its re-estimates are otherwise silent."""
+        if self.reported is not None and abs(fitted - self.reported) <= 0.1 * self.reported:
+            return False
+        self.reported = fitted
+        return True
 
     def steps_that_fit(self, step: int, planned: int) -> int | None:
         """The run's total steps given the time left (never above `planned`), re-estimated every

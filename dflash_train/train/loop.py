@@ -302,7 +302,7 @@ class Trainer:
             bar.update(1)
             fitted = budget and budget.steps_that_fit(self.step, planned)
             if fitted and fitted != self.total_steps:
-                log.log(logging.INFO if self.total_steps == planned else logging.DEBUG,
+                log.log(logging.INFO if budget.worth_reporting(fitted) else logging.DEBUG,
                         "time budget: %d of %d planned steps fit; the schedule now ends there", fitted, planned)
                 self.total_steps = bar.total = fitted
                 retarget_scheduler(self.scheduler, tc, fitted)

@@ -32,6 +32,12 @@ def test_steps_that_fit_follow_the_measured_step_time():
     assert budget.steps_that_fit(35, planned=10_000) == 35  # past the deadline: stop now
 
 
+def test_estimates_are_reported_when_they_move_over_ten_percent():
+    budget = TimeBudget(minutes=10, first_step=0, warmup_steps=5, every=10)
+    reported = [n for n in (384, 400, 423, 430, 470, 618, 617) if budget.worth_reporting(n)]
+    assert reported == [384, 423, 470, 618]
+
+
 def test_a_budgeted_run_ends_early_with_its_schedule_complete(make_run_config, shared_tiny_target, monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr("dflash_train.train.budget.perf_counter", clock)
