@@ -201,13 +201,15 @@ async def _pump(cfg: GenerateConfig, backend: Backend, writer: ShardWriter, done
     def finish(tasks) -> None:
         # Every failure is retrieved here (a batch that fails fails thousands of rows at once: asyncio
         # would print each one's traceback as "never retrieved"); the finished rows are kept.
-        failures = [err for err in (task.exception() for task in tasks) if err is not None]
+        failures = []
         for task in tasks:
-            if task.exception() is None:
-                row = task.result()
-                writer.add(row)
-                stats.written[row["status"]] += 1
-                stats.completion_tokens += row["completion_tokens"]
+            if (err := task.exception()) is not None:
+                failures.append(err)
+                continue
+            row = task.result()
+            writer.add(row)
+            stats.written[row["status"]] += 1
+            stats.completion_tokens += row["completion_tokens"]
         bar.update(len(tasks) - len(failures))
         elapsed = time.monotonic() - stats.started
         bar.set_postfix(tok_s=f"{stats.completion_tokens / elapsed:.0f}", err=stats.written["error"], refresh=False)
