@@ -86,6 +86,12 @@ class TrainConfig(_Section):
     num_anchors: int = Field(512, ge=1)
     gamma: float = Field(7.0, gt=0)
     """Loss weight decay over block positions: w_k = exp(-(k-1)/gamma)."""
+    loss: dict[Literal["ce", "target_argmax", "kl"], float] = Field(default_factory=lambda: {"ce": 1.0})
+    """Per-slot loss as a weighted mix: `ce` on the data tokens, `target_argmax` (CE on the target's
+    own greedy token), `kl` to the target's next-token distribution. The target kinds run the target's
+    remaining layers and LM head where labels are needed; they make text the target did not write usable."""
+    kd_temperature: float = Field(1.0, gt=0)
+    """Softmax temperature of both distributions in `kl` (the loss is scaled by T^2)."""
     ce_chunk_size: int = Field(4096, ge=16)
     """Query tokens per LM-head chunk: bounds the logits ever materialised."""
     log_every: int = Field(10, ge=1)
@@ -93,6 +99,17 @@ class TrainConfig(_Section):
     """torch.compile the draft layers (GPU)."""
     compile_warmup_steps: int = Field(10, ge=1)
     """Steps allowed to (re)compile; any recompile after them is warned about with its reason."""
+
+
+    @model_validator(mode="after")
+    def _loss_mix(self) -> TrainConfig:
+        if any(w < 0 for w in self.loss.values()) or not any(w > 0 for w in self.loss.values()):
+            raise ValueError(f"train.loss {self.loss}: weights must be >= 0 with at least one > 0")
+        return self
+
+    @property
+    def needs_target_logits(self) -> bool:
+        return any(self.loss.get(kind, 0) > 0 for kind in ("target_argmax", "kl"))
 
 
 class CheckpointConfig(_Section):

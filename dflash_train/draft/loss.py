@@ -1,32 +1,73 @@
-"""Decayed block cross-entropy through the target's LM head, in chunks, and acceptance metrics.
+"""Decayed block loss through the target's LM head, in chunks, and acceptance metrics.
 
 512 anchors x 16 slots x a 152K vocabulary would be 1.2G logits per sequence; the head is applied
 to `chunk_size` query tokens at a time under activation checkpointing, so only one chunk of logits
-ever exists, in the forward and in the backward.
+ever exists, in the forward and in the backward. The same holds for the target's logits when the
+loss distils from the target: its final hidden states at the label positions travel with the
+drafter's, and each chunk applies the target's head to its own rows only.
+
+The per-slot loss is a weighted mix (`train.loss`):
+  ce            CE(q, data token)
+  target_argmax CE(q, argmax p)            p: the target's next-token distribution at that position
+  kl            T^2 KL(p_T || q_T)         both softened by the temperature T
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_ce(h, lm_head_weight, labels, weights):
+@dataclass(frozen=True)
+class LossMix:
+    ce: float = 1.0
+    target_argmax: float = 0.0
+    kl: float = 0.0
+    temperature: float = 1.0
+
+    @classmethod
+    def from_weights(cls, weights: dict, temperature: float = 1.0) -> LossMix:
+        return cls(ce=weights.get("ce", 0.0), target_argmax=weights.get("target_argmax", 0.0),
+                   kl=weights.get("kl", 0.0), temperature=temperature)
+
+    @property
+    def needs_target(self) -> bool:
+        return self.target_argmax > 0 or self.kl > 0
+
+
+def _chunk_loss(h, lm_head_weight, labels, weights, target_h, target_logits_fn, mix: LossMix):
     logits = (h @ lm_head_weight.t()).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    correct = (logits.argmax(-1) == labels).float()
-    return (ce * weights).sum(), correct
+    per_row = logits.new_zeros(logits.shape[0])
+    reference = labels
+    if mix.ce:
+        per_row = per_row + mix.ce * F.cross_entropy(logits, labels, reduction="none")
+    if target_h is not None:
+        with torch.no_grad():
+            t_logits = target_logits_fn(target_h).float()
+        reference = t_logits.argmax(-1)  # acceptance is agreement with the target's own choice
+        if mix.target_argmax:
+            per_row = per_row + mix.target_argmax * F.cross_entropy(logits, reference, reduction="none")
+        if mix.kl:
+            t = mix.temperature
+            log_p = F.log_softmax(t_logits / t, dim=-1)
+            log_q = F.log_softmax(logits / t, dim=-1)
+            kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+            per_row = per_row + mix.kl * (t * t) * kl
+    correct = (logits.argmax(-1) == reference).float()
+    return (per_row * weights).sum(), correct
 
 
 @dataclass
 class BlockLoss:
     weighted_ce_sum: torch.Tensor
-    """sum_k w_k * CE_k over this micro-batch: divide by the GLOBAL weight sum before backward."""
+    """sum_k w_k * loss_k over this micro-batch: divide by the GLOBAL weight sum before backward."""
     correct_per_slot: torch.Tensor
-    """[B] correct predictions per block slot (slot 0 always 0)."""
+    """[B] correct predictions per block slot (slot 0 always 0): the drafter's argmax equals the
+    target's when the target's logits are computed, else the data token."""
     counted_per_slot: torch.Tensor
     """[B] predictions that count per slot."""
 
@@ -38,17 +79,26 @@ def block_loss(
     weights_BQ: torch.Tensor,
     block_size: int,
     chunk_size: int = 4096,
+    mix: LossMix = LossMix(),
+    target_hidden_BQH: torch.Tensor | None = None,
+    target_logits_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> BlockLoss:
+    """`target_hidden_BQH`: the target's final-normed hidden state at the position that predicts
+    each slot's label (needed by the target kinds of `mix`); `target_logits_fn` turns it into logits."""
+    if mix.needs_target and (target_hidden_BQH is None or target_logits_fn is None):
+        raise ValueError("the loss mix distils from the target: pass its hidden states and logits function")
     h = hidden_BQH.reshape(-1, hidden_BQH.shape[-1])
     labels, weights = labels_BQ.reshape(-1), weights_BQ.reshape(-1)
+    t_h = None if target_hidden_BQH is None else target_hidden_BQH.reshape(-1, target_hidden_BQH.shape[-1])
     total = h.new_zeros((), dtype=torch.float32)
     correct = []
     for start in range(0, h.shape[0], chunk_size):
         sl = slice(start, start + chunk_size)
+        args = (h[sl], lm_head_weight, labels[sl], weights[sl], None if t_h is None else t_h[sl], target_logits_fn, mix)
         if h.requires_grad:
-            s, c = checkpoint(_chunk_ce, h[sl], lm_head_weight, labels[sl], weights[sl], use_reentrant=False)
+            s, c = checkpoint(_chunk_loss, *args, use_reentrant=False)
         else:
-            s, c = _chunk_ce(h[sl], lm_head_weight, labels[sl], weights[sl])
+            s, c = _chunk_loss(*args)
         total = total + s
         correct.append(c.detach())
     counted = (weights > 0).float()

@@ -63,6 +63,13 @@ def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     return (anchors[:, :, None] + offsets).flatten(1)
 
 
+def label_source_positions(anchors: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
+    """[b, N*B] position whose next-token prediction is each slot's label: a + k - 1 for slot k (the
+    target reads token[a+k-1] and predicts token[a+k]); clamped into the sequence, where slots that do
+    not count (slot 0, past the end) read any valid position."""
+    return (block_positions(anchors, block_size) - 1).clamp(min=0, max=seq_len - 1)
+
+
 def block_inputs(
     input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
 ) -> torch.Tensor:

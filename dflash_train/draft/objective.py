@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.draft import masks
-from dflash_train.draft.loss import BlockLoss, block_loss
+from dflash_train.draft.loss import BlockLoss, LossMix, block_loss
 from dflash_train.draft.model import DFlashDraftModel
 
 
@@ -61,15 +61,38 @@ def draft_hidden(
     return drafter(features, embed_weight[block_ids], ctx_pos, blk_pos, mask)
 
 
+def split_features(stream: torch.Tensor, num_layers: int, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The captured stream -> (the drafter's features [b, T, K*H], the target's final-normed hidden
+    states [b, T, H] or None). The final states ride as one extra layer when the loss distils."""
+    width = num_layers * hidden_size
+    if stream.shape[-1] == width:
+        return stream, None
+    if stream.shape[-1] != width + hidden_size:
+        raise ValueError(f"feature stream of width {stream.shape[-1]}: expected {width} or {width + hidden_size}")
+    return stream[..., :width], stream[..., width:]
+
+
 def draft_loss(
     drafter: DFlashDraftModel,
     task: BlockTask,
-    features: torch.Tensor,
+    stream: torch.Tensor,
     embed_weight: torch.Tensor,
     lm_head_weight: torch.Tensor,
     use_flex: bool,
     ce_chunk_size: int,
+    mix: LossMix = LossMix(),
+    target_logits_fn=None,
 ) -> BlockLoss:
+    """`stream`: the drafter's features, followed by the target's final hidden states when `mix`
+    distils from the target (see `split_features`)."""
+    cfg = drafter.config
+    features, final = split_features(stream, len(cfg.target_layer_ids), cfg.hidden_size)
+    if mix.needs_target and final is None:
+        raise ValueError("the loss distils from the target but the feature stream has no final hidden states")
     hidden = draft_hidden(drafter, task, features, embed_weight, use_flex)
-    block_size = drafter.config.block_size
-    return block_loss(hidden, lm_head_weight, task.labels, task.weights, block_size, ce_chunk_size)
+    target_hidden = None
+    if mix.needs_target:
+        pos = masks.label_source_positions(task.anchors, cfg.block_size, task.input_ids.shape[1])
+        target_hidden = final.gather(1, pos[..., None].expand(-1, -1, final.shape[-1]))
+    return block_loss(hidden, lm_head_weight, task.labels, task.weights, cfg.block_size, ce_chunk_size,
+                      mix, target_hidden, target_logits_fn)

@@ -43,6 +43,13 @@ def draft_model_config(cfg: RunConfig, target: Target) -> DraftModelConfig:
     )
 
 
+def stream_layer_ids(cfg: RunConfig, target: Target) -> list[int]:
+    """The target layers a micro-batch's feature stream carries: the drafter's, then the last layer
+    (its output is the final-normed hidden state) when the loss distils from the target's logits."""
+    ids = list(draft_model_config(cfg, target).target_layer_ids)
+    return ids + [target.num_layers - 1] if cfg.train.needs_target_logits else ids
+
+
 def autocast_for(device: torch.device, target_dtype: torch.dtype) -> AbstractContextManager:
     """bf16 autocast on GPU. On CPU the drafter runs in the target's dtype: fp32 stays exact, and a
     bf16/fp16 target's features and heads would otherwise meet fp32 drafter weights in one matmul."""

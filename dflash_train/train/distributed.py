@@ -30,7 +30,7 @@ from dflash_train.data.dataset import load_training_data
 from dflash_train.target import Target, decoder_layers, load_target
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.layout import Layout
-from dflash_train.train.build import draft_model_config, resolve_device
+from dflash_train.train.build import resolve_device, stream_layer_ids
 from dflash_train.train.roles import DrafterRank, Link, TargetFeeder
 
 log = logging.getLogger("dflash_train")
@@ -209,7 +209,7 @@ def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, devi
     dataset = load_training_data(cfg.data, target.tokenizer, target.identity["tokenizer"])
     feeder = None
     if layout.is_target(rank):
-        layer_ids = [draft_model_config(run_cfg, target).target_layer_ids for _, run_cfg in runs]
+        layer_ids = [stream_layer_ids(run_cfg, target) for _, run_cfg in runs]
         feeder = TargetFeeder(cfg, target, dataset, layout, link, rank, layer_ids)
     drafter = None
     if group is not None:

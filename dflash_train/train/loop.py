@@ -21,7 +21,7 @@ from tqdm import tqdm
 from dflash_train.config import RunConfig, dump_config
 from dflash_train.data.batching import bucket_shape, make_batches
 from dflash_train.data.dataset import TokenizedDataset, load_training_data
-from dflash_train.draft.loss import acceptance_metrics
+from dflash_train.draft.loss import LossMix, acceptance_metrics
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.ops import compile_cache
@@ -31,7 +31,7 @@ from dflash_train.ops.recompiles import RecompileWatch
 from dflash_train.target import Target, load_target
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.batches import HELDOUT_SALT, anchor_seed, batch_shape, collate, epoch_plan, locate
-from dflash_train.train.build import autocast_for, draft_model_config, resolve_device
+from dflash_train.train.build import autocast_for, draft_model_config, resolve_device, stream_layer_ids
 from dflash_train.train.metrics import MetricsFile
 from dflash_train.train.storage import prune_local, resolve_resume
 from dflash_train.train.tracking import Tracker
@@ -51,6 +51,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.target = target or load_target(cfg.target, self.device)
         self.drafter = DFlashDraftModel(draft_model_config(cfg, self.target)).to(self.device)
+        self.loss_mix = LossMix.from_weights(cfg.train.loss, cfg.train.kd_temperature)
+        self.stream_layers = stream_layer_ids(cfg, self.target)  # captured per micro-batch
         self.dataset = dataset or load_training_data(
             cfg.data, self.target.tokenizer, self.target.identity["tokenizer"]
         )
@@ -103,7 +105,7 @@ class Trainer:
         """The drafter's loss on one micro-batch, in the run's precision and attention path."""
         with self.autocast:
             return draft_loss(self.drafter, task, features, self.target.embed_weight, self.target.lm_head_weight,
-                              self.use_flex, self.cfg.train.ce_chunk_size)
+                              self.use_flex, self.cfg.train.ce_chunk_size, self.loss_mix, self.target.logits)
 
     @property
     def attention_backend(self) -> str:
@@ -189,7 +191,7 @@ class Trainer:
             task = make_task(ids, loss_mask, tc.num_anchors, d.block_size, tc.gamma, 0)
             # Random features of the right shape and dtype: the graphs depend on shapes only, and
             # drafter-only ranks of distributed training hold no target layers.
-            feats = torch.randn(rows, length, len(d.target_layer_ids) * self.target.hidden_size,
+            feats = torch.randn(rows, length, len(self.stream_layers) * self.target.hidden_size,
                                 generator=gen).to(self.device, self.target.embed_weight.dtype)
             self.draft_forward(task, feats).weighted_ce_sum.backward()
             self.drafter.zero_grad(set_to_none=True)
@@ -197,7 +199,7 @@ class Trainer:
         return len(shapes)
 
     def features(self, batch: dict) -> torch.Tensor:
-        layer_ids = self.drafter.config.target_layer_ids
+        layer_ids = self.stream_layers
         if not self.cfg.data.cache_features:
             return self.target.features(batch["input_ids"], layer_ids)
         missing = [i for i in batch["indices"] if i not in self.feature_cache]
@@ -265,7 +267,7 @@ class Trainer:
             batch = collate(dataset, indices, self.device)
             task = make_task(batch["input_ids"], batch["loss_mask"], tc.num_anchors, d.block_size, tc.gamma,
                              anchor_seed(self.cfg.seed, HELDOUT_SALT, index))
-            out = self.draft_forward(task, self.target.features(batch["input_ids"], d.target_layer_ids))
+            out = self.draft_forward(task, self.target.features(batch["input_ids"], self.stream_layers))
             loss_sum += out.weighted_ce_sum
             weight_sum += task.weights.sum()
             correct += out.correct_per_slot

@@ -155,7 +155,7 @@ class DrafterRank(Trainer):
         self.layout, self.link, self.rank, self.group = layout, link, rank, group
         self.feeder = feeder  # colocated: this process also produces the features it trains on
         self.mine = layout.consumed_by(rank, group_index, cfg.train.grad_accum)
-        self.feature_dim = len(self.drafter.config.target_layer_ids) * self.target.hidden_size
+        self.feature_dim = len(self.stream_layers) * self.target.hidden_size
         self.feature_dtype = self.target.embed_weight.dtype
         self.is_leader = rank == layout.group_ranks(group_index)[0]
 

@@ -137,3 +137,41 @@ def test_checkpoint_time_is_logged_apart_from_training_throughput(make_run_confi
     for fast, late in zip(fast_records, slow_records):
         assert late["paused_s"] >= 1.0 > fast["paused_s"]
         assert late["tokens_per_s"] > 0.4 * fast["tokens_per_s"], (late, fast)
+
+
+@pytest.mark.parametrize("loss", [{"kl": 1.0}, {"target_argmax": 1.0}, {"ce": 0.5, "kl": 0.5}], ids=str)
+def test_distilled_step_equals_reference_from_the_targets_own_logits(make_run_config, shared_tiny_target, loss):
+    """The trainer's distilled loss on one micro-batch == the same loss computed from the HF model's own
+    forward logits (an independent path: no capture hook, no gather of hidden states)."""
+    cfg = make_run_config(overrides=[f"train.loss={loss}", "train.kd_temperature=1.5", "train.grad_clip=1e9"])
+    trainer = Trainer(cfg, target=shared_tiny_target)
+    assert trainer.stream_layers[-1] == shared_tiny_target.num_layers - 1
+    logged = float(trainer.train_step()["loss"])
+
+    ref = Trainer(cfg, target=shared_tiny_target)
+    d, tc = ref.drafter.config, cfg.train
+    batch, seed = ref.next_micro_batch()
+    task = make_task(batch["input_ids"], batch["loss_mask"], tc.num_anchors, d.block_size, tc.gamma, seed)
+    feats = ref.target.features(batch["input_ids"], d.target_layer_ids)
+    with torch.no_grad():
+        p_logits = ref.target.model(input_ids=batch["input_ids"]).logits.double()  # [b, T, V]
+    from dflash_train.draft.objective import draft_hidden
+
+    q_logits = (draft_hidden(ref.drafter, task, feats, ref.target.embed_weight, False)
+                @ ref.target.lm_head_weight.t()).double()  # [b, Q, V]
+    t = tc.kd_temperature
+    total = torch.zeros((), dtype=torch.float64)
+    b, q = task.labels.shape
+    for r in range(b):
+        for i in range(q):
+            w = float(task.weights[r, i])
+            if w == 0:
+                continue
+            a, k = int(task.anchors[r, i // d.block_size]), i % d.block_size
+            p_row, q_row = p_logits[r, a + k - 1], q_logits[r, i]
+            row = loss.get("ce", 0) * (torch.logsumexp(q_row, 0) - q_row[task.labels[r, i]])
+            row += loss.get("target_argmax", 0) * (torch.logsumexp(q_row, 0) - q_row[p_row.argmax()])
+            p_t, log_q_t = torch.softmax(p_row / t, 0), torch.log_softmax(q_row / t, 0)
+            row += loss.get("kl", 0) * t * t * (p_t * (torch.log(p_t) - log_q_t)).sum()
+            total += w * row
+    assert logged == pytest.approx(float(total / task.weights.sum()), rel=1e-4)

@@ -1,0 +1,113 @@
+"""Target-distilled losses (train.loss: target_argmax, kl, mixes) vs float64 references written from
+their definitions; the label positions the target's hidden states are read at; the feature stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_train.draft import masks
+from dflash_train.draft.loss import LossMix, block_loss
+from dflash_train.draft.objective import split_features
+
+B = 4
+
+
+def problem(seed=0, b=2, n=5, h=16, v=37):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, n * B, h, generator=gen)
+    head = torch.randn(v, h, generator=gen) * 0.5
+    labels = torch.randint(0, v, (b, n * B), generator=gen)
+    weights = torch.rand(b, n * B, generator=gen)
+    weights[torch.rand(b, n * B, generator=gen) < 0.3] = 0
+    weights.view(b, n, B)[:, :, 0] = 0
+    target_hidden = torch.randn(b, n * B, h, generator=gen)
+    target_head = torch.randn(v, h, generator=gen) * 0.7
+    return hidden, head, labels, weights, target_hidden, target_head
+
+
+def reference(hidden, head, labels, weights, target_hidden, target_head, mix: LossMix):
+    """Per-row losses in float64, each from its textbook definition (no log_softmax shortcuts)."""
+    q_logits = hidden.double().reshape(-1, hidden.shape[-1]) @ head.double().t()
+    p_logits = target_hidden.double().reshape(-1, hidden.shape[-1]) @ target_head.double().t()
+    q = torch.softmax(q_logits, -1)
+    total = torch.zeros(q.shape[0], dtype=torch.float64)
+    rows = torch.arange(q.shape[0])
+    total += mix.ce * -torch.log(q[rows, labels.reshape(-1)])
+    total += mix.target_argmax * -torch.log(q[rows, p_logits.argmax(-1)])
+    t = mix.temperature
+    p_t, q_t = torch.softmax(p_logits / t, -1), torch.softmax(q_logits / t, -1)
+    total += mix.kl * t * t * (p_t * torch.log(p_t / q_t)).sum(-1)
+    return (weights.double().reshape(-1) * total).sum(), q_logits.argmax(-1) == p_logits.argmax(-1)
+
+
+MIXES = [
+    LossMix(ce=0, target_argmax=1),
+    LossMix(ce=0, kl=1),
+    LossMix(ce=0, kl=1, temperature=2.0),
+    LossMix(ce=0.3, target_argmax=0.2, kl=0.5, temperature=0.7),
+]
+
+
+@pytest.mark.parametrize("mix", MIXES, ids=str)
+@pytest.mark.parametrize("chunk_size", [1, 7, 4096])
+def test_distilled_loss_equals_float64_reference(mix, chunk_size):
+    hidden, head, labels, weights, t_hidden, t_head = problem()
+    ref, agree = reference(hidden, head, labels, weights, t_hidden, t_head, mix)
+    out = block_loss(hidden, head, labels, weights, B, chunk_size, mix, t_hidden, lambda x: x @ t_head.t())
+    torch.testing.assert_close(out.weighted_ce_sum.double(), ref, rtol=1e-5, atol=1e-5)
+    # Accuracy counts agreement with the target's argmax (what acceptance tests), not the data token.
+    counted = (weights.reshape(-1) > 0).double()
+    torch.testing.assert_close(out.correct_per_slot.double(), (agree.double() * counted).view(-1, B).sum(0))
+
+
+@pytest.mark.parametrize("mix", MIXES, ids=str)
+def test_distilled_gradients_match_float64(mix):
+    hidden, head, labels, weights, t_hidden, t_head = problem(seed=3)
+    h64, w64 = hidden.double().requires_grad_(), head.double().requires_grad_()
+    reference(h64, w64, labels, weights, t_hidden, t_head, mix)[0].backward()
+    h, w = hidden.clone().requires_grad_(), head.clone().requires_grad_()
+    block_loss(h, w, labels, weights, B, 6, mix, t_hidden, lambda x: x @ t_head.t()).weighted_ce_sum.backward()
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_kl_to_itself_is_zero_and_argmax_of_data_equals_ce():
+    """Sanity that can fail: a drafter equal to the target has KL 0; when the target's argmax IS the
+    data token (greedy self-generated data), target_argmax equals ce."""
+    hidden, head, labels, weights, _, _ = problem(seed=4)
+    same = block_loss(hidden, head, labels, weights, B, 8, LossMix(ce=0, kl=1), hidden, lambda x: x @ head.t())
+    assert abs(float(same.weighted_ce_sum)) < 1e-5
+    # One chunk (4096 rows): the "target" puts its maximum on each row's data token.
+    one_hot = torch.nn.functional.one_hot(labels.reshape(-1), head.shape[0]).float()
+    as_argmax = block_loss(hidden, head, labels, weights, B, 4096, LossMix(ce=0, target_argmax=1), hidden,
+                           lambda _: one_hot)
+    as_ce = block_loss(hidden, head, labels, weights, B, 4096)
+    torch.testing.assert_close(as_argmax.weighted_ce_sum, as_ce.weighted_ce_sum)
+
+
+def test_distilling_without_target_states_is_refused():
+    hidden, head, labels, weights, _, _ = problem()
+    with pytest.raises(ValueError, match="distils from the target"):
+        block_loss(hidden, head, labels, weights, B, 8, LossMix(ce=0, kl=1))
+
+
+def test_label_source_positions_by_brute_force():
+    anchors = torch.tensor([[0, 3, 9], [5, 6, 0]])
+    t = 12
+    got = masks.label_source_positions(anchors, B, t)
+    for r in range(2):
+        for j, a in enumerate(anchors[r].tolist()):
+            for k in range(B):
+                want = min(max(a + k - 1, 0), t - 1)  # slot k's label token[a+k] is predicted at a+k-1
+                assert got[r, j * B + k] == want
+
+
+def test_split_features():
+    feats = torch.randn(2, 5, 3 * 8)
+    assert split_features(feats, 3, 8)[1] is None
+    drafter, final = split_features(torch.cat([feats, feats[..., :8]], -1), 3, 8)
+    torch.testing.assert_close(drafter, feats)
+    torch.testing.assert_close(final, feats[..., :8])
+    with pytest.raises(ValueError, match="width"):
+        split_features(feats[..., :20], 3, 8)
