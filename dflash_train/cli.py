@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-invalid", dest="skip_invalid", action="store_true", default=None)
     p.add_argument("--device")
     p.add_argument("--batch-size", dest="batch_size", type=int)
-    p.add_argument("--engine", choices=["padded", "continuous"], help="local backend: generation engine")
+    p.add_argument("--engine", choices=["padded", "static", "continuous"], help="local backend: generation engine")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("prompts", help="first user turns of a prompt set -> train / held-out prompt files for generate")

@@ -58,8 +58,9 @@ class LocalConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     batch_size: int = Field(16, ge=1)
-    engine: Literal["padded", "continuous"] = "padded"
+    engine: Literal["padded", "static", "continuous"] = "padded"
     """padded: one left-padded `generate` per batch (every row runs until the longest ends);
+    static: the same with a preallocated KV cache, decode steps compiled into CUDA graphs on a GPU;
     continuous: transformers' continuous batching (paged KV cache, finished rows replaced at once,
     CUDA graphs), the faster engine for big batches on a GPU (docs/benchmarks/generate_local.md)."""
 

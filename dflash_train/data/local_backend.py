@@ -1,7 +1,9 @@
 """In-process generation with transformers: batched, left-padded, greedy or sampled.
 
-For small targets (the SmolLM2 quickstart on CPU) and single-GPU runs without a server. Two
-engines: one left-padded `generate` per batch, or transformers' continuous batching.
+For small targets (the SmolLM2 quickstart on CPU) and single-GPU runs without a server. Three
+engines: one left-padded `generate` per batch with a dynamic cache (`padded`) or a preallocated
+static cache whose decode step transformers compiles into CUDA graphs on a GPU (`static`), or
+transformers' continuous batching.
 Concurrent `complete` calls queue up; one worker thread takes whatever is waiting (up to
 `batch_size`, same sampling settings) and runs one `model.generate` for all of it, so batches
 fill up naturally while the previous one runs.
@@ -85,9 +87,23 @@ def _plain_distribution(model):
         model.generation_config = saved
 
 
-def _padded_generate(model, prompts: list[list[int]], gen: GenerationConfig) -> list[list[int]]:
+STATIC_WIDTH_STEP = 128
+"""The static engine pads prompts to a multiple of this: the cache length (prompt width + new tokens)
+then takes a few values, and each compiled decode graph is reused across batches."""
+
+
+def _static_generate(model, prompts: list[list[int]], gen: GenerationConfig) -> list[list[int]]:
+    """`_padded_generate` with a preallocated KV cache: a dynamic cache grows by concatenation, copying
+    every layer's whole cache at each new token (quadratic in the answer length at large batches);
+    a static one is written in place, and on a GPU transformers captures its decode step as a graph."""
+    width = -(-max(map(len, prompts)) // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
+    static = gen.to_dict() | {"cache_implementation": "static"}
+    return _padded_generate(model, prompts, GenerationConfig(**static), width)
+
+
+def _padded_generate(model, prompts: list[list[int]], gen: GenerationConfig, width: int | None = None) -> list[list[int]]:
     device = next(model.parameters()).device
-    width = max(map(len, prompts))
+    width = width or max(map(len, prompts))
     input_ids = torch.full((len(prompts), width), gen.pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for row, ids in enumerate(prompts):
@@ -115,7 +131,7 @@ def generate_ids(model, prompts: list[list[int]], params: GenParams, stops: set[
     """Per token-id prompt: (new token ids cut after the first stop token, whether one ended them)."""
     if params.temperature > 0 and params.seed is not None:
         torch.manual_seed(params.seed)
-    run = _continuous_generate if engine == "continuous" else _padded_generate
+    run = {"padded": _padded_generate, "static": _static_generate, "continuous": _continuous_generate}[engine]
     with _plain_distribution(model):
         answers = run(model, prompts, _generation_config(params, stops, pad_id))
     return [_cut_at_stop(ids, stops) for ids in answers]
