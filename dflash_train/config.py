@@ -135,6 +135,11 @@ class EvalConfig(_Section):
     prompts: str | None = None
     num_prompts: int = Field(8, ge=1)
     max_new_tokens: int = Field(64, ge=1)
+    heldout_files: list[str] = Field(default_factory=list)
+    """Held-out answers of the target (conversation files): tau_hat and per-slot accuracy on them,
+    teacher-forced, against device-seconds (<run_dir>/heldout.jsonl); empty = off."""
+    heldout_every: int = Field(0, ge=0)
+    """Score `heldout_files` every N steps (0 = only at the end of the run)."""
 
 
 class DrafterSpec(_Section):

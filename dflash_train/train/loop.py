@@ -32,6 +32,7 @@ from dflash_train.target import Target, load_target
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.batches import HELDOUT_SALT, anchor_seed, batch_shape, collate, epoch_plan, locate
 from dflash_train.train.build import autocast_for, draft_model_config, resolve_device, stream_layer_ids
+from dflash_train.train.heldout import HeldoutProbe
 from dflash_train.train.metrics import MetricsFile
 from dflash_train.train.storage import prune_local, resolve_resume
 from dflash_train.train.tracking import Tracker
@@ -65,6 +66,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.drafter.parameters(), cfg.train, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps)
         self.step = 0
+        self.devices_held = 1  # for device-seconds (distributed ranks: the world size)
         self.manifest: dict | None = None  # written at the start of fit(); checkpoints carry it
         self.cursor = (0, 0)  # (epoch, batch index) of the next micro-batch
         self.feature_cache: dict[int, torch.Tensor] = {}
@@ -286,6 +288,7 @@ class Trainer:
             self.run_dir, self.cfg.model_dump(mode="json"), manifest, run_id=self.tracking_run_id
         )
         metrics = MetricsFile(self.run_dir, resume_step=self.step)
+        probe = HeldoutProbe.for_trainer(self, self.devices_held)
         if self.cfg.train.compile and self.cfg.data.length_bucket:
             t = time.perf_counter()
             n = self.compile_buckets()
@@ -293,6 +296,8 @@ class Trainer:
                      self.compile_state)
         window: list[dict] = []
         last_record: dict = {}
+        if probe is not None:
+            probe.restart()
         t0 = time.perf_counter()
         paused = 0.0  # checkpoint saves and periodic evals: logged apart, not counted as training time
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not progress, desc="train", dynamic_ncols=True)
@@ -316,6 +321,10 @@ class Trainer:
             t_pause = time.perf_counter()
             if self.periodic_eval is not None and self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
                 self._run_periodic_eval()
+            if probe is not None and probe.due(self.step, self.step == self.total_steps):
+                heldout = probe.run(self.step)
+                tqdm.write(f"held-out at step {self.step} ({heldout['device_seconds']:.0f} device-s): "
+                           f"tau_hat {heldout['tau_hat']:.3f}, loss {heldout['loss']:.3f}")
             if self.step % self.cfg.checkpoint.every == 0 and self.step < self.total_steps:
                 self.save()
             paused += time.perf_counter() - t_pause

@@ -158,6 +158,10 @@ class DrafterRank(Trainer):
         self.feature_dim = len(self.stream_layers) * self.target.hidden_size
         self.feature_dtype = self.target.embed_weight.dtype
         self.is_leader = rank == layout.group_ranks(group_index)[0]
+        self.devices_held = layout.world_size
+        if cfg.eval.heldout_files and not layout.colocated:
+            raise ValueError("eval.heldout_files needs the whole target on the drafter's lead rank: use "
+                             "--colocated (in a split layout drafter ranks hold only the target's embedding and head)")
 
     def train_step(self) -> dict:
         tc, d = self.cfg.train, self.drafter.config

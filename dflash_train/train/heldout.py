@@ -1,0 +1,60 @@
+"""The figure recipes are tuned for: held-out acceptance against the device time it cost.
+
+Every `eval.heldout_every` steps (and at the end) the drafter is scored on held-out answers of the
+target (`eval.heldout_files`, e.g. its regenerated answers to held-out prompts): loss, per-slot
+accuracy and tau_hat, teacher-forced, no update. Each record carries `device_seconds`: the run's
+wall-clock since `fit` started times the devices it holds, less the probe's own time (the
+measurement is not part of the recipe). Two recipes are compared at equal device-seconds, never at
+equal steps. Records go to <run_dir>/heldout.jsonl and the tracker under `heldout/`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from dflash_train.data.dataset import TokenizedDataset, tokenize_files
+
+
+class HeldoutProbe:
+    def __init__(self, trainer, dataset: TokenizedDataset, every: int, devices: int):
+        self.trainer, self.dataset, self.every, self.devices = trainer, dataset, every, max(devices, 1)
+        self.path = Path(trainer.run_dir) / "heldout.jsonl"
+        self.start = time.perf_counter()
+        self.own_seconds = 0.0
+        self.offset = 0.0  # device-seconds of earlier runs of this job (resume)
+
+    @classmethod
+    def for_trainer(cls, trainer, devices: int = 1) -> HeldoutProbe | None:
+        ec, dc = trainer.cfg.eval, trainer.cfg.data
+        if not ec.heldout_files:
+            return None
+        dataset = tokenize_files(ec.heldout_files, trainer.target.tokenizer, dc.max_length, skip_invalid=True,
+                                 template_kwargs=dc.chat_template_kwargs)
+        if not len(dataset):
+            raise ValueError(f"eval.heldout_files {ec.heldout_files}: no usable rows ({dataset.stats.to_dict()})")
+        return cls(trainer, dataset, ec.heldout_every, devices)
+
+    def restart(self) -> None:
+        """Called when `fit` starts: the clock starts, and a resumed run continues its device-seconds."""
+        self.start, self.own_seconds = time.perf_counter(), 0.0
+        if self.path.is_file():
+            records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            earlier = [r for r in records if r["step"] <= self.trainer.step]
+            self.offset = earlier[-1]["device_seconds"] if earlier else 0.0
+
+    def due(self, step: int, last: bool) -> bool:
+        return last or (self.every > 0 and step % self.every == 0)
+
+    def run(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        device_seconds = self.offset + (t0 - self.start - self.own_seconds) * self.devices
+        metrics = self.trainer.run_eval(lambda tr: tr.evaluate(self.dataset))
+        record = {"step": step, "device_seconds": round(device_seconds, 2), **metrics,
+                  "rows": len(self.dataset)}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.trainer.tracker.log({f"heldout/{k}": v for k, v in record.items() if k not in ("step", "acc")}, step)
+        self.own_seconds += time.perf_counter() - t0
+        return record

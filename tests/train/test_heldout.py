@@ -1,0 +1,51 @@
+"""The held-out probe: tau_hat on held-out answers every N steps, against device-seconds, across resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_train.data.dataset import tokenize_files
+from dflash_train.train.checkpoint import latest_checkpoint
+from dflash_train.train.loop import Trainer
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "heldout.jsonl").read_text().splitlines()]
+
+
+def test_probe_scores_heldout_every_n_steps_and_at_the_end(make_run_config, shared_tiny_target):
+    base = make_run_config()
+    heldout = base.data.train_files[0]  # any conversation file serves as held-out answers here
+    cfg = make_run_config(overrides=["train.max_steps=5", f"eval.heldout_files=[{heldout}]", "eval.heldout_every=2"])
+    trainer = Trainer(cfg, target=shared_tiny_target)
+    trainer.fit(progress=False)
+    got = records(cfg.run_dir)
+    assert [r["step"] for r in got] == [2, 4, 5]
+    seconds = [r["device_seconds"] for r in got]
+    assert seconds == sorted(seconds) and seconds[0] > 0
+    # The last record is the trained drafter's held-out score, computed the trainer's own way.
+    dataset = tokenize_files([heldout], shared_tiny_target.tokenizer, cfg.data.max_length, skip_invalid=True)
+    direct = trainer.run_eval(lambda tr: tr.evaluate(dataset))
+    assert got[-1]["tau_hat"] == pytest.approx(direct["tau_hat"])
+    assert got[-1]["loss"] == pytest.approx(direct["loss"])
+    assert got[-1]["acc"] == direct["acc"] and len(direct["acc"]) == cfg.draft.block_size - 1
+
+
+def test_resumed_run_continues_the_device_seconds(make_run_config, shared_tiny_target):
+    heldout = make_run_config().data.train_files[0]
+    over = [f"eval.heldout_files=[{heldout}]", "eval.heldout_every=2", "checkpoint.every=2"]
+    first = make_run_config(overrides=["train.max_steps=2", *over])
+    Trainer(first, target=shared_tiny_target).fit(progress=False)
+    # Pretend the first run held its devices for 1000 s: the resumed run's clock must count on from there.
+    path = Path(first.run_dir) / "heldout.jsonl"
+    path.write_text(json.dumps({**records(first.run_dir)[-1], "device_seconds": 1000.0}) + "\n")
+    longer = make_run_config(overrides=["train.max_steps=4", *over])
+    trainer = Trainer(longer, target=shared_tiny_target)
+    trainer.resume(latest_checkpoint(longer.run_dir))
+    trainer.fit(progress=False)
+    got = records(longer.run_dir)
+    assert [r["step"] for r in got] == [2, 4]
+    assert 1000.0 < got[1]["device_seconds"] < 1000.0 + 60  # counted on from the first run, not from zero
