@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 import hashlib
 import logging
 from collections import deque
@@ -171,6 +172,9 @@ class LocalBackend:
         self._queue: deque[_Request] = deque()
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
+        # One thread runs the model, always the same one: compiled CUDA graphs (static engine) are
+        # recorded per thread, and a pool would hand batches to whichever thread is free.
+        self._model_thread: ThreadPoolExecutor | None = None
 
     @classmethod
     def load(cls, path: str, cfg: LocalConfig) -> LocalBackend:
@@ -190,6 +194,7 @@ class LocalBackend:
 
     async def complete(self, messages: list[dict], params: GenParams) -> Completion:
         if self._worker is None:
+            self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-generate")
             self._wake = asyncio.Event()
             self._worker = asyncio.create_task(self._run())
         prompt = encode_prompt(self.tokenizer, messages, params.thinking)
@@ -215,7 +220,8 @@ class LocalBackend:
                 prompts = [r.prompt for r in batch]
                 try:
                     # A thread keeps the event loop (HTTP server, writer) responsive during generate.
-                    results = await asyncio.to_thread(self._generate_fitting, prompts, batch[0].params)
+                    results = await asyncio.get_running_loop().run_in_executor(
+                        self._model_thread, self._generate_fitting, prompts, batch[0].params)
                 except Exception as err:  # noqa: BLE001 -- a bug or OOM must reach the callers, not kill the worker
                     for r in batch:
                         if not r.future.done():
@@ -247,3 +253,4 @@ class LocalBackend:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
             self._worker = None
+            self._model_thread.shutdown(wait=True)
