@@ -22,7 +22,6 @@ from dflash_train.config import RunConfig, dump_config
 from dflash_train.data.batching import bucket_shape, make_batches
 from dflash_train.data.dataset import TokenizedDataset, load_training_data
 from dflash_train.draft.loss import acceptance_metrics
-from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.ops import compile_cache
 from dflash_train.ops.guard import ThroughputGuard
@@ -31,7 +30,8 @@ from dflash_train.ops.recompiles import RecompileWatch
 from dflash_train.target import Target, load_target
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.batches import HELDOUT_SALT, anchor_seed, batch_shape, collate, epoch_plan, locate
-from dflash_train.train.build import autocast_for, compile_layers, draft_model_config, resolve_device
+from dflash_train.train.build import autocast_for, compile_layers, resolve_device
+from dflash_train.train.drafter_init import build_drafter
 from dflash_train.train.metrics import MetricsFile
 from dflash_train.train.storage import prune_local, resolve_resume
 from dflash_train.train.tracking import Tracker
@@ -48,9 +48,8 @@ class Trainer:
         self.periodic_eval = periodic_eval  # real speculative decoding every eval.every steps (eval/)
         self.device = resolve_device(cfg.device)
         self.run_dir = Path(cfg.run_dir)
-        torch.manual_seed(cfg.seed)
         self.target = target or load_target(cfg.target, self.device)
-        self.drafter = DFlashDraftModel(draft_model_config(cfg, self.target)).to(self.device)
+        self.drafter = build_drafter(cfg, self.target, self.device)  # seeded there, after the target's load
         self.dataset = dataset or load_training_data(
             cfg.data, self.target.tokenizer, self.target.identity["tokenizer"]
         )
