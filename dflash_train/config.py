@@ -39,7 +39,9 @@ class DraftConfig(_Section):
     intermediate_size: int | None = None
     """Default: the target's."""
     init_from: str | None = None
-    """An exported drafter folder (config.json + model.safetensors) to warm-start from."""
+    """Warm start: the weights of an exported drafter folder (config.json + model.safetensors) or a
+    training checkpoint dir, of the same setup (every drafter config field checked); the optimizer
+    and schedule start fresh, and --resume overrides it."""
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     """auto = flex_attention on CUDA, SDPA with a dense mask on CPU (flex has no CPU backward)."""
 
