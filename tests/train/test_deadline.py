@@ -91,3 +91,16 @@ def test_resumed_budgeted_run_continues_its_schedule(make_run_config, shared_tin
     assert [r["step"] for r in after] == list(range(1, 30))
     for a, b in zip(after[20:], reference[20:]):
         assert a["lr"] == b["lr"] and a["loss"] == b["loss"], a["step"]
+
+
+def test_launch_on_several_ranks_refuses_wall_clock_stops(make_run_config):
+    """Only the logging rank would stop: the others would hang in its collectives."""
+    from dflash_train.train.distributed import check_wall_clock_stops, drafter_runs
+
+    cfg = make_run_config(overrides=["train.max_steps=8", "train.deadline_minutes=5"])
+    check_wall_clock_stops(drafter_runs(cfg), world_size=1)
+    with pytest.raises(ValueError, match=r"train\.deadline_minutes \(drafter drafter\): not supported"):
+        check_wall_clock_stops(drafter_runs(cfg), world_size=2)
+    budgeted = make_run_config(overrides=["train.time_budget_minutes=5"])
+    with pytest.raises(ValueError, match=r"train\.time_budget_minutes"):
+        check_wall_clock_stops(drafter_runs(budgeted), world_size=4)
