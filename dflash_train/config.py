@@ -39,7 +39,9 @@ class DraftConfig(_Section):
     intermediate_size: int | None = None
     """Default: the target's."""
     init_from: str | None = None
-    """An exported drafter folder (config.json + model.safetensors) to warm-start from."""
+    """Warm start: the weights of an exported drafter folder (config.json + model.safetensors) or a
+    training checkpoint dir, of the same setup (every drafter config field checked); the optimizer
+    and schedule start fresh, and --resume overrides it."""
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     """auto = flex_attention on CUDA, SDPA with a dense mask on CPU (flex has no CPU backward)."""
 
@@ -79,9 +81,19 @@ class TrainConfig(_Section):
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps; default = epochs x batches per epoch / grad_accum."""
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    """After the warmup: cosine to min_lr_ratio, or warmup-stable-decay (flat, then the last
+    `decay_ratio` of the steps decay as 1 - sqrt to min_lr_ratio)."""
+    decay_ratio: float = Field(0.2, gt=0, le=1)
+    """wsd only: share of the total steps in the final decay."""
     time_budget_minutes: float | None = Field(None, gt=0)
-    """Wall-clock budget of one `fit`: once the step time is measured, the steps shrink to what fits
-    and the cosine schedule ends on time (a shorter, complete run rather than a cut-off one)."""
+    """Wall-clock budget of one `fit` for runs WITHOUT max_steps: once the step time is measured, the
+    steps shrink to what fits and the schedule ends on time (a shorter, complete run rather than a
+    cut-off one). A resumed run keeps the saved run's length as its ceiling (no jump back up)."""
+    deadline_minutes: float | None = Field(None, gt=0)
+    """Wall-clock limit of one `fit` that never changes the schedule: when it is reached (less a 3%
+    reserve for the checkpoint) the trainer saves and exits; `--resume auto` then continues the same
+    schedule. For fixed-length runs (max_steps) spread over several calls."""
     grad_accum: int = Field(1, ge=1)
     num_anchors: int = Field(512, ge=1)
     gamma: float = Field(7.0, gt=0)
@@ -99,6 +111,19 @@ class TrainConfig(_Section):
     """torch.compile the draft layers (GPU)."""
     compile_warmup_steps: int = Field(10, ge=1)
     """Steps allowed to (re)compile; any recompile after them is warned about with its reason."""
+
+    @model_validator(mode="after")
+    def _one_length_rule(self) -> TrainConfig:
+        # max_steps fixes the schedule's length; a time budget would refit it in every run.
+        if self.time_budget_minutes is not None and self.max_steps is not None:
+            raise ValueError(
+                "train.time_budget_minutes and train.max_steps both set: max_steps fixes the schedule's "
+                "length, a time budget refits it; to stop a fixed-length run on time use train.deadline_minutes"
+            )
+        if self.time_budget_minutes is not None and self.deadline_minutes is not None:
+            raise ValueError("train.time_budget_minutes and train.deadline_minutes both set: a time budget "
+                             "already ends on time; set one")
+        return self
 
 
     @model_validator(mode="after")

@@ -1,8 +1,11 @@
-"""A wall-clock budget for a training run: it ends on time WITH its learning-rate schedule complete.
+"""Wall-clock limits of one `fit`: a budget that refits the schedule, or a deadline that never does.
 
-Once the step time is known (after the compile warm-up), the run's total steps shrink to those that
-fit in the time left, re-estimated as training goes on; the trainer then retargets the cosine to
-that length. Cutting a run by a timeout instead would stop it at a high learning rate.
+TimeBudget (runs without max_steps): once the step time is known (after the compile warm-up), the
+run's total steps shrink to those that fit in the time left, re-estimated as training goes on; the
+trainer then retargets the schedule to that length. Cutting a run by a timeout instead would stop it
+at a high learning rate.
+Deadline (fixed-length runs): the trainer saves and exits when it is reached, and the next call
+resumes the SAME schedule; refitting in every call would push the learning rate back up each time.
 """
 
 from __future__ import annotations
@@ -41,3 +44,12 @@ class TimeBudget:
         now = self.clock()
         per_step = (now - self.probe_time) / (step - self.probe_step)
         return min(planned, step + max(0, int((self.deadline - now) / per_step)))
+
+
+class Deadline:
+    def __init__(self, minutes: float, clock=None):
+        self.clock = clock or perf_counter
+        self.at = self.clock() + 60.0 * minutes * (1 - RESERVE)
+
+    def reached(self) -> bool:
+        return self.clock() >= self.at

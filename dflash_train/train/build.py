@@ -57,3 +57,16 @@ def autocast_for(device: torch.device, target_dtype: torch.dtype) -> AbstractCon
         return torch.autocast("cuda", dtype=torch.bfloat16)
     low = target_dtype in (torch.bfloat16, torch.float16)
     return torch.autocast("cpu", dtype=target_dtype) if low else nullcontext()
+
+
+def compile_layers(drafter: torch.nn.Module, num_bucket_shapes: int | None) -> None:
+    """torch.compile each draft layer in place (state_dict names unchanged).
+
+    Bucket mode (`num_bucket_shapes`): one static graph per bucket shape (dynamic shapes hit inductor
+    bugs in the flex backward on torch 2.11); otherwise dynamo goes dynamic after a first new length.
+    """
+    static = num_bucket_shapes is not None
+    if static:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * num_bucket_shapes + 8)
+    for layer in drafter.layers:
+        layer.compile(dynamic=False if static else None)

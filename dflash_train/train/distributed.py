@@ -54,6 +54,16 @@ def drafter_runs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
     return runs
 
 
+def check_wall_clock_stops(runs: list[tuple[str, RunConfig]], world_size: int) -> None:
+    """A time budget or deadline ends only the logging rank's loop early; the other ranks would wait
+    in its collectives forever. Refused until every rank agrees on when to stop."""
+    for name, run_cfg in runs:
+        for key in ("time_budget_minutes", "deadline_minutes"):
+            if world_size > 1 and getattr(run_cfg.train, key) is not None:
+                raise ValueError(f"train.{key} (drafter {name}): not supported by `launch` on {world_size} ranks "
+                                 "yet (only one rank would stop); use train.max_steps, or `train` on one GPU")
+
+
 class Watchdog:
     """Every rank bumps a counter in the store each `interval` s and watches everyone else's: a rank
     whose counter stops for `timeout` s (dead, hung, or its node gone) or that reports a failure
@@ -183,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = drafter_runs(cfg)
     layout = build_layout(args, world, [name for name, _ in runs])
     layout.check_grad_accum(cfg.train.grad_accum)
+    check_wall_clock_stops(runs, world)
     groups = [dist.new_group(layout.group_ranks(g)) for g in range(len(runs))]  # every rank creates every group
     store = dist.PrefixStore("dflash-watchdog/", dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=COLLECTIVE_TIMEOUT))

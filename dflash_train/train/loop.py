@@ -22,7 +22,6 @@ from dflash_train.config import RunConfig, dump_config
 from dflash_train.data.batching import bucket_shape, make_batches
 from dflash_train.data.dataset import TokenizedDataset, load_training_data
 from dflash_train.draft.loss import LossMix, acceptance_metrics
-from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.ops import compile_cache
 from dflash_train.ops.guard import ThroughputGuard
@@ -31,12 +30,13 @@ from dflash_train.ops.recompiles import RecompileWatch
 from dflash_train.target import Target, load_target
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.batches import HELDOUT_SALT, anchor_seed, batch_shape, collate, epoch_plan, locate
-from dflash_train.train.build import autocast_for, draft_model_config, resolve_device, stream_layer_ids
+from dflash_train.train.build import autocast_for, compile_layers, resolve_device, stream_layer_ids
+from dflash_train.train.drafter_init import build_drafter
 from dflash_train.train.heldout import HeldoutProbe
 from dflash_train.train.metrics import MetricsFile
 from dflash_train.train.storage import prune_local, resolve_resume
 from dflash_train.train.tracking import Tracker
-from dflash_train.train.budget import TimeBudget
+from dflash_train.train.budget import Deadline, TimeBudget
 from dflash_train.train.optim import build_optimizer, build_scheduler, retarget_scheduler
 
 log = logging.getLogger("dflash_train")
@@ -49,9 +49,8 @@ class Trainer:
         self.periodic_eval = periodic_eval  # real speculative decoding every eval.every steps (eval/)
         self.device = resolve_device(cfg.device)
         self.run_dir = Path(cfg.run_dir)
-        torch.manual_seed(cfg.seed)
         self.target = target or load_target(cfg.target, self.device)
-        self.drafter = DFlashDraftModel(draft_model_config(cfg, self.target)).to(self.device)
+        self.drafter = build_drafter(cfg, self.target, self.device)  # seeded there, after the target's load
         self.loss_mix = LossMix.from_weights(cfg.train.loss, cfg.train.kd_temperature)
         self.stream_layers = stream_layer_ids(cfg, self.target)  # captured per micro-batch
         self.dataset = dataset or load_training_data(
@@ -82,15 +81,7 @@ class Trainer:
         self.compile_state = self._activate_compile_cache()
         self.recompiles = RecompileWatch()
         if cfg.train.compile:
-            # Bucket mode: one static graph per bucket shape (dynamic shapes hit inductor bugs in the
-            # flex backward on torch 2.11); otherwise let dynamo go dynamic after a first new length.
-            static = bool(cfg.data.length_bucket)
-            if static:
-                torch._dynamo.config.recompile_limit = max(
-                    torch._dynamo.config.recompile_limit, 2 * len(self.bucket_shapes()) + 8
-                )
-            for layer in self.drafter.layers:
-                layer.compile(dynamic=False if static else None)  # in place: state_dict names unchanged
+            compile_layers(self.drafter, len(self.bucket_shapes()) if cfg.data.length_bucket else None)
         self.autocast = autocast_for(self.device, self.target.embed_weight.dtype)
 
     def _activate_compile_cache(self) -> str | None:
@@ -133,6 +124,10 @@ class Trainer:
         self.scheduler.load_state_dict(saved["optim"]["scheduler"])
         # The schedule follows THIS run's length (train.max_steps may have been raised to train on):
         # same config -> the same rates as saved; a longer run -> the longer cosine, no jump.
+        if self.cfg.train.time_budget_minutes and state.get("total_steps"):
+            # A budgeted run's saved length is its ceiling: refitting from the full plan would push the
+            # rate back up at every resume; this call's budget can only shorten it further.
+            self.total_steps = min(self.total_steps, state["total_steps"])
         retarget_scheduler(self.scheduler, self.cfg.train, self.total_steps)
         self.step = state["step"]
         self.cursor = tuple(state["cursor"])
@@ -304,6 +299,8 @@ class Trainer:
         planned = self.total_steps
         budget = tc.time_budget_minutes and TimeBudget(tc.time_budget_minutes, self.step, tc.compile_warmup_steps,
                                                        tc.log_every)
+        deadline = tc.deadline_minutes and Deadline(tc.deadline_minutes)
+        stopped = "end"
         while self.step < self.total_steps:
             window.append(self.train_step())
             bar.update(1)
@@ -313,7 +310,8 @@ class Trainer:
                         "time budget: %d of %d planned steps fit; the schedule now ends there", fitted, planned)
                 self.total_steps = bar.total = fitted
                 retarget_scheduler(self.scheduler, tc, fitted)
-            if self.step % tc.log_every == 0 or self.step == self.total_steps:
+            at_deadline = bool(deadline) and self.step < self.total_steps and deadline.reached()
+            if self.step % tc.log_every == 0 or self.step == self.total_steps or at_deadline:
                 last_record = self._log(window, time.perf_counter() - t0, paused, metrics)
                 bar.set_postfix(loss=f"{last_record['loss']:.3f}", tau_hat=f"{last_record['tau_hat']:.2f}",
                                 tok_s=f"{last_record['tokens_per_s']:.0f}")
@@ -321,10 +319,15 @@ class Trainer:
             t_pause = time.perf_counter()
             if self.periodic_eval is not None and self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
                 self._run_periodic_eval()
-            if probe is not None and probe.due(self.step, self.step == self.total_steps):
+            if probe is not None and probe.due(self.step, self.step == self.total_steps or at_deadline):
                 heldout = probe.run(self.step)
                 tqdm.write(f"held-out at step {self.step} ({heldout['device_seconds']:.0f} device-s): "
                            f"tau_hat {heldout['tau_hat']:.3f}, loss {heldout['loss']:.3f}")
+            if at_deadline:  # the final save below holds this step; the schedule is left as it is
+                stopped = "deadline"
+                log.info("deadline: stopping at step %d of %d; --resume auto continues the same schedule",
+                         self.step, self.total_steps)
+                break
             if self.step % self.cfg.checkpoint.every == 0 and self.step < self.total_steps:
                 self.save()
             paused += time.perf_counter() - t_pause
@@ -336,8 +339,9 @@ class Trainer:
             if not self.uploader.wait(timeout=3600):
                 log.warning("checkpoint uploads did not finish; local copies are kept")
             self.uploader.close()
-        summary = {"steps": self.step, "checkpoint": str(final), "data_rows": self.dataset.stats.to_dict(),
-                   "data_lengths": self.dataset.length_stats(), "last": last_record}
+        summary = {"steps": self.step, "total_steps": self.total_steps, "stopped": stopped, "checkpoint": str(final),
+                   "data_rows": self.dataset.stats.to_dict(), "data_lengths": self.dataset.length_stats(),
+                   "last": last_record}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 

@@ -41,9 +41,11 @@ def test_estimates_are_reported_when_they_move_over_ten_percent():
 def test_a_budgeted_run_ends_early_with_its_schedule_complete(make_run_config, shared_tiny_target, monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr("dflash_train.train.budget.perf_counter", clock)
-    cfg = make_run_config(overrides=["train.max_steps=100", "train.time_budget_minutes=1", "train.log_every=1",
+    cfg = make_run_config(overrides=["train.epochs=20", "train.time_budget_minutes=1", "train.log_every=1",
                                      "train.compile_warmup_steps=2", "train.warmup_ratio=0.1"])
     trainer = Trainer(cfg, target=shared_tiny_target)
+    planned = trainer.total_steps
+    assert planned > 40
     step = trainer.train_step
 
     def timed_step():  # every step "takes" 2 s: 60 s x (1 - RESERVE) hold 29 steps
@@ -55,8 +57,8 @@ def test_a_budgeted_run_ends_early_with_its_schedule_complete(make_run_config, s
     assert summary["steps"] == 29
     lrs = [r["lr"] for r in read_metrics(cfg.run_dir)]
     assert len(lrs) == 29
-    # Steps before the estimate followed the 100-step schedule, the rest the 29-step one: the
+    # Steps before the estimate followed the planned schedule, the rest the 29-step one: the
     # cosine reaches its end at the last step instead of being cut off near its peak.
-    assert lrs[:3] == pytest.approx([cfg.train.lr * lr_factor(s, 100, 0.1, 0.0) for s in range(3)])
+    assert lrs[:3] == pytest.approx([cfg.train.lr * lr_factor(s, planned, 0.1, 0.0) for s in range(3)])
     assert lrs[-5:] == pytest.approx([cfg.train.lr * lr_factor(s, 29, 0.1, 0.0) for s in range(24, 29)])
     assert lrs[-1] < 0.01 * cfg.train.lr

@@ -1,0 +1,54 @@
+"""The drafter a run starts from: seeded fresh weights, or a warm start from `draft.init_from`.
+
+Fresh weights come from the global RNG seeded with `seed` RIGHT before the drafter is built: loading
+the target (its one-time GGUF conversion initialises a model too) draws from the same RNG, so seeding
+any earlier would make the drafter depend on whether that conversion ran in this process.
+A warm start takes the weights only: the optimizer and schedule start fresh, and `--resume` (which
+loads its checkpoint afterwards) overrides it. `train` and `launch` both build drafters here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from dflash_train.config import RunConfig
+from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
+from dflash_train.eval.export import check_state_dict, read_drafter_folder
+from dflash_train.target import Target
+from dflash_train.train.build import draft_model_config
+
+log = logging.getLogger("dflash_train")
+
+
+def build_drafter(cfg: RunConfig, target: Target, device: torch.device) -> DFlashDraftModel:
+    torch.manual_seed(cfg.seed)
+    drafter = DFlashDraftModel(draft_model_config(cfg, target))
+    if cfg.draft.init_from:
+        warm_start(drafter, cfg.draft.init_from)
+    return drafter.to(device)
+
+
+def check_warm_start_compatible(saved: DraftModelConfig, current: DraftModelConfig, source: str) -> None:
+    """Every field of the drafter's config must match, as for a resume: they fix its shapes (hidden
+    size, vocabulary, layers) or its task (block size, captured target layers, mask token)."""
+    problems = [
+        f"  {f.name}: {source} has {getattr(saved, f.name)!r}, config now has {getattr(current, f.name)!r}"
+        for f in dataclasses.fields(current)
+        if getattr(saved, f.name) != getattr(current, f.name)
+    ]
+    if problems:
+        raise ValueError(f"draft.init_from: cannot warm-start from {source}, a drafter of a different setup:\n"
+                         + "\n".join(problems))
+
+
+def warm_start(drafter: DFlashDraftModel, path: str) -> None:
+    """Load the weights of an exported drafter folder or a training checkpoint into `drafter`
+    (an export's bf16 weights are cast to the drafter's dtype)."""
+    saved, state = read_drafter_folder(path)
+    check_warm_start_compatible(saved, drafter.config, path)
+    check_state_dict(saved, state, path)
+    drafter.load_state_dict(state, strict=True)
+    log.info("draft.init_from: warm-started the drafter from %s", path)
