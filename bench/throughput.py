@@ -28,7 +28,8 @@ from dflash_train.config import build_config
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.target import Target
-from dflash_train.train.build import draft_model_config
+from dflash_train.draft.loss import LossMix
+from dflash_train.train.build import draft_model_config, stream_layer_ids
 from dflash_train.train.optim import build_optimizer
 
 SHAPES = {
@@ -145,6 +146,9 @@ def main(argv=None):
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--compile", action="store_true", help="torch.compile the draft layers")
     ap.add_argument("--full-length", action="store_true", help="every sequence max_length long (DESIGN.md's shape)")
+    ap.add_argument("--loss", default="ce", choices=["ce", "kl", "target_argmax"],
+                    help="per-slot loss (train.loss): the target kinds also run the target's last layers and head")
+    ap.add_argument("--profile", action="store_true", help="GPU: CUDA time of one end-to-end step by kernel family")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     shape = "tiny" if args.tiny else args.shape
@@ -160,14 +164,15 @@ def main(argv=None):
     target = Target(model=model, tokenizer=_NoTokenizer(), name=f"{shape}-random", device=device)
     cfg = build_config({"device": device.type, "draft": {"num_layers": 2 if args.tiny else args.draft_layers,
                         "block_size": 16, "mask_token_id": SHAPES[shape]["vocab_size"] - 1},
-                        "train": {"num_anchors": anchors}})
+                        "train": {"num_anchors": anchors, "loss": {args.loss: 1.0}}})
     drafter = DFlashDraftModel(draft_model_config(cfg, target)).to(device)
     if args.compile:
         for layer in drafter.layers:
             layer.compile()
     opt = build_optimizer(drafter.parameters(), cfg.train, device)
     use_flex = device.type == "cuda"
-    layer_ids = drafter.config.target_layer_ids
+    layer_ids = stream_layer_ids(cfg, target)  # + the last layer when the loss distils
+    mix = LossMix.from_weights(cfg.train.loss, cfg.train.kd_temperature)
     gen = torch.Generator().manual_seed(0)
     ids, loss_mask, tokens = make_batch(shape, args.batch, max_length, device, gen, args.full_length)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
@@ -181,7 +186,7 @@ def main(argv=None):
     def draft_step(features=None, optimizer=opt):
         with autocast:
             out = draft_loss(drafter, task, feats if features is None else features, target.embed_weight,
-                             target.lm_head_weight, use_flex, 4096)
+                             target.lm_head_weight, use_flex, 4096, mix, target.logits)
         (out.weighted_ce_sum / task.weights.sum()).backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
@@ -210,6 +215,11 @@ def main(argv=None):
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     syncs = host_syncs(lambda: draft_step(target_step()), device)
     levers = {}
+    if args.profile and device.type == "cuda":
+        from profile_step import profile
+
+        levers["profile_e2e"] = profile(lambda: draft_step(target_step()))
+        levers["profile_target"] = profile(target_step)
     if device.type == "cuda":
         levers["e2e_overlap_tokens_per_s"] = tokens / timed(lambda: overlapped(args.steps), device, 1, 1) * args.steps
         foreach = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, betas=cfg.train.betas, foreach=True)
@@ -226,6 +236,7 @@ def main(argv=None):
     result = {
         "shape": shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "seq_tokens_per_step": tokens, "anchors": anchors, "block_size": 16,
+        "loss": args.loss, "batch": args.batch, "steps_per_s": 1 / t_e2e,
         "draft_layers": drafter.config.num_hidden_layers, "compile": args.compile,
         "target_tokens_per_s": tokens / t_target, "drafter_tokens_per_s": tokens / t_draft,
         "e2e_tokens_per_s": tokens / t_e2e, "harmonic_tokens_per_s": harmonic,
