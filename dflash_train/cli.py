@@ -8,6 +8,7 @@ import logging
 import sys
 
 from dflash_train.config import ConfigError, load_config
+from dflash_train.errors import UserError
 
 
 def _config_args(p: argparse.ArgumentParser, required: bool = True, example: str = "train.lr=3e-4") -> None:
@@ -46,11 +47,14 @@ def cmd_launch(args) -> int:
 
 def cmd_prepare(args) -> int:
     from dflash_train.data.dataset import save_prepared, tokenize_files
+    from dflash_train.data.dataset import check_training_files
     from dflash_train.target import resolve_target_path, tokenizer_fingerprint
+    from dflash_train.target_path import load_pretrained
     from transformers import AutoTokenizer
 
     cfg = load_config(args.config, args.overrides)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(cfg.target.path))
+    check_training_files(cfg.data)
+    tokenizer = load_pretrained(AutoTokenizer, resolve_target_path(cfg.target.path))
     ds = tokenize_files(
         cfg.data.train_files, tokenizer, cfg.data.max_length, cfg.data.skip_invalid, cfg.data.chat_template_kwargs
     )
@@ -169,6 +173,10 @@ def _gen_default(section: str | None, field: str) -> str:
 
     model = {None: gc.GenerateConfig, "sampling": gc.SamplingConfig, "local": gc.LocalConfig}[section]
     return f"default: {model.model_fields[field].default}"
+
+
+USER_ERRORS = (ConfigError, UserError, ValueError, FileNotFoundError)
+"""Bad input, not a bug: printed as one line, exit 2 (DataError is a ValueError; -v re-raises)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -290,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as err:
+    except USER_ERRORS as err:
         if args.verbose:  # -v: the full traceback, for a bug rather than bad input
             raise
         print(f"error: {err}", file=sys.stderr)

@@ -23,6 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dflash_train.atomic import new_temp_dir, swap_dir
 from dflash_train.config import TargetConfig
+from dflash_train.target_path import check_target_path, load_pretrained
 from dflash_train.package_data import SMOLLM2_GGUF, cache_home, packaged_file  # noqa: F401 (cache_home: re-export)
 
 log = logging.getLogger("dflash_train")
@@ -65,7 +66,8 @@ def _convert_embedded(name: str) -> Path:
 
 
 def resolve_target_path(path: str) -> str:
-    return str(_convert_embedded(path)) if path in EMBEDDED_TARGETS else path
+    """The embedded target's converted dir, or `path` once checked (see target_path.py)."""
+    return str(_convert_embedded(path)) if path in EMBEDDED_TARGETS else check_target_path(path)
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -252,7 +254,7 @@ def load_target(cfg: TargetConfig, device: torch.device) -> Target:
 
     path = resolve_target_path(cfg.path)
     dtype = pick_dtype(cfg.dtype, device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.attn_implementation)
+    tokenizer = load_pretrained(AutoTokenizer, path)
+    model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=cfg.attn_implementation)
     model.to(device).eval().requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, name=cfg.path, device=device)

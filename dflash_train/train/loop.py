@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from dflash_train.config import RunConfig, dump_config
 from dflash_train.data.batching import bucket_shape, make_batches
-from dflash_train.data.dataset import TokenizedDataset, load_training_data
+from dflash_train.data.dataset import TokenizedDataset, check_training_files, load_training_data
 from dflash_train.draft.loss import acceptance_metrics
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.draft.objective import draft_loss, make_task
@@ -49,6 +49,8 @@ class Trainer:
         self.device = resolve_device(cfg.device)
         self.run_dir = Path(cfg.run_dir)
         torch.manual_seed(cfg.seed)
+        if dataset is None:
+            check_training_files(cfg.data)  # a typo in a data path fails now, not after the target loads
         self.target = target or load_target(cfg.target, self.device)
         self.drafter = DFlashDraftModel(draft_model_config(cfg, self.target)).to(self.device)
         self.dataset = dataset or load_training_data(
