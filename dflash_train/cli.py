@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 
 from dflash_train.config import ConfigError, load_config
@@ -86,10 +87,19 @@ def cmd_diff_runs(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from dflash_train.data.generate import generate
+    from dflash_train.data.generate import OutputMismatch, describe_partial, generate
     from dflash_train.data.generate_config import load_generate_config
 
-    summary = generate(load_generate_config(args.config, args))
+    cfg = load_generate_config(args.config, args)
+    try:
+        summary = generate(cfg)
+    except OutputMismatch:
+        raise  # another run's directory: nothing of this run to resume
+    except BaseException:  # also Ctrl-C: say what is kept and how to go on, then fail as before
+        if (held := describe_partial(cfg)) is not None:
+            print(f"generate stopped: {held}; the same command resumes after them:\n"
+                  f"  {shlex.join(['dflash-train', *args.argv])}", file=sys.stderr)
+        raise
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -289,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for "rerun this command" hints
     if args.command == "launch":
         args.launch_args = extra
     elif extra:
