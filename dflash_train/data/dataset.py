@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from dflash_train.atomic import write_atomic, write_json_atomic
 from dflash_train.data.chat import tokenize_conversation
-from dflash_train.data.formats import DataError, RowStats, iter_conversations
+from dflash_train.data.formats import DataError, RowStats, expand_paths, iter_conversations, iter_rows, normalise_messages
 
 SHARD_ROWS = 50_000
 
@@ -124,6 +124,28 @@ def load_prepared(path: str | Path, fingerprint: str) -> TokenizedDataset:
             ds.append(ids, mask)
     ds.stats.ok = len(ds)
     return ds
+
+
+def check_training_files(data_cfg) -> None:
+    """Before the target loads (minutes for a big one): every data.train_files entry exists, and each
+    conversation file's first row parses. Later bad rows are still found, by line, while tokenising."""
+    if not data_cfg.train_files:
+        raise DataError("data.train_files is empty: give conversation files or a prepared dataset")
+    for entry in data_cfg.train_files:
+        if (Path(entry) / "dataset.json").is_file():
+            continue
+        if not Path(entry).exists():
+            raise DataError(f"data.train_files: {entry}: no such file or directory")
+        for path in expand_paths(entry):
+            rows = iter_rows(path)  # raises for a missing file or an unsupported format
+            first = next(rows, None)
+            if first is None or data_cfg.skip_invalid:
+                continue
+            where, row = first
+            if isinstance(row, DataError):
+                raise row
+            if not (isinstance(row, dict) and row.get("status", "ok") != "ok"):  # failed generate rows are skipped
+                normalise_messages(row, where)
 
 
 def load_training_data(data_cfg, tokenizer, fingerprint: str) -> TokenizedDataset:

@@ -103,10 +103,38 @@ def row_id(row, fallback: str) -> str:
     return fallback
 
 
+MAX_ROW_BYTES = 4 << 20
+"""Largest JSONL line / Parquet row read. Real conversations are well under 1 MB; one multi-megabyte
+line sent to `generate` once grew the process to 24 GB (parsing, tokenising, a prompt of millions of
+tokens). A longer row is a DataError naming file:line, found without reading the line whole."""
+
+
+def _too_long(where: str, size: str) -> DataError:
+    return DataError(f"{where}: row is {size}, over the {MAX_ROW_BYTES >> 20} MB limit "
+                     "(dflash_train.data.formats.MAX_ROW_BYTES)")
+
+
+def _lines(f) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, line) with each read bounded to MAX_ROW_BYTES + 1; an overlong line is
+    (lineno, None) and its remainder is skipped in bounded reads, never held whole."""
+    lineno = 0
+    while raw := f.readline(MAX_ROW_BYTES + 1):
+        lineno += 1
+        if len(raw) > MAX_ROW_BYTES and not raw.endswith(b"\n"):
+            while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+            yield lineno, None
+            continue
+        yield lineno, raw
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
     with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in _lines(f):
             where = f"{path}:{lineno}"
+            if raw is None:
+                yield where, _too_long(where, f"longer than {MAX_ROW_BYTES} bytes")
+                continue
             if not raw.strip():
                 continue
             try:
@@ -124,10 +152,42 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
     import pyarrow.parquet as pq
 
     row = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        for record in batch.to_pylist():
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=64):
+        sizes = _row_bytes(batch)
+        for i in range(batch.num_rows):
             row += 1
-            yield f"{path}:row {row}", record
+            where = f"{path}:row {row}"
+            # Only rows under the limit become Python objects (a huge one stays in Arrow memory).
+            if sizes[i] > MAX_ROW_BYTES:
+                yield where, _too_long(where, f"{sizes[i]} bytes")
+            else:
+                yield where, batch.slice(i, 1).to_pylist()[0]
+
+
+def _row_bytes(batch) -> list[int]:
+    """Approximate bytes per row of a record batch: the lengths of its string/binary values, at any
+    nesting (messages are lists of structs), computed in Arrow without building Python objects."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    sizes = [0] * batch.num_rows
+
+    def visit(array, rows):
+        t = array.type
+        if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            for r, n in zip(rows, pc.fill_null(pc.binary_length(array), 0).to_pylist()):
+                sizes[r] += n
+        elif pa.types.is_list(t) or pa.types.is_large_list(t):
+            lengths = pc.fill_null(pc.list_value_length(array), 0).to_pylist()
+            child_rows = [r for r, n in zip(rows, lengths) for _ in range(n)]
+            visit(pc.list_flatten(array), child_rows)
+        elif pa.types.is_struct(t):
+            for k in range(t.num_fields):
+                visit(pc.struct_field(array, [k]), rows)
+
+    for column in batch.columns:
+        visit(column, list(range(batch.num_rows)))
+    return sizes
 
 
 def iter_rows(path: str | Path) -> Iterator[tuple[str, object]]:

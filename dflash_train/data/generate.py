@@ -91,7 +91,8 @@ def iter_jobs(paths: list[str], skip_invalid: bool) -> Iterator[Job]:
 
 
 def count_rows(paths: list[str]) -> int:
-    """Rows for the progress bar: Parquet metadata, JSONL newlines (read in blocks, not parsed)."""
+    """Rows for the progress bar: Parquet metadata, JSONL non-blank lines (read in blocks, not
+    parsed; blank lines are no rows, and a last line without a newline is one)."""
     import pyarrow.parquet as pq
 
     total = 0
@@ -100,7 +101,14 @@ def count_rows(paths: list[str]) -> int:
             total += pq.ParquetFile(path).metadata.num_rows
         elif path.is_file():
             with path.open("rb") as f:
-                total += sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 20), b""))
+                text_in_line = False  # the current line, possibly split across blocks, has non-blank text
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    *ended, tail = block.split(b"\n")
+                    for part in ended:
+                        total += text_in_line or bool(part.strip())
+                        text_in_line = False
+                    text_in_line = text_in_line or bool(tail.strip())
+                total += text_in_line
     return total
 
 
@@ -168,6 +176,10 @@ def _settings(cfg: GenerateConfig) -> dict:
     return {"backend": cfg.backend, "format": cfg.output_format, "sampling": cfg.sampling.model_dump(mode="json")}
 
 
+class OutputMismatch(ValueError):
+    """The output directory belongs to another run (settings, model): rerunning cannot resume it."""
+
+
 def _check_meta(out_dir: Path, meta: dict) -> None:
     path = out_dir / "meta.json"
     if path.is_file():
@@ -175,7 +187,7 @@ def _check_meta(out_dir: Path, meta: dict) -> None:
         keys = ("settings", "model", "chat_template_hash")
         diff = {k: (old.get(k), meta.get(k)) for k in keys if old.get(k) != meta.get(k)}
         if diff:
-            raise ValueError(
+            raise OutputMismatch(
                 f"{out_dir} holds rows generated with other settings {diff} (old, new); "
                 "use a new output directory"
             )
@@ -296,6 +308,16 @@ def _summary(cfg: GenerateConfig, out_dir: Path, stats: RunStats, done: set[str]
     if summary["rows_out"] != stats.rows_in:
         log.warning("output holds %d rows for %d input rows", summary["rows_out"], stats.rows_in)
     return summary
+
+
+def describe_partial(cfg: GenerateConfig) -> str | None:
+    """What a stopped run left in its output directory (committed rows survive: a rerun resumes)."""
+    shards = committed_shards(Path(cfg.output_dir), cfg.output_format)
+    if not shards:
+        return None
+    held = scan_outputs(shards)
+    return (f"{cfg.output_dir} keeps {held['rows_out']} committed rows ({held['ok']} ok, {held['error']} error, "
+            f"{held['skipped']} skipped) in {held['shards']} shard(s)")
 
 
 def generate(cfg: GenerateConfig) -> dict:

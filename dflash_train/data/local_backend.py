@@ -63,15 +63,18 @@ def _cut_at_stop(ids: list[int], stops: set[int]) -> tuple[list[int], bool]:
 
 
 def _generation_config(params: GenParams, stops: set[int], pad_id: int) -> GenerationConfig:
-    sample = params.temperature > 0
+    # Sampling flags only when sampling: transformers warns on every greedy call that sets any of them
+    # ("generation flags are not valid ... ['top_k']").
+    sampling = {}
+    if params.temperature > 0:
+        # top_k off: an unset top_k would be filled with transformers' default of 50
+        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
     return GenerationConfig(
         max_new_tokens=params.max_tokens,
-        do_sample=sample,
-        temperature=params.temperature if sample else 1.0,
-        top_p=params.top_p if sample else 1.0,
-        top_k=0,  # off: an unset top_k would be filled with transformers' default of 50
+        do_sample=bool(sampling),
         eos_token_id=sorted(stops) or None,
         pad_token_id=pad_id,
+        **sampling,
     )
 
 

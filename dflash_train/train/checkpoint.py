@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_train.atomic import swap_dir
+from dflash_train.errors import UserError
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -146,11 +147,25 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
         raise FileNotFoundError(f"{path} is not a checkpoint (no trainer_state.json)")
     return {
         "path": path,
-        "model": load_file(path / "model.safetensors", device=str(map_location)),
-        "draft_config": json.loads((path / "draft_config.json").read_text()),
-        "optim": torch.load(path / "optimizer.pt", map_location=map_location, weights_only=False),
-        "state": json.loads((path / "trainer_state.json").read_text()),
+        "model": _read(path / "model.safetensors", lambda f: load_file(f, device=str(map_location))),
+        "draft_config": _read(path / "draft_config.json", lambda f: json.loads(f.read_text())),
+        "optim": _read(path / "optimizer.pt", lambda f: torch.load(f, map_location=map_location, weights_only=False)),
+        "state": _read(path / "trainer_state.json", lambda f: json.loads(f.read_text())),
     }
+
+
+class CheckpointError(UserError):
+    pass
+
+
+def _read(file: Path, read: Callable[[Path], object]):
+    """One checkpoint file; a missing, truncated or corrupt one is one line naming it (safetensors,
+    pickle and json each fail in their own way, all of them as tracebacks)."""
+    try:
+        return read(file)
+    except Exception as err:  # noqa: BLE001 -- any failure to read the file is the same user-facing problem
+        first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
+        raise CheckpointError(f"{file}: unreadable checkpoint file ({type(err).__name__}: {first[:200]})") from err
 
 
 def check_resume_compatible(saved: dict, current: dict) -> None:

@@ -28,9 +28,10 @@ from dflash_train.train.loop import Trainer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="dflash-train launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-c", "--config", required=True)
+    from dflash_train.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="dflash-train launch", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("-c", "--config", required=True, help="YAML run config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
     split = p.add_mutually_exclusive_group(required=True)
     split.add_argument("--target-gpus", help="global ranks that run the target, or 'auto'")
@@ -38,13 +39,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drafter-gpus", help="GPUs per drafter group, e.g. 6 or 4,2 (default: the rest, split evenly)")
     p.add_argument("--nproc-per-node", type=int, default=torch.cuda.device_count() or None,
                    help="processes per node (default: visible GPUs)")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--nnodes", type=int, default=1, help="machines in the job")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index among --nnodes")
     p.add_argument("--rdzv-endpoint", help="host:port of the rendezvous (multi-node)")
-    p.add_argument("--rdzv-id", default="dflash-train")
-    p.add_argument("--resume", help="'auto' or a checkpoint dir")
-    p.add_argument("--max-in-flight", type=int, default=4)
-    p.add_argument("--heartbeat-timeout", type=float, default=30.0)
+    p.add_argument("--rdzv-id", default="dflash-train", help="job id, the same on every node")
+    p.add_argument("--resume", help="'auto' or a checkpoint dir; default: start fresh")
+    p.add_argument("--max-in-flight", type=int, default=4,
+                   help="unfinished point-to-point sends per rank before it waits for the oldest")
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                   help="seconds without a peer's heartbeat before the run is stopped")
     p.add_argument("--measure-steps", type=int, default=3, help="timed steps per role for --target-gpus auto")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
     return p.parse_args(argv)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from dflash_train.config import RunConfig, dump_config
 from dflash_train.data.batching import bucket_shape, make_batches
-from dflash_train.data.dataset import TokenizedDataset, load_training_data
+from dflash_train.data.dataset import TokenizedDataset, check_training_files, load_training_data
 from dflash_train.draft.loss import LossMix, acceptance_metrics
 from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.ops import compile_cache
@@ -49,6 +49,8 @@ class Trainer:
         self.periodic_eval = periodic_eval  # real speculative decoding every eval.every steps (eval/)
         self.device = resolve_device(cfg.device)
         self.run_dir = Path(cfg.run_dir)
+        if dataset is None:
+            check_training_files(cfg.data)  # a typo in a data path fails now, not after the target loads
         self.target = target or load_target(cfg.target, self.device)
         self.drafter = build_drafter(cfg, self.target, self.device)  # seeded there, after the target's load
         self.loss_mix = LossMix.from_weights(cfg.train.loss, cfg.train.kd_temperature)
