@@ -144,7 +144,7 @@ def main(argv=None):
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--max-length", type=int, default=3072)
     ap.add_argument("--draft-layers", type=int, default=5)
-    ap.add_argument("--compile", action="store_true", help="torch.compile the draft layers")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the draft layers and the loss chunks")
     ap.add_argument("--full-length", action="store_true", help="every sequence max_length long (DESIGN.md's shape)")
     ap.add_argument("--loss", default="ce", choices=["ce", "kl", "target_argmax"],
                     help="per-slot loss (train.loss): the target kinds also run the target's last layers and head")
@@ -186,7 +186,7 @@ def main(argv=None):
     def draft_step(features=None, optimizer=opt):
         with autocast:
             out = draft_loss(drafter, task, feats if features is None else features, target.embed_weight,
-                             target.lm_head_weight, use_flex, 4096, mix, target.logits)
+                             target.lm_head_weight, use_flex, 4096, mix, target.logits, compiled_loss=args.compile)
         (out.weighted_ce_sum / task.weights.sum()).backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()

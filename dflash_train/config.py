@@ -108,7 +108,7 @@ class TrainConfig(_Section):
     """Query tokens per LM-head chunk: bounds the logits ever materialised."""
     log_every: int = Field(10, ge=1)
     compile: bool = False
-    """torch.compile the draft layers (GPU)."""
+    """torch.compile the draft layers and the loss chunks (GPU)."""
     compile_warmup_steps: int = Field(10, ge=1)
     """Steps allowed to (re)compile; any recompile after them is warned about with its reason."""
 

@@ -82,6 +82,7 @@ def draft_loss(
     ce_chunk_size: int,
     mix: LossMix = LossMix(),
     target_logits_fn=None,
+    compiled_loss: bool = False,
 ) -> BlockLoss:
     """`stream`: the drafter's features, followed by the target's final hidden states when `mix`
     distils from the target (see `split_features`)."""
@@ -95,4 +96,4 @@ def draft_loss(
         pos = masks.label_source_positions(task.anchors, cfg.block_size, task.input_ids.shape[1])
         target_hidden = final.gather(1, pos[..., None].expand(-1, -1, final.shape[-1]))
     return block_loss(hidden, lm_head_weight, task.labels, task.weights, cfg.block_size, ce_chunk_size,
-                      mix, target_hidden, target_logits_fn)
+                      mix, target_hidden, target_logits_fn, compiled_loss)

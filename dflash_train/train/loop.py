@@ -100,7 +100,8 @@ class Trainer:
         """The drafter's loss on one micro-batch, in the run's precision and attention path."""
         with self.autocast:
             return draft_loss(self.drafter, task, features, self.target.embed_weight, self.target.lm_head_weight,
-                              self.use_flex, self.cfg.train.ce_chunk_size, self.loss_mix, self.target.logits)
+                              self.use_flex, self.cfg.train.ce_chunk_size, self.loss_mix, self.target.logits,
+                              compiled_loss=self.cfg.train.compile)
 
     @property
     def attention_backend(self) -> str:
