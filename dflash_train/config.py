@@ -34,6 +34,9 @@ class DraftConfig(_Section):
     block_size: int = Field(16, ge=2)
     target_layer_ids: list[int] | None = None
     """0-based target layers whose OUTPUTS are captured; default evenly spaced from 1 to L-3."""
+    num_target_features: int | None = Field(None, ge=1)
+    """How many evenly spaced target layers to capture when `target_layer_ids` is not given (the
+    paper's 5-layer drafters read 5; a 4-layer drafter may read 5 too); default = `num_layers`."""
     mask_token_id: int | None = None
     """Explicit id; else the tokenizer's mask token; else the first unused embedding row."""
     intermediate_size: int | None = None
@@ -44,6 +47,15 @@ class DraftConfig(_Section):
     and schedule start fresh, and --resume overrides it."""
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     """auto = flex_attention on CUDA, SDPA with a dense mask on CPU (flex has no CPU backward)."""
+
+    @model_validator(mode="after")
+    def _one_layer_choice(self) -> DraftConfig:
+        if self.target_layer_ids is not None and self.num_target_features is not None:
+            raise ValueError(
+                "draft.target_layer_ids and draft.num_target_features both set: the ids already fix "
+                "which (and how many) target layers are captured; set one"
+            )
+        return self
 
 
 class DataConfig(_Section):
