@@ -16,6 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    def _not_both(self, section: str, a: str, b: str, why: str) -> None:
+        """Keys `a` and `b` exclude each other: setting both is an error naming both."""
+        if getattr(self, a) is not None and getattr(self, b) is not None:
+            raise ValueError(f"{section}.{a} and {section}.{b} both set: {why}")
+
 
 class TargetConfig(_Section):
     """The frozen target model whose hidden states condition the drafter."""
@@ -50,11 +55,8 @@ class DraftConfig(_Section):
 
     @model_validator(mode="after")
     def _one_layer_choice(self) -> DraftConfig:
-        if self.target_layer_ids is not None and self.num_target_features is not None:
-            raise ValueError(
-                "draft.target_layer_ids and draft.num_target_features both set: the ids already fix "
-                "which (and how many) target layers are captured; set one"
-            )
+        self._not_both("draft", "target_layer_ids", "num_target_features",
+                       "the ids already fix which (and how many) target layers are captured; set one")
         return self
 
 
@@ -127,14 +129,10 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _one_length_rule(self) -> TrainConfig:
         # max_steps fixes the schedule's length; a time budget would refit it in every run.
-        if self.time_budget_minutes is not None and self.max_steps is not None:
-            raise ValueError(
-                "train.time_budget_minutes and train.max_steps both set: max_steps fixes the schedule's "
-                "length, a time budget refits it; to stop a fixed-length run on time use train.deadline_minutes"
-            )
-        if self.time_budget_minutes is not None and self.deadline_minutes is not None:
-            raise ValueError("train.time_budget_minutes and train.deadline_minutes both set: a time budget "
-                             "already ends on time; set one")
+        self._not_both("train", "time_budget_minutes", "max_steps", "max_steps fixes the schedule's length, a "
+                       "time budget refits it; to stop a fixed-length run on time use train.deadline_minutes")
+        self._not_both("train", "time_budget_minutes", "deadline_minutes",
+                       "a time budget already ends on time; set one")
         return self
 
 
