@@ -56,3 +56,16 @@ def test_two_layer_drafter_reading_three_target_layers_end_to_end(make_run_confi
         ids = prompt(length, target.vocab_size, seed)
         res = speculative_generate(target, drafter, ids, new)
         assert res.tokens == reference_greedy(target.model, ids, new)
+
+
+def test_a_drafter_of_several_chooses_its_own_target_layers(make_run_config):
+    from dflash_train.train.distributed import drafter_runs
+
+    cfg = make_run_config("multi", ["drafters=[{name: a}, {name: b, draft: {num_target_features: 3}}]"])
+    (_, a), (_, b) = drafter_runs(cfg)
+    assert a.draft.target_layer_ids == [0, 2] and a.draft.num_target_features is None  # the base's
+    assert b.draft.target_layer_ids is None and b.draft.num_target_features == 3  # not "both set"
+    cfg = make_run_config("multi2", ["draft.target_layer_ids=null", "draft.num_target_features=3",
+                                     "drafters=[{name: c, draft: {target_layer_ids: [1, 2]}}]"])
+    ((_, c),) = drafter_runs(cfg)
+    assert c.draft.target_layer_ids == [1, 2] and c.draft.num_target_features is None
