@@ -104,8 +104,9 @@ def feature_bytes_per_token(setup: Path, run_cfg: dict) -> int:
     from dflash_train.draft.model import default_target_layer_ids
 
     tc = json.loads((setup / "target" / "config.json").read_text())
-    ids = run_cfg["draft"].get("target_layer_ids") or default_target_layer_ids(
-        tc["num_hidden_layers"], run_cfg["draft"]["num_layers"])
+    draft = run_cfg["draft"]
+    ids = draft.get("target_layer_ids") or default_target_layer_ids(
+        tc["num_hidden_layers"], draft.get("num_target_features") or draft["num_layers"])
     return len(ids) * tc["hidden_size"] * 2  # bf16
 
 

@@ -16,6 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    def _not_both(self, section: str, a: str, b: str, why: str) -> None:
+        """Keys `a` and `b` exclude each other: setting both is an error naming both."""
+        if getattr(self, a) is not None and getattr(self, b) is not None:
+            raise ValueError(f"{section}.{a} and {section}.{b} both set: {why}")
+
 
 class TargetConfig(_Section):
     """The frozen target model whose hidden states condition the drafter."""
@@ -34,6 +39,9 @@ class DraftConfig(_Section):
     block_size: int = Field(16, ge=2)
     target_layer_ids: list[int] | None = None
     """0-based target layers whose OUTPUTS are captured; default evenly spaced from 1 to L-3."""
+    num_target_features: int | None = Field(None, ge=1)
+    """How many evenly spaced target layers to capture when `target_layer_ids` is not given (the
+    paper's 5-layer drafters read 5; a 4-layer drafter may read 5 too); default = `num_layers`."""
     mask_token_id: int | None = None
     """Explicit id; else the tokenizer's mask token; else the first unused embedding row."""
     intermediate_size: int | None = None
@@ -44,6 +52,12 @@ class DraftConfig(_Section):
     and schedule start fresh, and --resume overrides it."""
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     """auto = flex_attention on CUDA, SDPA with a dense mask on CPU (flex has no CPU backward)."""
+
+    @model_validator(mode="after")
+    def _one_layer_choice(self) -> DraftConfig:
+        self._not_both("draft", "target_layer_ids", "num_target_features",
+                       "the ids already fix which (and how many) target layers are captured; set one")
+        return self
 
 
 class DataConfig(_Section):
@@ -115,14 +129,10 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _one_length_rule(self) -> TrainConfig:
         # max_steps fixes the schedule's length; a time budget would refit it in every run.
-        if self.time_budget_minutes is not None and self.max_steps is not None:
-            raise ValueError(
-                "train.time_budget_minutes and train.max_steps both set: max_steps fixes the schedule's "
-                "length, a time budget refits it; to stop a fixed-length run on time use train.deadline_minutes"
-            )
-        if self.time_budget_minutes is not None and self.deadline_minutes is not None:
-            raise ValueError("train.time_budget_minutes and train.deadline_minutes both set: a time budget "
-                             "already ends on time; set one")
+        self._not_both("train", "time_budget_minutes", "max_steps", "max_steps fixes the schedule's length, a "
+                       "time budget refits it; to stop a fixed-length run on time use train.deadline_minutes")
+        self._not_both("train", "time_budget_minutes", "deadline_minutes",
+                       "a time budget already ends on time; set one")
         return self
 
 

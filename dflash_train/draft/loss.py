@@ -128,6 +128,21 @@ def block_loss(
     )
 
 
+class LossTally:
+    """Sums of `BlockLoss` over micro-batches, on the device (no host sync): the weighted loss
+    (detached) and the per-slot correct and counted predictions."""
+
+    def __init__(self, block_size: int, device: torch.device):
+        self.loss_sum = torch.zeros((), device=device)
+        self.correct = torch.zeros(block_size, device=device)
+        self.counted = torch.zeros(block_size, device=device)
+
+    def add(self, out: BlockLoss) -> None:
+        self.loss_sum += out.weighted_ce_sum.detach()
+        self.correct += out.correct_per_slot
+        self.counted += out.counted_per_slot
+
+
 def acceptance_metrics(correct_per_slot: torch.Tensor, counted_per_slot: torch.Tensor) -> dict:
     """Per-slot accuracy acc_k (k = 1..B-1) and tau_hat = 1 + sum_k prod_{j<=k} acc_j.
 

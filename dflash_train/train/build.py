@@ -6,7 +6,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from dflash_train.config import RunConfig
+from dflash_train.config import DraftConfig, RunConfig
 from dflash_train.draft.model import DraftModelConfig, default_target_layer_ids
 from dflash_train.target import Target, resolve_mask_token_id
 
@@ -19,11 +19,26 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def target_layer_ids(draft: DraftConfig, num_target_layers: int) -> list[int]:
+    """The captured target layers: `draft.target_layer_ids` as listed, else `draft.num_target_features`
+    (default: the drafter's depth) evenly spaced layers."""
+    if draft.target_layer_ids:
+        return list(draft.target_layer_ids)
+    count = draft.num_target_features or draft.num_layers
+    ids = default_target_layer_ids(num_target_layers, count)
+    if draft.num_target_features is not None and len(set(ids)) < count:
+        raise ValueError(
+            f"draft.num_target_features={count}: a {num_target_layers}-layer target has no {count} distinct "
+            f"evenly spaced layers (got {ids}); capture fewer or list draft.target_layer_ids"
+        )
+    return ids
+
+
 def draft_model_config(cfg: RunConfig, target: Target) -> DraftModelConfig:
     tc = target.model.config
     heads = tc.num_attention_heads
     rope = getattr(tc, "rope_parameters", None) or {}
-    layer_ids = cfg.draft.target_layer_ids or default_target_layer_ids(target.num_layers, cfg.draft.num_layers)
+    layer_ids = target_layer_ids(cfg.draft, target.num_layers)
     target.check_layer_ids(layer_ids)
     return DraftModelConfig(
         hidden_size=target.hidden_size,

@@ -39,6 +39,10 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=15)
 """Backstop only (a first flex_attention compile can take minutes); the watchdog is the fast path."""
 
 
+LAYER_CHOICE = {"target_layer_ids", "num_target_features"}
+"""draft keys that each choose the captured target layers (setting both is a config error)."""
+
+
 def drafter_runs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
     """(name, config) of every drafter group; each of several drafters gets <run_dir>/<name>."""
     if not cfg.drafters:
@@ -47,6 +51,8 @@ def drafter_runs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
     runs = []
     for spec in cfg.drafters:
         tree = copy.deepcopy(base)
+        if LAYER_CHOICE & set(spec.draft):  # a drafter's own choice of target layers replaces the base's
+            tree["draft"].update(dict.fromkeys(LAYER_CHOICE))
         tree["draft"].update(spec.draft)
         tree["train"].update(spec.train)
         tree["run_dir"] = str(Path(cfg.run_dir) / spec.name)

@@ -19,9 +19,9 @@ import torch
 from tqdm import tqdm
 
 from dflash_train.config import RunConfig, dump_config
-from dflash_train.data.batching import bucket_shape, make_batches
+from dflash_train.data.batching import bucket_shape
 from dflash_train.data.dataset import TokenizedDataset, check_training_files, load_training_data
-from dflash_train.draft.loss import LossMix, acceptance_metrics
+from dflash_train.draft.loss import LossMix, LossTally, acceptance_metrics
 from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.ops import compile_cache
 from dflash_train.ops.guard import ThroughputGuard
@@ -29,10 +29,10 @@ from dflash_train.ops.manifest import build_manifest, write_manifest
 from dflash_train.ops.recompiles import RecompileWatch
 from dflash_train.target import Target, load_target
 from dflash_train.train import checkpoint as ckpt
-from dflash_train.train.batches import HELDOUT_SALT, anchor_seed, batch_shape, collate, epoch_plan, locate
+from dflash_train.train.batches import anchor_seed, batch_shape, collate, epoch_plan, locate
 from dflash_train.train.build import autocast_for, compile_layers, resolve_device, stream_layer_ids
 from dflash_train.train.drafter_init import build_drafter
-from dflash_train.train.heldout import HeldoutProbe
+from dflash_train.train.heldout import HeldoutProbe, score_heldout
 from dflash_train.train.metrics import MetricsFile
 from dflash_train.train.storage import prune_local, resolve_resume
 from dflash_train.train.tracking import Tracker
@@ -225,19 +225,15 @@ class Trainer:
             task = make_task(batch["input_ids"], batch["loss_mask"], tc.num_anchors, d.block_size, tc.gamma, seed)
             micro.append((batch, task))
         denom = sum(task.weights.sum() for _, task in micro).clamp(min=1e-12)
-        loss_sum = torch.zeros((), device=self.device)
-        correct = torch.zeros(d.block_size, device=self.device)
-        counted = torch.zeros(d.block_size, device=self.device)
+        tally = LossTally(d.block_size, self.device)
         for batch, task in micro:
             out = self.draft_forward(task, self.features(batch))
             (out.weighted_ce_sum / denom).backward()
-            loss_sum += out.weighted_ce_sum.detach()
-            correct += out.correct_per_slot
-            counted += out.counted_per_slot
+            tally.add(out)
         return {
-            "loss": loss_sum / denom,
-            "correct": correct,
-            "counted": counted,
+            "loss": tally.loss_sum / denom,
+            "correct": tally.correct,
+            "counted": tally.counted,
             **self.optimizer_step(),
             "tokens": sum(b["num_tokens"] for b, _ in micro),
         }
@@ -254,25 +250,9 @@ class Trainer:
             self.recompiles.mark_warm()
         return {"grad_norm": grad_norm, "lr": lr}
 
-    @torch.no_grad()
     def evaluate(self, dataset: TokenizedDataset) -> dict:
         """Held-out loss, per-slot accuracy and tau_hat of the current drafter (no update)."""
-        tc, d = self.cfg.train, self.drafter.config
-        batches = make_batches(dataset.lengths, self.cfg.data.token_budget, self.cfg.data.max_batch_size, 0, 0)
-        loss_sum = torch.zeros((), device=self.device)
-        weight_sum = torch.zeros((), device=self.device)
-        correct = torch.zeros(d.block_size, device=self.device)
-        counted = torch.zeros(d.block_size, device=self.device)
-        for index, indices in enumerate(batches):
-            batch = collate(dataset, indices, self.device)
-            task = make_task(batch["input_ids"], batch["loss_mask"], tc.num_anchors, d.block_size, tc.gamma,
-                             anchor_seed(self.cfg.seed, HELDOUT_SALT, index))
-            out = self.draft_forward(task, self.target.features(batch["input_ids"], self.stream_layers))
-            loss_sum += out.weighted_ce_sum
-            weight_sum += task.weights.sum()
-            correct += out.correct_per_slot
-            counted += out.counted_per_slot
-        return {"loss": float(loss_sum / weight_sum.clamp(min=1e-12)), **acceptance_metrics(correct, counted)}
+        return score_heldout(self, dataset)
 
     # ---- the loop ---------------------------------------------------------------------------
     def fit(self, progress: bool = True) -> dict:

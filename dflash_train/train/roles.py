@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from dflash_train.config import RunConfig
 from dflash_train.data.dataset import TokenizedDataset
+from dflash_train.draft.loss import LossTally
 from dflash_train.draft.objective import make_task
 from dflash_train.target import Target
 from dflash_train.train.layout import Layout
@@ -176,9 +177,7 @@ class DrafterRank(Trainer):
         denom = sum((t.weights.sum() for t in tasks), torch.zeros((), device=self.device))
         dist.all_reduce(denom, group=self.group)
         denom = denom.clamp(min=1e-12)
-        loss_sum = torch.zeros((), device=self.device)
-        correct = torch.zeros(d.block_size, device=self.device)
-        counted = torch.zeros(d.block_size, device=self.device)
+        tally = LossTally(d.block_size, self.device)
         shape = lambda h: (*h.input_ids.shape, self.feature_dim)  # noqa: E731
         pending = self.link.recv_features(sources[0], shape(headers[0]), self.feature_dtype)
         for k, task in enumerate(tasks):
@@ -187,14 +186,13 @@ class DrafterRank(Trainer):
                 pending = self.link.recv_features(sources[k + 1], shape(headers[k + 1]), self.feature_dtype)
             out = self.draft_forward(task, feats)
             (out.weighted_ce_sum / denom).backward()
-            loss_sum += out.weighted_ce_sum.detach()
-            correct += out.correct_per_slot
-            counted += out.counted_per_slot
+            tally.add(out)
         # A plain SUM all-reduce, not DDP: ranks may hold different numbers of micro-batches and the
         # loss is already normalised by the global weight sum, so DDP's averaging would be wrong.
         works = [dist.all_reduce(p.grad, group=self.group, async_op=True) for p in self.drafter.parameters()]
         tokens = sum(int(h.attention_mask.sum()) for h in headers)
-        stats = torch.cat([loss_sum.view(1), correct, counted, torch.tensor([float(tokens)], device=self.device)])
+        stats = torch.cat([tally.loss_sum.view(1), tally.correct, tally.counted,
+                           torch.tensor([float(tokens)], device=self.device)])
         works.append(dist.all_reduce(stats, group=self.group, async_op=True))
         for w in works:
             w.wait()
