@@ -115,6 +115,17 @@ def cmd_corpus(args) -> int:
     return 0
 
 
+def cmd_curve(args) -> int:
+    from dflash_train.eval.curve import run_curve, write_chart
+
+    curves = [run_curve(d) for d in args.run_dirs]
+    print(write_chart(curves, args.out))
+    for c in curves:
+        minutes, tau_hat = c["heldout"][-1]
+        print(f"{c['name']}: tau_hat {tau_hat:.3f} at {minutes:.1f} device-minutes")
+    return 0
+
+
 def cmd_prompts(args) -> int:
     from dflash_train.eval.prompts import first_turns, prompt_source, split_prompt_files
 
@@ -300,6 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speed-prompts", type=int, default=8,
                    help="first turns decoded one at a time, with caches, for the speedup (0: no speed figures)")
     p.set_defaults(func=cmd_eval)
+
+    p = add("curve", "chart of held-out acceptance against device-minutes for one or more runs (eval.heldout_files)")
+    p.add_argument("run_dirs", nargs="+", help="run directories holding heldout.jsonl")
+    p.add_argument("--out", default="curve.png", help="PNG file to write")
+    p.set_defaults(func=cmd_curve)
 
     p = add("export", "checkpoint -> folder SGLang, vLLM and z-lab load")
     p.add_argument("checkpoint", help="training checkpoint dir (runs/<name>/checkpoints/step_...)")
