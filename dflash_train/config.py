@@ -110,6 +110,11 @@ class TrainConfig(_Section):
     schedule. For fixed-length runs (max_steps) spread over several calls."""
     grad_accum: int = Field(1, ge=1)
     num_anchors: int = Field(512, ge=1)
+    """Blocks per sequence. The rule measured on SmolLM2 (docs/benchmarks/quality.md): at a fixed
+    number of sequences per step, 32, 64 and 256 anchors learned the same per optimizer step, so past
+    the point where the step is target-bound extra anchors buy cost, not learning; under a time budget,
+    fewer anchors and more steps won (64 best). Size it so the drafter's share of the step is no
+    larger than the target's, then spend the time on steps and epochs."""
     gamma: float = Field(7.0, gt=0)
     """Loss weight decay over block positions: w_k = exp(-(k-1)/gamma)."""
     loss: dict[Literal["ce", "target_argmax", "kl"], float] = Field(default_factory=lambda: {"ce": 1.0})

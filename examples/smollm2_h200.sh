@@ -4,6 +4,8 @@
 #               characters)
 #   generate -> SmolLM2 answers them itself, greedy, <= 512 new tokens (in-process, resumable)
 #   generate-sampled -> optional: a second, sampled answer per prompt (TEMPERATURE) in $DATA/train_sampled
+#   generate-heldout -> SmolLM2's answers to the held-out prompts: `train` then scores tau_hat on them
+#               every PROBE_EVERY steps against device-seconds (heldout.jsonl; `dflash-train curve`)
 #   train    -> configs/smollm2-h200.yaml on TRAIN_FILES, then export the last checkpoint
 #   eval     -> greedy speculative decoding on HumanEval (164), MT-Bench (80 x 2 turns) and the 200
 #               held-out prompts: tau, histogram, lossless check (fp32, prompts decoded in batches),
@@ -23,7 +25,7 @@ NUM_PROMPTS=${NUM_PROMPTS:-13741}  # held-out ones included
 HELDOUT=${HELDOUT:-200}
 ANSWER_TOKENS=${ANSWER_TOKENS:-512}
 BATCH=${BATCH:-1024}               # generation batch (one `generate` / `generate_batch` call each)
-ENGINE=${ENGINE:-padded}           # in-process generation engine: padded or continuous
+ENGINE=${ENGINE:-static}           # in-process generation engine: static (1.4x padded on the H200), padded, continuous
 TEMPERATURE=${TEMPERATURE:-0.7}    # generate-sampled only
 TRAIN_FILES=${TRAIN_FILES:-$DATA/train}  # comma-separated answer directories
 TRAIN_ARGS=${TRAIN_ARGS:-}         # extra dotted overrides of $CONFIG
@@ -41,17 +43,19 @@ prompts() {
   "${DT[@]}" prompts --source sharegpt --num "$NUM_PROMPTS" --heldout "$HELDOUT" --max-chars 1500 --out "$DATA"
 }
 
-generate() {  # $1: output directory; extra generate flags follow
-  local out=$1; shift
-  "${DT[@]}" generate -c configs/generate/smollm2-local.yaml --input "$DATA/train_prompts.jsonl" \
+generate() {  # $1: output directory, $2: prompt file; extra generate flags follow
+  local out=$1 input=$2; shift 2
+  "${DT[@]}" generate -c configs/generate/smollm2-local.yaml --input "$input" \
     --output "$out" --max-tokens "$ANSWER_TOKENS" --device "$DEVICE" --batch-size "$BATCH" \
     --concurrency $((2 * BATCH)) --engine "$ENGINE" "$@"
 }
 
 train() {
+  local probe=()  # held-out tau_hat against device-seconds, when the held-out answers exist (generate-heldout)
+  [ -d "$DATA/heldout" ] && probe=("eval.heldout_files=[$DATA/heldout]" "eval.heldout_every=${PROBE_EVERY:-250}")
   # shellcheck disable=SC2086  # TRAIN_ARGS is a list of overrides
-  "${DT[@]}" train -c "$CONFIG" run_dir="$RUN" device="$DEVICE" "data.train_files=[$TRAIN_FILES]" $TRAIN_ARGS \
-    --resume auto
+  "${DT[@]}" train -c "$CONFIG" run_dir="$RUN" device="$DEVICE" "data.train_files=[$TRAIN_FILES]" "${probe[@]}" \
+    $TRAIN_ARGS --resume auto
   "${DT[@]}" export "$(last_checkpoint)" "$RUN/export"
 }
 
@@ -90,13 +94,16 @@ speedup() {  # speed as served: bf16 (the target's dtype), one prompt at a time,
 
 case "${1:-all}" in
   prompts) prompts ;;
-  generate) generate "$DATA/train" ;;
-  generate-sampled) generate "$DATA/train_sampled" --temperature "$TEMPERATURE" --seed 0 ;;
+  generate) generate "$DATA/train" "$DATA/train_prompts.jsonl" ;;
+  generate-sampled) generate "$DATA/train_sampled" "$DATA/train_prompts.jsonl" --temperature "$TEMPERATURE" --seed 0 ;;
+  generate-heldout) generate "$DATA/heldout" "$DATA/heldout_prompts.jsonl" ;;
   train) train ;;
   eval) eval_sets; eval_curve; speedup ;;
   eval-sets) eval_sets ;;
   eval-curve) eval_curve ;;
   speedup) speedup ;;
-  all) prompts; generate "$DATA/train"; train; eval_sets; eval_curve; speedup ;;
-  *) echo "usage: $0 [prompts|generate|generate-sampled|train|eval|eval-sets|eval-curve|speedup|all]" >&2; exit 2 ;;
+  all) prompts; generate "$DATA/train" "$DATA/train_prompts.jsonl"; generate "$DATA/heldout" "$DATA/heldout_prompts.jsonl"; train
+       eval_sets; eval_curve; speedup ;;
+  *) echo "usage: $0 [prompts|generate|generate-sampled|generate-heldout|train|eval|eval-sets|eval-curve|speedup|all]" >&2
+     exit 2 ;;
 esac
