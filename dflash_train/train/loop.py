@@ -207,7 +207,8 @@ class Trainer:
             sub = collate(self.dataset, missing, self.device)
             feats = self.target.features(sub["input_ids"], layer_ids)
             for row, i in enumerate(missing):
-                self.feature_cache[i] = feats[row, : len(self.dataset.input_ids[i])]
+                # A copy: a view would keep the whole padded batch tensor alive.
+                self.feature_cache[i] = feats[row, : len(self.dataset.input_ids[i])].clone()
         t = batch["input_ids"].shape[1]
         out = []
         for i in batch["indices"]:

@@ -175,3 +175,29 @@ def test_distilled_step_equals_reference_from_the_targets_own_logits(make_run_co
             row += loss.get("kl", 0) * t * t * (p_t * (torch.log(p_t) - log_q_t)).sum()
             total += w * row
     assert logged == pytest.approx(float(total / task.weights.sum()), rel=1e-4)
+
+
+@pytest.mark.parametrize("loss", [{"ce": 1.0}, {"kl": 1.0}], ids=str)
+def test_cached_features_train_exactly_as_recomputed_ones(make_run_config, shared_tiny_target, loss):
+    """data.cache_features: the target runs once per row (not once per epoch), the losses equal those
+    of features recomputed every step, and each cached row owns its memory (no padded batch kept alive)."""
+    over = [f"train.loss={loss}", "train.epochs=3"]
+    plain = Trainer(make_run_config("plain", over), target=shared_tiny_target)
+    cached = Trainer(make_run_config("cached", [*over, "data.cache_features=true"]), target=shared_tiny_target)
+    calls = []
+    real = shared_tiny_target.features
+
+    def counting(input_ids, layer_ids):
+        calls.append(input_ids.shape[0])
+        return real(input_ids, layer_ids)
+
+    cached.target = type(shared_tiny_target)(**{k: getattr(shared_tiny_target, k) for k in
+                                                ("model", "tokenizer", "name", "device")})
+    cached.target.features = counting
+    steps = plain.total_steps
+    assert steps == cached.total_steps and steps >= 3 * len(plain.epoch_batches[0]) - 1
+    for _ in range(steps):
+        assert float(cached.train_step()["loss"]) == pytest.approx(float(plain.train_step()["loss"]), rel=1e-6)
+    assert sum(calls) == len(cached.dataset)  # every row once, over three epochs
+    for f in cached.feature_cache.values():
+        assert f.untyped_storage().nbytes() == f.numel() * f.element_size()
