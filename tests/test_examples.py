@@ -23,7 +23,7 @@ def test_smollm2_example_runs_end_to_end_on_cpu(tmp_path):
         "RUN": str(run), "DEVICE": "cpu", "NUM_PROMPTS": "10", "HELDOUT": "2", "ANSWER_TOKENS": "12", "BATCH": "8",
         "EVAL_BATCH": "2", "NEW_TOKENS": "6", "EVAL_PROMPTS": "3", "CURVE_PROMPTS": "2", "SPEEDUP_PROMPTS": "1",
         "ENGINE": "continuous",
-        "TRAIN_ARGS": "target.dtype=auto train.max_steps=3 train.num_anchors=4 data.length_bucket=0 "
+        "TRAIN_ARGS": "target.dtype=auto train.time_budget_minutes=null train.max_steps=3 train.num_anchors=4 data.length_bucket=0 "
                       "data.max_length=256 data.token_budget=512 checkpoint.every=1",
     }
     done = subprocess.run(["bash", str(ROOT / "examples" / "smollm2_h200.sh"), "all"], cwd=ROOT, env=env,
@@ -32,6 +32,8 @@ def test_smollm2_example_runs_end_to_end_on_cpu(tmp_path):
     assert len((run / "data" / "heldout_prompts.jsonl").read_text().splitlines()) == 2
     assert json.loads((run / "summary.json").read_text())["steps"] == 3
     assert (run / "export" / "config.json").is_file()
+    probe = [json.loads(line) for line in (run / "heldout.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in probe] == [3] and probe[0]["rows"] == 2  # the held-out answers, scored at the end
     expected = {"humaneval": 3, "sharegpt": 2, "mt-bench": 6, "humaneval_step_00000001": 2,
                 "humaneval_step_00000002": 2, "humaneval_speedup": 1}
     for name, turns in expected.items():

@@ -9,20 +9,15 @@ import torch
 from dflash_train.draft import masks
 from dflash_train.draft.loss import LossMix, block_loss
 from dflash_train.draft.objective import split_features
+from draft.test_loss import B, problem as base_problem
 
-B = 4
 
-
-def problem(seed=0, b=2, n=5, h=16, v=37):
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(b, n * B, h, generator=gen)
-    head = torch.randn(v, h, generator=gen) * 0.5
-    labels = torch.randint(0, v, (b, n * B), generator=gen)
-    weights = torch.rand(b, n * B, generator=gen)
-    weights[torch.rand(b, n * B, generator=gen) < 0.3] = 0
-    weights.view(b, n, B)[:, :, 0] = 0
-    target_hidden = torch.randn(b, n * B, h, generator=gen)
-    target_head = torch.randn(v, h, generator=gen) * 0.7
+def problem(seed=0):
+    """test_loss's problem (drafter states, head, labels, weights) plus the target's states and head."""
+    hidden, head, labels, weights = base_problem(seed)
+    gen = torch.Generator().manual_seed(1000 + seed)
+    target_hidden = torch.randn(hidden.shape, generator=gen)
+    target_head = torch.randn(head.shape, generator=gen) * 0.7
     return hidden, head, labels, weights, target_hidden, target_head
 
 
