@@ -18,17 +18,11 @@ def _config_args(p: argparse.ArgumentParser, required: bool = True, example: str
 
 
 def cmd_train(args) -> int:
+    from dflash_train.eval.report import periodic_eval_for
     from dflash_train.train.loop import train
 
     cfg = load_config(args.config, args.overrides)
-    periodic = None
-    if cfg.eval.every:
-        from dflash_train.eval.report import periodic_evaluator
-
-        if not cfg.eval.prompts:
-            raise ValueError("eval.every is set but eval.prompts is not (mt-bench, humaneval, sharegpt or a JSONL)")
-        periodic = periodic_evaluator(cfg.eval.prompts, cfg.eval.num_prompts, cfg.eval.max_new_tokens)
-    summary = train(cfg, resume=args.resume, periodic_eval=periodic)
+    summary = train(cfg, resume=args.resume, periodic_eval=periodic_eval_for(cfg.eval))
     print(json.dumps(summary["last"], indent=2))
     return 0
 
