@@ -232,7 +232,7 @@ def test_layout_balances_micro_batches():
 
 
 def test_plan_split_picks_the_fastest_pipeline():
-    # DESIGN.md's H200 numbers: target 32K tokens/s, drafter 21.4K, both on one GPU 12.8K.
+    # docs/design.md#reference-figures, the H200 numbers: target 32K tokens/s, drafter 21.4K, both on one GPU 12.8K.
     plan = plan_split(8, 32_000, [21_400], 12_800)
     assert plan.colocated and plan.tokens_per_s == pytest.approx(8 * 12_800)
     assert "vs 3 target + 5 drafter GPUs" in plan.reason
