@@ -145,7 +145,7 @@ def main(argv=None):
     ap.add_argument("--max-length", type=int, default=3072)
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--compile", action="store_true", help="torch.compile the draft layers and the loss chunks")
-    ap.add_argument("--full-length", action="store_true", help="every sequence max_length long (DESIGN.md's shape)")
+    ap.add_argument("--full-length", action="store_true", help="every sequence max_length long (the shape of docs/design.md#reference-figures)")
     ap.add_argument("--loss", default="ce", choices=["ce", "kl", "target_argmax"],
                     help="per-slot loss (train.loss): the target kinds also run the target's last layers and head")
     ap.add_argument("--profile", action="store_true", help="GPU: CUDA time of one end-to-end step by kernel family")

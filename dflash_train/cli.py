@@ -1,4 +1,8 @@
-"""`dflash-train` command line: a thin layer over library functions (tests call those directly)."""
+"""`dflash-train` command line: a thin layer over library functions (tests call those directly).
+
+Each command imports what it runs inside its own function: torch, transformers and the rest stay
+off the start-up path of `--help`, `doctor`, `prompts` and every command that does not need them.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,11 @@ import json
 import logging
 import shlex
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
+from dflash_train import __version__
 from dflash_train.config import ConfigError, load_config
+from dflash_train.data import generate_config as gc
 from dflash_train.errors import UserError
 
 
@@ -18,17 +25,11 @@ def _config_args(p: argparse.ArgumentParser, required: bool = True, example: str
 
 
 def cmd_train(args) -> int:
+    from dflash_train.eval.report import periodic_eval_for
     from dflash_train.train.loop import train
 
     cfg = load_config(args.config, args.overrides)
-    periodic = None
-    if cfg.eval.every:
-        from dflash_train.eval.report import periodic_evaluator
-
-        if not cfg.eval.prompts:
-            raise ValueError("eval.every is set but eval.prompts is not (mt-bench, humaneval, sharegpt or a JSONL)")
-        periodic = periodic_evaluator(cfg.eval.prompts, cfg.eval.num_prompts, cfg.eval.max_new_tokens)
-    summary = train(cfg, resume=args.resume, periodic_eval=periodic)
+    summary = train(cfg, resume=args.resume, periodic_eval=periodic_eval_for(cfg.eval))
     print(json.dumps(summary["last"], indent=2))
     return 0
 
@@ -47,8 +48,7 @@ def cmd_launch(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from dflash_train.data.dataset import save_prepared, tokenize_files
-    from dflash_train.data.dataset import check_training_files
+    from dflash_train.data.dataset import check_training_files, save_prepared, tokenize_files
     from dflash_train.target import resolve_target_path, tokenizer_fingerprint
     from dflash_train.target_path import load_pretrained
     from transformers import AutoTokenizer
@@ -188,21 +188,15 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("dflash-train")
     except PackageNotFoundError:  # a source checkout on PYTHONPATH, not installed
-        from dflash_train import __version__
-
         return __version__
 
 
 def _gen_default(section: str | None, field: str) -> str:
     """A GenerateConfig default for a generate flag's help (the flag itself defaults to None: unset
     flags must not override the YAML)."""
-    from dflash_train.data import generate_config as gc
-
     model = {None: gc.GenerateConfig, "sampling": gc.SamplingConfig, "local": gc.LocalConfig}[section]
     return f"default: {model.model_fields[field].default}"
 

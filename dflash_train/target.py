@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dflash_train.atomic import new_temp_dir, swap_dir
@@ -44,8 +44,6 @@ def _convert_embedded(name: str) -> Path:
         return out
     gguf = packaged_file(packaged)
     src, gguf_file = gguf.parent, gguf.name
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     log.info("converting %s from GGUF once (cached at %s)", model_name, out)
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file)
     quantised = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file, dtype=torch.float32)
@@ -250,8 +248,6 @@ def resolve_mask_token_id(explicit: int | None, tokenizer, embed_rows: int) -> i
 
 
 def load_target(cfg: TargetConfig, device: torch.device) -> Target:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = resolve_target_path(cfg.path)
     dtype = pick_dtype(cfg.dtype, device)
     tokenizer = load_pretrained(AutoTokenizer, path)

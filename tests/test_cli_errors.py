@@ -103,3 +103,11 @@ def test_train_checks_data_files_before_loading_the_target(tmp_path, monkeypatch
     bad.write_text("{not json\n")
     cfg = _config(tmp_path, "smollm2", train_files=[str(bad)])
     _one_line(capsys, main(["train", "-c", str(cfg)]), f"{bad}:1: not valid JSON")
+
+
+def test_train_eval_every_without_prompts_fails_before_loading_the_target(tmp_path, monkeypatch, capsys):
+    import dflash_train.train.loop as loop
+
+    monkeypatch.setattr(loop, "load_target", lambda *a: pytest.fail("the target loaded before the eval check"))
+    cfg = _config(tmp_path, "smollm2")
+    _one_line(capsys, main(["train", "-c", str(cfg), "eval.every=2"]), "eval.every is set but eval.prompts is not")

@@ -70,3 +70,12 @@ def test_top_level_description_gives_the_order_of_commands():
     text = build_parser().format_help()
     order = [text.index(f"\n  {cmd} ") for cmd in ("prompts", "generate", "train", "eval", "export")]
     assert order == sorted(order) and "quickstart" in text
+
+
+def test_eval_out_help_names_the_files_the_report_writes(tmp_path, monkeypatch):
+    import dflash_train.eval.report as report
+
+    monkeypatch.setattr(report, "plot_report", lambda rep, f: f.write(b""))  # no matplotlib needed
+    written = [p.name for p in report.write_report({"tau": 1.0}, tmp_path)]
+    help_text = " ".join(_subparsers(build_parser())["eval"].format_help().split())
+    assert all(name in help_text for name in written), (written, help_text)

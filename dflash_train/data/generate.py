@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from dflash_train.data.backends import Backend, GenerationError, GenParams, make_backend
@@ -93,8 +94,6 @@ def iter_jobs(paths: list[str], skip_invalid: bool) -> Iterator[Job]:
 def count_rows(paths: list[str]) -> int:
     """Rows for the progress bar: Parquet metadata, JSONL non-blank lines (read in blocks, not
     parsed; blank lines are no rows, and a last line without a newline is one)."""
-    import pyarrow.parquet as pq
-
     total = 0
     for path in map(Path, paths):
         if path.suffix == ".parquet":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 
 def upload(host: torch.Tensor, device) -> torch.Tensor:
@@ -140,8 +141,6 @@ def mask_mod_for(anchors: torch.Tensor, block_size: int, context_len: int):
 
 def flex_block_mask(anchors: torch.Tensor, block_size: int, context_len: int):
     """BlockMask for flex_attention; built on the anchors' device, once per batch."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     b, n = anchors.shape
     q_len = n * block_size
     return create_block_mask(

@@ -1,6 +1,6 @@
 """The DFlash draft model: one self-contained definition, readable top to bottom.
 
-Design choices (they match the format SGLang, vLLM and z-lab load; see DESIGN.md):
+Design choices (they match the format SGLang, vLLM and z-lab load; see docs/design.md#the-drafter):
 - Qwen3-style decoder layers: pre-norm RMSNorm, GQA attention with per-head q/k RMSNorm, RoPE,
   SiLU-gated MLP, final `norm`.
 - Context = target hidden states of `target_layer_ids`, concatenated [.., K*H] -> `fc` -> `hidden_norm`.

@@ -1,7 +1,7 @@
 """Drafter folders in and out: training checkpoints, and the export SGLang, vLLM and z-lab load.
 
 Training checkpoint dir: `model.safetensors` (DFlashDraftModel state dict) + `draft_config.json`
-(DraftModelConfig.to_dict()). Export dir (DESIGN.md): `config.json` = a Qwen3 config plus
+(DraftModelConfig.to_dict()). Export dir (docs/design.md#export-format): `config.json` = a Qwen3 config plus
 `architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers` and
 `dflash_config: {mask_token_id, target_layer_ids}`; `model.safetensors` in bf16 with the drafter's
 own tensors only (embeddings and LM head are the target's and never stored).

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash_train.atomic import write_atomic
-from dflash_train.config import TargetConfig
+from dflash_train.config import EvalConfig, TargetConfig
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.export import load_drafter
 from dflash_train.data.backends import GenParams
@@ -190,6 +190,21 @@ def periodic_evaluator(prompts: str | list[Prompt], num_prompts: int | None, max
         return {k: report[k] for k in keep}
 
     return run
+
+
+def check_periodic_eval(ec: EvalConfig) -> bool:
+    """Whether `eval.every` is on; refused without `eval.prompts` (checked before anything loads)."""
+    if ec.every and not ec.prompts:
+        raise ValueError("eval.every is set but eval.prompts is not (mt-bench, humaneval, sharegpt or a JSONL)")
+    return bool(ec.every)
+
+
+def periodic_eval_for(ec: EvalConfig):
+    """The trainer's evaluator for `eval.every` (`dflash-train train` and the lead rank of a
+    colocated `launch`), or None when it is off."""
+    if not check_periodic_eval(ec):
+        return None
+    return periodic_evaluator(ec.prompts, ec.num_prompts, ec.max_new_tokens)
 
 
 def format_table(report: dict) -> str:

@@ -1,7 +1,7 @@
 """Atomic local checkpoints: drafter weights + optimizer + scheduler + RNG + data cursor + config.
 
 Layout: <run_dir>/checkpoints/step_00000100/
-  model.safetensors   drafter only (DESIGN.md tensor names; never embed_tokens / lm_head)
+  model.safetensors   drafter only (export tensor names, docs/design.md#export-format; never embed_tokens / lm_head)
   draft_config.json   enough to rebuild the drafter without the run config
   optimizer.pt        optimizer + scheduler state
   trainer_state.json  step, data cursor, RNG states, target identity, config

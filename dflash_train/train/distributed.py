@@ -31,7 +31,7 @@ from dflash_train.target import Target, decoder_layers, load_target
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.layout import Layout
 from dflash_train.train.build import resolve_device, stream_layer_ids
-from dflash_train.train.roles import DrafterRank, Link, TargetFeeder
+from dflash_train.train.roles import DrafterRank, Link, TargetFeeder, check_lead_rank_evals
 
 log = logging.getLogger("dflash_train")
 
@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = build_layout(args, world, [name for name, _ in runs])
     layout.check_grad_accum(cfg.train.grad_accum)
     check_wall_clock_stops(runs, world)
+    for _, run_cfg in runs:  # every rank refuses alike, before any target loads
+        check_lead_rank_evals(run_cfg, layout)
     groups = [dist.new_group(layout.group_ranks(g)) for g in range(len(runs))]  # every rank creates every group
     store = dist.PrefixStore("dflash-watchdog/", dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=COLLECTIVE_TIMEOUT))

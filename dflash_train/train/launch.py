@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from dflash_train.cli import HelpFormatter
 from dflash_train.config import load_config
 from dflash_train.data.dataset import load_training_data
 from dflash_train.target import load_target
@@ -28,8 +29,6 @@ from dflash_train.train.loop import Trainer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from dflash_train.cli import HelpFormatter
-
     p = argparse.ArgumentParser(prog="dflash-train launch", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("-c", "--config", required=True, help="YAML run config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")

@@ -97,6 +97,8 @@ class S3Url:
 
 
 def _import_boto3():
+    """boto3 is the optional `s3` extra: it and botocore are imported inside S3Store's methods, here
+    first with an install hint."""
     try:
         import boto3
         import botocore.config

@@ -24,6 +24,7 @@ from dflash_train.config import RunConfig
 from dflash_train.data.dataset import TokenizedDataset
 from dflash_train.draft.loss import LossTally
 from dflash_train.draft.objective import make_task
+from dflash_train.eval.report import check_periodic_eval, periodic_eval_for
 from dflash_train.target import Target
 from dflash_train.train.layout import Layout
 from dflash_train.train.batches import anchor_seed, batch_shape, collate, epoch_plan, locate
@@ -146,23 +147,38 @@ class TargetFeeder:
                 self.link.send_features(dst, lambda g=group, f=feats: self._select(f(), g))
 
 
+def check_lead_rank_evals(cfg: RunConfig, layout: Layout) -> None:
+    """`eval.every` (real speculative decoding) and `eval.heldout_files` (teacher-forced scoring) run
+    on a drafter group's lead rank and need the whole target there: colocated only, since in a split
+    layout drafter ranks hold only the target's embedding and LM head."""
+    check_periodic_eval(cfg.eval)
+    if layout.colocated:
+        return
+    for key, on in (("eval.every", cfg.eval.every), ("eval.heldout_files", cfg.eval.heldout_files)):
+        if on:
+            raise ValueError(f"{key} needs the whole target on the drafter's lead rank: use --colocated, or evaluate "
+                             "checkpoints with `dflash-train eval` (in a split layout drafter ranks hold only the "
+                             "target's embedding and LM head)")
+
+
 class DrafterRank(Trainer):
     """One data-parallel replica of a drafter group: features come from target ranks, gradients
     and step statistics are summed over the group only; the group's rank 0 logs and saves."""
 
     def __init__(self, cfg: RunConfig, target: Target, dataset: TokenizedDataset | None, *, layout: Layout,
                  link: Link, rank: int, group_index: int, group, feeder: TargetFeeder | None = None):
-        super().__init__(cfg, target=target, dataset=dataset)
+        check_lead_rank_evals(cfg, layout)
+        is_leader = rank == layout.group_ranks(group_index)[0]
+        # Only the leader runs fit() (and so evaluates); the others wait in the next step's all-reduce.
+        super().__init__(cfg, target=target, dataset=dataset,
+                         periodic_eval=periodic_eval_for(cfg.eval) if is_leader else None)
         self.layout, self.link, self.rank, self.group = layout, link, rank, group
         self.feeder = feeder  # colocated: this process also produces the features it trains on
         self.mine = layout.consumed_by(rank, group_index, cfg.train.grad_accum)
         self.feature_dim = len(self.stream_layers) * self.target.hidden_size
         self.feature_dtype = self.target.embed_weight.dtype
-        self.is_leader = rank == layout.group_ranks(group_index)[0]
+        self.is_leader = is_leader
         self.devices_held = layout.world_size
-        if cfg.eval.heldout_files and not layout.colocated:
-            raise ValueError("eval.heldout_files needs the whole target on the drafter's lead rank: use "
-                             "--colocated (in a split layout drafter ranks hold only the target's embedding and head)")
 
     def train_step(self) -> dict:
         tc, d = self.cfg.train, self.drafter.config

@@ -1,4 +1,4 @@
-"""Anchors, labels and attention masks against brute-force loops over DESIGN.md's rule."""
+"""Anchors, labels and attention masks against brute-force loops over the rule of docs/design.md#the-objective."""
 
 from __future__ import annotations
 

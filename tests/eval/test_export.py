@@ -1,4 +1,4 @@
-"""Export folder format (DESIGN.md) and loading drafters back, from checkpoints and exports."""
+"""Export folder format (docs/design.md#export-format) and loading drafters back, from checkpoints and exports."""
 
 import json
 
@@ -13,7 +13,7 @@ from .tiny_models import tiny_drafter, tiny_target
 
 
 def design_tensor_names(num_layers):
-    """The tensor list as DESIGN.md writes it."""
+    """The tensor list as docs/design.md#export-format writes it."""
     names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     for i in range(num_layers):
         names |= {f"layers.{i}.input_layernorm.weight", f"layers.{i}.post_attention_layernorm.weight"}

@@ -123,6 +123,38 @@ def test_two_drafters_from_one_stream(assets, tmp_path):
         assert losses(tmp_path / "run" / name) == pytest.approx(losses(tmp_path / "ref" / name), abs=1e-5), name
 
 
+def _eval_prompts(tmp_path: Path) -> Path:
+    prompts = tmp_path / "heldout_prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("alpha beta", "draft a token")))
+    return prompts
+
+
+def test_colocated_periodic_eval_runs_on_the_lead_rank(assets, tmp_path):
+    """eval.every through launch: the colocated group's lead rank holds the whole target and
+    writes <run_dir>/eval.jsonl at every eval step; training itself is unchanged."""
+    config = write_config(assets, tmp_path / "run")
+    evals = ["eval.every=2", f"eval.prompts={_eval_prompts(tmp_path)}", "eval.num_prompts=2", "eval.max_new_tokens=6"]
+    assert spawn(2, ["-c", str(config), "--colocated", *evals]) == [0, 0]
+    records = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]  # one writer: no step twice
+    for r in records:
+        assert 1.0 <= r["tau"] <= 4 and r["num_rounds"] > 0
+        assert r["lossless"]["matches"] == r["lossless"]["total"] == 2
+    assert losses(tmp_path / "run") == pytest.approx(reference_losses(config, tmp_path / "ref"), abs=1e-5)
+
+
+@pytest.mark.parametrize("key", ["eval.every=2", "eval.heldout_files=[x.jsonl]"])
+def test_split_layout_refuses_lead_rank_evals(assets, tmp_path, capfd, key):
+    """Drafter ranks of a split layout hold only the target's embedding and LM head: every rank
+    refuses the key by name before loading anything, instead of ignoring it."""
+    config = write_config(assets, tmp_path / "run")
+    argv = ["-c", str(config), "--target-ranks", "1", key, f"eval.prompts={_eval_prompts(tmp_path)}"]
+    assert 0 not in spawn(2, argv)
+    name = key.split("=")[0]
+    assert f"{name} needs the whole target on the drafter's lead rank: use --colocated" in capfd.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def _children(pid: int) -> dict[int, int]:
     """{RANK: pid} of torchrun's worker processes."""
     found = {}
@@ -200,7 +232,7 @@ def test_layout_balances_micro_batches():
 
 
 def test_plan_split_picks_the_fastest_pipeline():
-    # DESIGN.md's H200 numbers: target 32K tokens/s, drafter 21.4K, both on one GPU 12.8K.
+    # docs/design.md#reference-figures, the H200 numbers: target 32K tokens/s, drafter 21.4K, both on one GPU 12.8K.
     plan = plan_split(8, 32_000, [21_400], 12_800)
     assert plan.colocated and plan.tokens_per_s == pytest.approx(8 * 12_800)
     assert "vs 3 target + 5 drafter GPUs" in plan.reason
