@@ -70,3 +70,18 @@ def test_top_level_description_gives_the_order_of_commands():
     text = build_parser().format_help()
     order = [text.index(f"\n  {cmd} ") for cmd in ("prompts", "generate", "train", "eval", "export")]
     assert order == sorted(order) and "quickstart" in text
+
+
+def test_quickstart_size_flags_state_the_device_defaults_and_reject_zero():
+    import torch
+
+    from dflash_train.quickstart import Sizes
+
+    text = " ".join(_subparsers(build_parser())["quickstart"].format_help().split())
+    for dev in ("cpu", "cuda"):
+        sizes = Sizes.for_device(torch.device(dev))
+        for field, flag in (("train_prompts", "--train-prompts"), ("eval_prompts", "--eval-prompts"),
+                            ("answer_tokens", "--answer-tokens"), ("eval_new_tokens", "--eval-new-tokens")):
+            assert flag in text and f"{getattr(sizes, field)} on {dev}" in text, (flag, dev)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["quickstart", "--train-prompts", "0"])
