@@ -67,7 +67,9 @@ def cmd_prepare(args) -> int:
 def cmd_quickstart(args) -> int:
     from dflash_train.quickstart import run_quickstart
 
-    run_quickstart(device=args.device, overrides=args.overrides)
+    run_quickstart(device=args.device, overrides=args.overrides, train_prompts=args.train_prompts,
+                   eval_prompts=args.eval_prompts, answer_tokens=args.answer_tokens,
+                   eval_new_tokens=args.eval_new_tokens)
     return 0
 
 
@@ -187,6 +189,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _version() -> str:
     try:
         return version("dflash-train")
@@ -217,7 +226,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("quickstart", "regenerate data, train and evaluate a drafter for SmolLM2 (CPU is enough)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda when a GPU is visible (bigger run), else cpu")
-    p.add_argument("overrides", nargs="*", help="dotted overrides of configs/quickstart.yaml, e.g. train.max_steps=50")
+    # Smaller values make a smoke run (scripts/check_install.sh: 8 2 24 12 and train.epochs=1).
+    p.add_argument("--train-prompts", type=_positive_int, metavar="N",
+                   help="prompts the target answers for training (default: 128 on cpu, 2000 on cuda)")
+    p.add_argument("--eval-prompts", type=_positive_int, metavar="N",
+                   help="held-out prompts for tau_hat and real speculative decoding (default: 8 on cpu, 16 on cuda)")
+    p.add_argument("--answer-tokens", type=_positive_int, metavar="N",
+                   help="longest regenerated answer, in tokens (default: 64 on cpu, 256 on cuda)")
+    p.add_argument("--eval-new-tokens", type=_positive_int, metavar="N",
+                   help="tokens decoded per held-out prompt when measuring tau (default: 48 on cpu, 96 on cuda)")
+    p.add_argument("overrides", nargs="*",
+                   help="dotted overrides of configs/quickstart.yaml, e.g. train.max_steps=50 or train.epochs=1")
     p.set_defaults(func=cmd_quickstart)
 
     p = add("train", "train a drafter")

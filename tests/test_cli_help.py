@@ -79,3 +79,18 @@ def test_eval_out_help_names_the_files_the_report_writes(tmp_path, monkeypatch):
     written = [p.name for p in report.write_report({"tau": 1.0}, tmp_path)]
     help_text = " ".join(_subparsers(build_parser())["eval"].format_help().split())
     assert all(name in help_text for name in written), (written, help_text)
+
+
+def test_quickstart_size_flags_state_the_device_defaults_and_reject_zero():
+    import torch
+
+    from dflash_train.quickstart import Sizes
+
+    text = " ".join(_subparsers(build_parser())["quickstart"].format_help().split())
+    for dev in ("cpu", "cuda"):
+        sizes = Sizes.for_device(torch.device(dev))
+        for field, flag in (("train_prompts", "--train-prompts"), ("eval_prompts", "--eval-prompts"),
+                            ("answer_tokens", "--answer-tokens"), ("eval_new_tokens", "--eval-new-tokens")):
+            assert flag in text and f"{getattr(sizes, field)} on {dev}" in text, (flag, dev)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["quickstart", "--train-prompts", "0"])
