@@ -144,7 +144,8 @@ def main(argv=None):
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--max-length", type=int, default=3072)
     ap.add_argument("--draft-layers", type=int, default=5)
-    ap.add_argument("--compile", action="store_true", help="torch.compile the draft layers and the loss chunks")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the draft layers")
+    ap.add_argument("--compile-loss", action="store_true", help="torch.compile the loss chunks (train.compile_loss)")
     ap.add_argument("--full-length", action="store_true", help="every sequence max_length long (the shape of docs/design.md#reference-figures)")
     ap.add_argument("--loss", default="ce", choices=["ce", "kl", "target_argmax"],
                     help="per-slot loss (train.loss): the target kinds also run the target's last layers and head")
@@ -186,7 +187,7 @@ def main(argv=None):
     def draft_step(features=None, optimizer=opt):
         with autocast:
             out = draft_loss(drafter, task, feats if features is None else features, target.embed_weight,
-                             target.lm_head_weight, use_flex, 4096, mix, target.logits, compiled_loss=args.compile)
+                             target.lm_head_weight, use_flex, 4096, mix, target.logits, compiled_loss=args.compile_loss)
         (out.weighted_ce_sum / task.weights.sum()).backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
@@ -237,7 +238,7 @@ def main(argv=None):
         "shape": shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "seq_tokens_per_step": tokens, "anchors": anchors, "block_size": 16,
         "loss": args.loss, "batch": args.batch, "steps_per_s": 1 / t_e2e,
-        "draft_layers": drafter.config.num_hidden_layers, "compile": args.compile,
+        "draft_layers": drafter.config.num_hidden_layers, "compile": args.compile, "compile_loss": args.compile_loss,
         "target_tokens_per_s": tokens / t_target, "drafter_tokens_per_s": tokens / t_draft,
         "e2e_tokens_per_s": tokens / t_e2e, "harmonic_tokens_per_s": harmonic,
         "e2e_vs_harmonic": (tokens / t_e2e) / harmonic,

@@ -127,7 +127,11 @@ class TrainConfig(_Section):
     """Query tokens per LM-head chunk: bounds the logits ever materialised."""
     log_every: int = Field(10, ge=1)
     compile: bool = False
-    """torch.compile the draft layers and the loss chunks (GPU)."""
+    """torch.compile the draft layers (GPU)."""
+    compile_loss: bool = False
+    """torch.compile the loss chunks too (GPU): +31% steps/s for CE and 1.8x for KL at SmolLM2's
+    shape in the benchmark (docs/benchmarks/throughput.md); not yet measured in a real run or at a
+    152K vocabulary, hence opt-in."""
     compile_warmup_steps: int = Field(10, ge=1)
     """Steps allowed to (re)compile; any recompile after them is warned about with its reason."""
 

@@ -101,7 +101,7 @@ class Trainer:
         with self.autocast:
             return draft_loss(self.drafter, task, features, self.target.embed_weight, self.target.lm_head_weight,
                               self.use_flex, self.cfg.train.ce_chunk_size, self.loss_mix, self.target.logits,
-                              compiled_loss=self.cfg.train.compile)
+                              compiled_loss=self.cfg.train.compile_loss)
 
     @property
     def attention_backend(self) -> str:
