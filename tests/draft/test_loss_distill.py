@@ -75,8 +75,9 @@ def test_kl_to_itself_is_zero_and_argmax_of_data_equals_ce():
     assert abs(float(same.weighted_ce_sum)) < 1e-5
     # One chunk (4096 rows): the "target" puts its maximum on each row's data token.
     one_hot = torch.nn.functional.one_hot(labels.reshape(-1), head.shape[0]).float()
-    as_argmax = block_loss(hidden, head, labels, weights, B, 4096, LossMix(ce=0, target_argmax=1), hidden,
-                           lambda _: one_hot)
+    # The one-hot rows travel as the "target states" (identity head): the loss may pass a subset of rows.
+    as_argmax = block_loss(hidden, head, labels, weights, B, 4096, LossMix(ce=0, target_argmax=1), one_hot,
+                           lambda rows: rows)
     as_ce = block_loss(hidden, head, labels, weights, B, 4096)
     torch.testing.assert_close(as_argmax.weighted_ce_sum, as_ce.weighted_ce_sum)
 
@@ -125,3 +126,14 @@ def test_compiled_chunks_equal_eager(mix):
     torch.testing.assert_close(outs[1].correct_per_slot, outs[0].correct_per_slot)
     torch.testing.assert_close(outs[1].counted_per_slot, outs[0].counted_per_slot)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+
+
+def test_zero_weight_rows_are_skipped_and_a_batch_without_counted_rows_still_backpropagates():
+    """On CPU the zero-weight rows never reach the LM head; with none counted the loss is 0 and
+    backward still runs (the micro-batch joins the step's gradient with zeros)."""
+    hidden, head, labels, weights, _, _ = problem(seed=5)
+    hidden.requires_grad_(True)
+    out = block_loss(hidden, head, labels, torch.zeros_like(weights), B, 8)
+    out.weighted_ce_sum.backward()
+    assert float(out.weighted_ce_sum) == 0 and hidden.grad.abs().sum() == 0
+    assert out.counted_per_slot.sum() == 0 and out.correct_per_slot.sum() == 0
