@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from dflash_train.config import TrackingConfig
 from dflash_train.train.tracking import REDACTED, Tracker, flatten_metrics, scrub
@@ -64,10 +65,11 @@ def test_wandb_offline_run_and_resume_keep_the_id(tmp_path, monkeypatch):
     resumed.log({"loss": 0.1, "acc": ACC}, step=3)
     resumed.finish()
 
-    # offline-run-<second>-<id>: both processes wrote under the one id (the same directory when
-    # they start within the same second).
+    # offline-run-<second>-<id>[-<n>]: both processes wrote under the one id (wandb appends -1 to
+    # the directory when the resume starts within the same second).
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert runs and {p.name.rsplit("-", 1)[-1] for p in runs} == {run_id}
+    ids = {re.fullmatch(r"offline-run-\d{8}_\d{6}-([^-]+)(-\d+)?", p.name).group(1) for p in runs}
+    assert runs and ids == {run_id}
     history = (runs[0] / f"run-{run_id}.wandb").read_bytes()  # offline runs keep only this log
     assert all(key in history for key in (b"loss", b"acc/1", b"acc/3", b'"git"'))
     for path in (tmp_path / "wandb").rglob("*"):
