@@ -50,6 +50,11 @@ class DraftConfig(_Section):
     """Warm start: the weights of an exported drafter folder (config.json + model.safetensors) or a
     training checkpoint dir, of the same setup (every drafter config field checked); the optimizer
     and schedule start fresh, and --resume overrides it."""
+    init_layers_from: list[int] | None = None
+    """Start each drafter layer as a copy of a target decoder layer (0-based ids, one per drafter
+    layer; -1 = the last): attention projections, MLP and norms. The layers then start as working
+    transformer blocks at the target's width instead of noise; the drafter-only q/k norms start
+    at ones. Needs the drafter at the target's widths (no draft.intermediate_size)."""
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     """auto = flex_attention on CUDA, SDPA with a dense mask on CPU (flex has no CPU backward)."""
 
@@ -57,6 +62,11 @@ class DraftConfig(_Section):
     def _one_layer_choice(self) -> DraftConfig:
         self._not_both("draft", "target_layer_ids", "num_target_features",
                        "the ids already fix which (and how many) target layers are captured; set one")
+        if self.init_layers_from is not None and len(self.init_layers_from) != self.num_layers:
+            raise ValueError(f"draft.init_layers_from has {len(self.init_layers_from)} ids for "
+                             f"draft.num_layers={self.num_layers}: give one target layer per drafter layer")
+        self._not_both("draft", "init_layers_from", "intermediate_size",
+                       "a copied target layer has the target's MLP width")
         return self
 
 

@@ -1,8 +1,10 @@
 """Wall-clock limits of one `fit`: a budget that refits the schedule, or a deadline that never does.
 
 TimeBudget (runs without max_steps): once the step time is known (after the compile warm-up), the
-run's total steps shrink to those that fit in the time left, re-estimated as training goes on; the
-trainer then retargets the schedule to that length. Cutting a run by a timeout instead would stop it
+run's total steps shrink to those that fit in the time left, re-estimated as training goes on from
+the step time of the last few estimate windows (not the whole run: with `data.cache_features` the
+first epoch also runs the target and later steps are much faster); the trainer then retargets the
+schedule to that length. Cutting a run by a timeout instead would stop it
 at a high learning rate.
 Deadline (fixed-length runs): the trainer saves and exits when it is reached, and the next call
 resumes the SAME schedule; refitting in every call would push the learning rate back up each time.
@@ -10,10 +12,13 @@ resumes the SAME schedule; refitting in every call would push the learning rate 
 
 from __future__ import annotations
 
+from collections import deque
 from time import perf_counter
 
 RESERVE = 0.03
 """Share of the budget kept for the final checkpoint and summary."""
+WINDOWS = 4
+"""Estimate windows (of `every` steps) the step time is measured over."""
 
 
 class TimeBudget:
@@ -22,7 +27,7 @@ class TimeBudget:
         self.deadline = self.clock() + 60.0 * minutes * (1 - RESERVE)
         self.probe_step = first_step + warmup_steps  # compile-free steps only are timed
         self.every = max(1, every)
-        self.probe_time: float | None = None
+        self.marks: deque[tuple[int, float]] = deque(maxlen=WINDOWS + 1)  # (step, clock) per estimate
         self.reported: int | None = None
 
     def worth_reporting(self, fitted: int) -> bool:
@@ -37,12 +42,14 @@ class TimeBudget:
         """The run's total steps given the time left (never above `planned`), re-estimated every
         `every` steps after the probe; None while the step time is not known yet."""
         if step == self.probe_step:
-            self.probe_time = self.clock()
+            self.marks.append((step, self.clock()))
             return None
-        if self.probe_time is None or (step - self.probe_step) % self.every:
+        if not self.marks or (step - self.probe_step) % self.every:
             return None
         now = self.clock()
-        per_step = (now - self.probe_time) / (step - self.probe_step)
+        self.marks.append((step, now))
+        (first_step, first_time) = self.marks[0]
+        per_step = (now - first_time) / (step - first_step)
         return min(planned, step + max(0, int((self.deadline - now) / per_step)))
 
 

@@ -26,9 +26,34 @@ log = logging.getLogger("dflash_train")
 def build_drafter(cfg: RunConfig, target: Target, device: torch.device) -> DFlashDraftModel:
     torch.manual_seed(cfg.seed)
     drafter = DFlashDraftModel(draft_model_config(cfg, target))
+    if cfg.draft.init_layers_from is not None:
+        copy_target_layers(drafter, target, cfg.draft.init_layers_from)
     if cfg.draft.init_from:
         warm_start(drafter, cfg.draft.init_from)
     return drafter.to(device)
+
+
+def copy_target_layers(drafter: DFlashDraftModel, target: Target, layer_ids: list[int]) -> None:
+    """Drafter layer i <- target decoder layer layer_ids[i], parameter by parameter (same names and
+    shapes in Llama/Qwen-style layers). A parameter the target layer lacks (the drafter's q/k norms
+    when the target has none) keeps its fresh value; one the drafter lacks is an error."""
+    n = target.num_layers
+    for i, (layer, tid) in enumerate(zip(drafter.layers, layer_ids, strict=True)):
+        if not -n <= tid < n:
+            raise ValueError(f"draft.init_layers_from: {tid} is not a layer of the target's {n}")
+        source = dict(target.layers[tid].named_parameters())
+        own = dict(layer.named_parameters())
+        extra = sorted(set(source) - set(own))
+        if extra:
+            raise ValueError(f"draft.init_layers_from: target layer {tid} has parameters the drafter's layers "
+                             f"lack ({', '.join(extra)}); this target's layers cannot be copied")
+        for name, p in source.items():
+            if p.shape != own[name].shape:
+                raise ValueError(f"draft.init_layers_from: {name} is {tuple(p.shape)} in target layer {tid}, "
+                                 f"{tuple(own[name].shape)} in drafter layer {i}")
+            with torch.no_grad():
+                own[name].copy_(p.detach().to(own[name].dtype))
+    log.info("draft.init_layers_from: drafter layers start as copies of target layers %s", layer_ids)
 
 
 def check_warm_start_compatible(saved: DraftModelConfig, current: DraftModelConfig, source: str) -> None:

@@ -62,3 +62,18 @@ def test_a_budgeted_run_ends_early_with_its_schedule_complete(make_run_config, s
     assert lrs[:3] == pytest.approx([cfg.train.lr * lr_factor(s, planned, 0.1, 0.0) for s in range(3)])
     assert lrs[-5:] == pytest.approx([cfg.train.lr * lr_factor(s, 29, 0.1, 0.0) for s in range(24, 29)])
     assert lrs[-1] < 0.01 * cfg.train.lr
+
+
+def test_the_estimate_follows_a_step_time_that_drops():
+    """Cached features make every epoch after the first faster: the fit must use the recent step
+    time, or the schedule ends long before the budget does."""
+    clock = FakeClock()
+    budget = TimeBudget(minutes=10, first_step=0, warmup_steps=0, every=10, clock=clock)
+    budget.steps_that_fit(0, planned=100_000)
+    step = 0
+    for per_step in [1.0] * 10 + [0.25] * 10:  # 100 slow steps, then 100 fast ones
+        step += 10
+        clock.now += 10 * per_step
+        fitted = budget.steps_that_fit(step, planned=100_000)
+    deadline = 600 * (1 - RESERVE)
+    assert fitted == step + int((deadline - clock.now) / 0.25)
