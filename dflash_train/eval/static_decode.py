@@ -167,6 +167,7 @@ class StaticDecoder:
             self.feats = torch.zeros(rows, b, len(self.layer_ids) * target.hidden_size, dtype=self.dtype, device=device)
             self.accepted = torch.zeros(rows, b + 1, dtype=torch.long, device=device)
         self.graph_error: str | None = None
+        self.graphed = False
         self._capture(device.type == "cuda" if graphs is None else graphs)
 
     # --------------------------------------------------------------- the fixed-shape steps
@@ -229,6 +230,7 @@ class StaticDecoder:
                 return
             try:
                 self.run = {name: _graphed(step, self.target.device) for name, step in steps.items()}
+                self.graphed = True
             except Exception as e:  # a model whose forward cannot be captured still decodes, eagerly
                 self.graph_error = f"{type(e).__name__}: {e}"
                 log.error("CUDA graph capture failed (%s); decoding eagerly", self.graph_error)
