@@ -73,7 +73,8 @@ def main(argv=None):
     ap.add_argument("--block-size", type=int, default=16, help="random drafter's block size (default: 16)")
     ap.add_argument("--mask-token-id", type=int, default=16,
                     help="random drafter's mask token (default: 16, SmolLM2's <empty_output>, as its configs)")
-    ap.add_argument("--prompts", default="sharegpt", help="sharegpt, humaneval, mt-bench or a JSONL (default: sharegpt)")
+    ap.add_argument("--prompts", default="sharegpt",
+                    help="sharegpt, humaneval, mt-bench or a JSONL (default: sharegpt)")
     ap.add_argument("--num-prompts", type=int, default=20, help="first turns decoded (default: 20)")
     ap.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped (default: 1024)")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per answer (default: 256)")
