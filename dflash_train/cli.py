@@ -145,7 +145,7 @@ def cmd_eval(args) -> int:
         target=args.target, drafter=args.drafter, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, block_size=args.block_size, num_prompts=args.num_prompts, out=args.out,
         device=args.device, seed=args.seed, batch_size=args.batch_size, speed_prompts=args.speed_prompts,
-        dtype=args.dtype,
+        dtype=args.dtype, speed_engine=args.speed_engine,
     )
     print(format_table(report))
     if args.out:
@@ -323,6 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64, help="prompts decoded together for acceptance")
     p.add_argument("--speed-prompts", type=int, default=8,
                    help="first turns decoded one at a time, with caches, for the speedup (0: no speed figures)")
+    p.add_argument("--speed-engine", default="auto", choices=["auto", "static", "eager"],
+                   help="speed decoder: static (static KV caches, CUDA graphs on a GPU: as a server runs it; "
+                        "greedy, targets with full-attention layers, else eager with the reason logged) or eager "
+                        "(transformers' dynamic cache); default: auto = static on cuda, eager on cpu")
     p.set_defaults(func=cmd_eval)
 
     p = add("curve", "chart of held-out acceptance against device-minutes for one or more runs (eval.heldout_files)")

@@ -49,3 +49,15 @@ def test_multi_gpu_fault_run_cpu(tmp_path):
         assert kill["launcher_rc"] != 0 and kill["exit_s_after_kill"] < 60 and not kill["surviving_processes"], kill
     assert fault["resume_returncode"] == 0 and fault["final_step"] == 40
     assert fault["compared_steps"] == list(range(1, 41)) and fault["max_abs_loss_diff_vs_1t1d"] == 0.0
+
+
+def test_spec_speed_cpu_mode(tmp_path):
+    """bench/spec_speed.py --tiny: both batch sizes run (eagerly on CPU), fp32 answers all equal."""
+    import spec_speed
+
+    out = tmp_path / "spec.json"
+    result = spec_speed.main(["--tiny", "--batch", "1", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    for run, rows in zip(result["runs"], (1, 2)):
+        assert run["rows"] == rows and run["graphs"] is False and run["differences"]["differ"] == 0
+        assert run["spec_tokens_per_s"] > 0 and run["tau"] >= 1

@@ -4,7 +4,9 @@ Acceptance: every turn of every prompt is decoded speculatively, many prompts at
 (batched_speculative); multi-turn prompts continue from the speculative answer, which is the
 target's own answer (identical at temperature 0, a target sample above it). At temperature 0 each
 answer is compared with transformers' greedy `generate`. Speed: the first turns of a few prompts
-are decoded one at a time with KV caches, speculatively and by the target alone.
+are decoded one at a time with KV caches, speculatively and by the target alone: by the static engine
+(served_speed: static caches, CUDA graphs, as a server runs it) or the eager one (spec_decode:
+transformers' dynamic cache, host-bound for small targets).
 Outputs: a JSON report, a PNG (acceptance-length histogram, per-position acceptance), a table.
 """
 
@@ -27,6 +29,7 @@ from dflash_train.data.backends import GenParams
 from dflash_train.data.local_backend import generate_ids, pad_token_id
 from dflash_train.eval.batched import batched_speculative
 from dflash_train.eval.prompts import Prompt, load_prompts
+from dflash_train.eval.served_speed import first_difference, pick_speed_engine, served_speed
 from dflash_train.eval.spec_decode import speculative_generate, target_greedy
 from dflash_train.target import Target, load_target
 
@@ -62,10 +65,6 @@ def _warm_up(target: Target, drafter: DFlashDraftModel, ids: torch.Tensor, block
     target_greedy(target, ids, 8, stop_ids)
 
 
-def _first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
-
-
 @torch.no_grad()
 def decode_turns(
     target: Target, drafter: DFlashDraftModel, prompts: list[Prompt], max_new_tokens: int, temperature: float,
@@ -97,7 +96,7 @@ def decode_turns(
             if reference is not None:
                 record["lossless"] = spec.tokens == reference
                 if not record["lossless"]:
-                    record["first_difference"] = _first_difference(spec.tokens, reference)
+                    record["first_difference"] = first_difference(spec.tokens, reference)
             turns[i].append(record)
             answers[i].append(target.tokenizer.decode(spec.tokens, skip_special_tokens=True))
         log.info("eval turn %d: %d prompts, tau %.2f so far", t + 1, len(asked), sum(lengths) / max(1, len(lengths)))
@@ -108,12 +107,17 @@ def decode_turns(
 @torch.no_grad()
 def measure_speed(
     target: Target, drafter: DFlashDraftModel, prompts: list[Prompt], max_new_tokens: int, temperature: float,
-    block_size: int, generator: torch.Generator,
+    block_size: int, generator: torch.Generator, engine: str = "auto",
 ) -> dict:
     """Decode tokens/s of batch-1 speculative decoding (KV caches, as a server runs it) and of the
-    target alone, on the first turns of `prompts`, after a warm-up."""
+    target alone, on the first turns of `prompts`, after a warm-up; `engine` as pick_speed_engine."""
     stop_ids = stop_token_ids(target)
     ids = [encode(target, p.messages([])) for p in prompts]
+    engine, why_not_static = pick_speed_engine(engine, target, temperature)
+    if engine == "static":
+        served = served_speed(target, drafter, [i[0].tolist() for i in ids], max_new_tokens, stop_ids, 1, block_size)
+        served["speed_tau"] = served.pop("tau")  # the report's tau is the acceptance set's
+        return {"speed_engine": "static", **served}
     _warm_up(target, drafter, ids[0], block_size, generator)
     spec_tokens = spec_seconds = base_tokens = base_seconds = 0
     for prompt_ids in ids:
@@ -124,7 +128,8 @@ def measure_speed(
         spec_tokens, spec_seconds = spec_tokens + len(spec.tokens) - 1, spec_seconds + spec.decode_seconds
         base_tokens, base_seconds = base_tokens + len(base.tokens) - 1, base_seconds + base.decode_seconds
     spec_rate, base_rate = _decode_rate(spec_tokens, spec_seconds), _decode_rate(base_tokens, base_seconds)
-    return {"speed_prompts": len(ids), "spec_tokens_per_s": spec_rate, "target_tokens_per_s": base_rate,
+    return {"speed_engine": "eager", "static_unavailable": why_not_static, "speed_prompts": len(ids),
+            "spec_tokens_per_s": spec_rate, "target_tokens_per_s": base_rate,
             "speedup": spec_rate / base_rate if base_rate > 0 else 0.0}
 
 
@@ -160,9 +165,10 @@ def evaluate(
     seed: int = 0,
     batch_size: int = 64,
     speed_prompts: int = 8,
+    speed_engine: str = "auto",
 ) -> dict:
     """A report dict: acceptance over every turn of `prompts` (decode_turns), speed on the first
-    turns of the first `speed_prompts` of them (measure_speed; 0 skips it)."""
+    turns of the first `speed_prompts` of them (measure_speed with `speed_engine`; 0 skips it)."""
     if not prompts:
         raise ValueError("no prompts to evaluate")
     if batch_size < 1 or speed_prompts < 0:
@@ -173,7 +179,7 @@ def evaluate(
     speed = {"speed_prompts": 0, "spec_tokens_per_s": None, "target_tokens_per_s": None, "speedup": None}
     if speed_prompts:
         speed = measure_speed(target, drafter, prompts[:speed_prompts], max_new_tokens, temperature, block_size,
-                              generator)
+                              generator, speed_engine)
     return {"target": target.name, "device": str(target.device),
             **summarize(decoded, speed, block_size, max_new_tokens, temperature)}
 
@@ -216,10 +222,16 @@ def format_table(report: dict) -> str:
     table.add_row("tau (accepted per round, incl. bonus)", f"{report['tau']:.2f}")
     table.add_row("rounds", str(report["num_rounds"]))
     if report["speedup"] is not None:
-        on = f" ({report['speed_prompts']} prompts, batch 1)"
+        on = f" ({report['speed_prompts']} prompts, batch 1, {report['speed_engine']} engine)"
         table.add_row("speculative decode tokens/s" + on, f"{report['spec_tokens_per_s']:.1f}")
         table.add_row("target-only decode tokens/s" + on, f"{report['target_tokens_per_s']:.1f}")
         table.add_row("speedup", f"{report['speedup']:.2f}x")
+        if report["speed_engine"] == "static":
+            split = report["ms_per_round"]
+            table.add_row("ms per round: draft / verify / rest", f"{split['draft']:.2f} / {split['verify']:.2f} / "
+                                                                  f"{split['bookkeeping']:.2f}")
+            diff = report["differences"]
+            table.add_row("speed answers != target-only (near ties)", f"{diff['differ']} ({diff['near_ties']})")
     if report["lossless"] is not None:
         table.add_row("lossless (== target greedy)", f"{report['lossless']['matches']}/{report['lossless']['total']}")
     rates = report["position_acceptance"]
@@ -271,11 +283,13 @@ def run_eval(
     batch_size: int = 64,
     speed_prompts: int = 8,
     dtype: str = "auto",
+    speed_engine: str = "auto",
 ) -> dict:
     """`dflash-train eval`: load target, drafter and prompts, evaluate, write the report if `out`.
 
     dtype: the target's (and drafter's) compute dtype; float32 makes the lossless check exact where
     bf16 rounding can flip near-ties between a 16-token verification and a 1-token decode.
+    speed_engine: auto (static on CUDA, eager on CPU), static or eager; see measure_speed.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -287,7 +301,7 @@ def run_eval(
     dev = torch.device(device)
     loaded = load_target(TargetConfig(path=target, dtype=dtype), dev)
     report = evaluate(loaded, load_drafter(str(drafter), loaded, dev), chosen, max_new_tokens, temperature,
-                      block_size, seed, batch_size, speed_prompts)
+                      block_size, seed, batch_size, speed_prompts, speed_engine)
     report.update(drafter=str(drafter), prompts=prompts)
     if out is not None:
         write_report(report, out)

@@ -86,3 +86,18 @@ def test_a_reference_that_differs_is_reported_with_where(chat_target, monkeypatc
     assert report["lossless"] == {"matches": 1, "total": 2}
     assert report["turns"][0]["lossless"] is False and report["turns"][0]["first_difference"] == 3
     assert report["turns"][1]["lossless"] is True and "first_difference" not in report["turns"][1]
+
+
+def test_static_speed_engine_on_cpu(chat_target):
+    """The static engine runs on CPU too (graphs off): fp32 answers equal the target's, and a sampled
+    eval falls back to the eager engine, saying why."""
+    drafter = tiny_drafter(chat_target, block_size=4)
+    prompts = load_prompts("humaneval", 2)
+    report = evaluate(chat_target, drafter, prompts, max_new_tokens=6, speed_engine="static")
+    assert report["speed_engine"] == "static" and report["graphs"] is False and report["speed_prompts"] == 2
+    assert report["differences"]["differ"] == 0 and report["spec_tokens_per_s"] > 0 and report["speed_tau"] >= 1
+    assert set(report["ms_per_round"]) == {"draft", "verify", "bookkeeping"}
+    assert "draft / verify" in format_table(report)
+    sampled = evaluate(chat_target, drafter, prompts, max_new_tokens=4, temperature=0.7, speed_engine="static")
+    assert sampled["speed_engine"] == "eager" and "greedily" in sampled["static_unavailable"]
+    assert evaluate(chat_target, drafter, prompts, max_new_tokens=4, speed_prompts=1)["speed_engine"] == "eager"

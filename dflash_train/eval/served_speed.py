@@ -1,0 +1,108 @@
+"""Speed as served: the static decoder's tokens/s, speculative against the target alone, and where
+their answers part.
+
+Both decoders run on the same StaticDecoder (same caches, graphs and host loop), so the speedup
+compares like with like. In fp32 the answers are equal (tests); in bf16 a 16-token verification and
+a 1-token step round differently, so an answer may flip at a near-tie. Each first difference is
+checked against the target's own top-2 logit gap at that point, from one cache-free forward over
+the shared prefix: `near_tie` when the gap is below NEAR_TIE_RELATIVE of the top logit (bf16 keeps
+8 significant bits, a relative step of 0.4-0.8%, so 1e-2 is one or two rounding steps).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dflash_train.draft.model import DFlashDraftModel
+from dflash_train.eval.static_decode import StaticDecoder, static_cache_problem
+from dflash_train.target import Target
+
+log = logging.getLogger("dflash_train")
+
+NEAR_TIE_RELATIVE = 1e-2
+SPEED_ENGINES = ("auto", "static", "eager")
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (the shorter length when one is a prefix), None if equal."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+@torch.no_grad()
+def top2_gap(target: Target, ids: list[int]) -> dict:
+    """The target's two best next tokens after `ids` and their logit gap (absolute, relative to the top)."""
+    logits = target.model(input_ids=torch.tensor([ids], device=target.device), use_cache=False,
+                          logits_to_keep=1).logits[0, -1].float()
+    top = logits.topk(2)
+    gap = float(top.values[0] - top.values[1])
+    return {"top2": top.indices.tolist(), "gap": gap, "relative_gap": gap / max(abs(float(top.values[0])), 1e-6)}
+
+
+def answer_differences(target: Target, prompts: list[list[int]], answers: list[list[int]],
+                       references: list[list[int]]) -> dict:
+    """How many answers differ from the references, and at each first difference the target's top-2 gap."""
+    rows = []
+    for i, (p, answer, ref) in enumerate(zip(prompts, answers, references)):
+        at = first_difference(answer, ref)
+        if at is None:
+            continue
+        row = {"prompt": i, "index": at, "token": answer[at] if at < len(answer) else None,
+               "reference_token": ref[at] if at < len(ref) else None}
+        if row["token"] is not None and row["reference_token"] is not None:  # else one stopped early: no tie to check
+            row |= top2_gap(target, p + ref[:at])
+            row["near_tie"] = row["relative_gap"] < NEAR_TIE_RELATIVE
+        rows.append(row)
+    return {"answers": len(answers), "differ": len(rows), "near_ties": sum(bool(r.get("near_tie")) for r in rows),
+            "near_tie_relative_gap": NEAR_TIE_RELATIVE, "first_differences": rows}
+
+
+def pick_speed_engine(requested: str, target: Target, temperature: float) -> tuple[str, str | None]:
+    """(engine, why static was not used): auto is static on CUDA, eager on CPU; static falls back to
+    eager, with an error naming the reason, for a target it cannot serve or above temperature 0."""
+    if requested not in SPEED_ENGINES:
+        raise ValueError(f"speed engine must be one of {SPEED_ENGINES}, got {requested!r}")
+    if requested == "auto":
+        requested = "static" if target.device.type == "cuda" else "eager"
+    if requested == "eager":
+        return "eager", None
+    problem = "it decodes greedily only (temperature 0)" if temperature > 0 else static_cache_problem(target.model)
+    if problem:
+        log.error("static speed engine unavailable for %s: %s; measuring speed with the eager engine",
+                  target.name, problem)
+        return "eager", problem
+    return "static", None
+
+
+def _mean_ms(seconds: list[float]) -> float:
+    return round(1e3 * sum(seconds) / max(1, len(seconds)), 4)
+
+
+def served_speed(target: Target, drafter: DFlashDraftModel, prompts: list[list[int]], max_new_tokens: int,
+                 stop_ids=(), rows: int = 1, block_size: int | None = None, graphs: bool | None = None) -> dict:
+    """Decode tokens/s of speculative and target-only decoding of `prompts`, `rows` at a time, after a
+    short untimed warm-up; tau, per-round time split, and the answers' differences."""
+    decoder = StaticDecoder(target, drafter, rows, max(map(len, prompts)) + max_new_tokens, block_size, graphs)
+    groups = [prompts[i : i + rows] for i in range(0, len(prompts), rows)]
+    warm = min(8, max_new_tokens)
+    decoder.speculative(groups[0], warm, stop_ids)
+    decoder.greedy(groups[0], warm, stop_ids)
+    spec = [decoder.speculative(g, max_new_tokens, stop_ids) for g in groups]
+    base = [decoder.greedy(g, max_new_tokens, stop_ids) for g in groups]
+    answers = [r.tokens for d in spec for r in d.results]
+    references = [r.tokens for d in base for r in d.results]
+    # The first token of each answer comes from the prefill in both decodes; the timed part is the rest.
+    spec_rate = sum(len(a) - 1 for a in answers) / max(1e-9, sum(d.decode_seconds for d in spec))
+    base_rate = sum(len(a) - 1 for a in references) / max(1e-9, sum(d.decode_seconds for d in base))
+    lengths = [n for d in spec for r in d.results for n in r.acceptance_lengths]
+    return {
+        "rows": rows, "graphs": decoder.graphed, "graph_error": decoder.graph_error, "speed_prompts": len(prompts),
+        "spec_tokens_per_s": spec_rate, "target_tokens_per_s": base_rate,
+        "speedup": spec_rate / base_rate if base_rate > 0 else 0.0,
+        "tau": sum(lengths) / max(1, len(lengths)),
+        "ms_per_round": {"draft": _mean_ms([s for d in spec for s in d.draft_seconds]),
+                         "verify": _mean_ms([s for d in spec for s in d.verify_seconds]),
+                         "bookkeeping": _mean_ms([s for d in spec for s in d.bookkeeping_seconds])},
+        "differences": answer_differences(target, prompts, answers, references),
+    }

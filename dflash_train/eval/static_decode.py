@@ -1,0 +1,336 @@
+"""Speculative decoding as a server runs it: static KV caches, fixed shapes, CUDA graphs.
+
+`spec_decode.speculative_generate` makes the decisions; this module makes the same ones (greedy) with
+a serving engine's machinery, so its tokens/s predict what SGLang or vLLM would give:
+- Both models write their K/V into caches preallocated to `max_len` (+ one block) positions, at
+  positions given by a tensor. Nothing is ever cropped: a rejected proposal's K/V stays where it
+  was written, is masked out (a key is visible only at a position the query may see), and the next
+  block overwrites it. Hence `cap`: a finished row of a batch keeps running (the shape is fixed) at
+  a clamped position, inside the cache.
+- One round is three fixed-shape steps over `R` rows of `B` slots:
+    draft    the drafter's forward; its new context is the last verification's features of all B
+             slots at their positions (masking, not slicing, keeps the accepted ones: key j is
+             visible iff j < the block's start), its block [token, MASK x (B-1)]
+    verify   the target's forward over [token, proposals], capturing the drafter's layers
+    advance  acceptance (longest agreeing prefix + the target's token) and the next round's inputs
+  and the target-only baseline is one step: one token per row. On a GPU each step is captured once
+  as a CUDA graph over static buffers and replayed; on CPU (tests) the same functions run eagerly.
+- Prefills (variable length: the prompts, and the drafter's pass over the prompt's features) run
+  eagerly. The drafter's prompt pass also drafts round 1 and is timed as its drafter step.
+Greedy only: sampling keeps to `spec_decode`. Shape names: R rows, B block slots, L cache positions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, StaticLayer
+
+from dflash_train.draft.model import DFlashDraftModel
+from dflash_train.eval.spec_decode import DecodeResult, SpecResult, check_budget, emit_tokens
+from dflash_train.target import Target
+
+log = logging.getLogger("dflash_train")
+
+ALIGN = 16
+"""Cache lengths are rounded up to this: SDPA's memory-efficient kernel wants aligned mask rows."""
+
+
+def static_cache_problem(model) -> str | None:
+    """Why `model` cannot run here with a static cache, or None when it can."""
+    config = model.config.get_text_config(decoder=True)
+    name = type(model).__name__
+    if not getattr(model, "_can_compile_fullgraph", False):
+        return f"transformers does not support a static cache for {name} (_can_compile_fullgraph is False)"
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"} or getattr(config, "sliding_window", None):
+        return f"{name} has {sorted(layer_types)} layers (sliding window {getattr(config, 'sliding_window', None)}); " \
+               "the static decoder's cache holds full-attention layers only"
+    if config._attn_implementation not in ("sdpa", "eager"):
+        return f"attention '{config._attn_implementation}' ignores the decoder's 4D masks (use sdpa or eager)"
+    return None
+
+
+class _PositionedLayer(StaticLayer):
+    """A StaticLayer that writes at `positions` [R, Q] (set before each forward) instead of its
+    running length: per-row positions, rewritable."""
+
+    positions: torch.Tensor
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        index = self.positions[:, None, :, None]
+        self.keys.scatter_(2, index.expand_as(key_states), key_states)
+        self.values.scatter_(2, index.expand_as(value_states), value_states)
+        return self.keys, self.values
+
+
+class DraftStaticCache:
+    """DraftKVCache's interface over preallocated [R, kv_heads, L, D] buffers written at `positions`."""
+
+    def __init__(self, cfg, rows: int, length: int, dtype: torch.dtype, device: torch.device):
+        shape = (rows, cfg.num_key_value_heads, length, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.positions: torch.Tensor | None = None
+
+    def extend(self, layer: int, k_ctx: torch.Tensor, v_ctx: torch.Tensor):
+        index = self.positions[:, None, :, None].expand_as(k_ctx)
+        self.k[layer].scatter_(2, index, k_ctx)
+        self.v[layer].scatter_(2, index, v_ctx)
+        return self.k[layer], self.v[layer]
+
+
+def causal_bias(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [R, 1, Q, L]: query at position p sees cache positions <= p (eager adds it,
+    SDPA takes it as is)."""
+    keys = torch.arange(length, device=positions.device)
+    visible = keys <= positions[:, None, :, None]
+    return torch.zeros((), dtype=dtype, device=positions.device).masked_fill(~visible, torch.finfo(dtype).min)
+
+
+def _graphed(step, device: torch.device):
+    """`step` captured as a CUDA graph (warmed up on a side stream first); returns its replay."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+class _Clock:
+    """Marks on the device's timeline: CUDA events on a GPU (no sync until read), wall time on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+@dataclass
+class Decoded:
+    results: list
+    """Per prompt: SpecResult (speculative) or DecodeResult (target only); decode_seconds is its group's."""
+    decode_seconds: float = 0.0
+    """Summed over groups of R rows, after each group's prefill."""
+    draft_seconds: list[float] = field(default_factory=list)
+    verify_seconds: list[float] = field(default_factory=list)
+    bookkeeping_seconds: list[float] = field(default_factory=list)
+    """Per round (speculative only): the rest of the round's wall time (acceptance, the host copy of
+    the accepted tokens, emission)."""
+
+
+class StaticDecoder:
+    """Greedy decoding of `rows` prompts at a time, speculative (`speculative`) or by the target
+    alone (`greedy`), on caches for `max_len` positions (prompt + new tokens)."""
+
+    def __init__(self, target: Target, drafter: DFlashDraftModel | None, rows: int, max_len: int,
+                 block_size: int | None = None, graphs: bool | None = None):
+        problem = static_cache_problem(target.model)
+        if problem:
+            raise ValueError(f"no static decoding for {target.name}: {problem}")
+        self.target, self.drafter, self.rows, self.max_len = target, drafter, rows, max_len
+        self.block_size = b = block_size or (drafter.config.block_size if drafter else 1)
+        device, self.dtype = target.device, target.embed_weight.dtype
+        self.length = -(-(max_len + b) // ALIGN) * ALIGN  # a clamped row's block ends below max_len + B
+        self.cache = Cache(layers=[_PositionedLayer(self.length) for _ in range(target.num_layers)])
+        self.cap = torch.zeros(rows, dtype=torch.long, device=device)
+        self.offsets = torch.arange(b, device=device)
+        self.step_ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.step_pos = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        if drafter is not None:
+            cfg = drafter.config
+            self.layer_ids = cfg.target_layer_ids
+            self.draft_len = -(-(self.length + b) // ALIGN) * ALIGN - b  # aligned with the block's keys
+            self.draft_cache = DraftStaticCache(cfg, rows, self.draft_len, self.dtype, device)
+            self.block_pos = self.offsets.repeat(rows, 1)
+            self.ctx_pos = self.block_pos.clone()
+            self.draft_ids = torch.full((rows, b), cfg.mask_token_id, dtype=torch.long, device=device)
+            self.verify_ids, self.choice = torch.zeros_like(self.draft_ids), torch.zeros_like(self.draft_ids)
+            self.feats = torch.zeros(rows, b, len(self.layer_ids) * target.hidden_size, dtype=self.dtype, device=device)
+            self.accepted = torch.zeros(rows, b + 1, dtype=torch.long, device=device)
+        self.graph_error: str | None = None
+        self.graphed = False
+        self._capture(device.type == "cuda" if graphs is None else graphs)
+
+    # --------------------------------------------------------------- the fixed-shape steps
+
+    def _target(self, ids, positions, layer_ids=()):
+        """Logits [R, Q, V] of `ids` at `positions`, written into the cache there, and the features
+        of `layer_ids` [R, Q, K*H] (None without)."""
+        for layer in self.cache.layers:
+            layer.positions = positions
+        kwargs = dict(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
+                      attention_mask=causal_bias(positions, self.length, self.dtype))
+        if not layer_ids:
+            return self.target.model(**kwargs).logits, None
+        with self.target.capture(layer_ids) as store:
+            logits = self.target.model(**kwargs).logits
+        return logits, torch.cat([store[i] for i in layer_ids], dim=-1)
+
+    def _draft(self, feats, ctx_pos):
+        """Proposals for slots 1..B-1 into verify_ids; `feats` at `ctx_pos` join the drafter's cache."""
+        self.draft_cache.positions = ctx_pos
+        ctx_visible = torch.arange(self.draft_len, device=ctx_pos.device) < self.block_pos[:, :1]
+        visible = torch.cat([ctx_visible, torch.ones_like(self.block_pos, dtype=torch.bool)], dim=1)
+        mask = visible[:, None, None, :].expand(-1, 1, self.block_size, -1)
+        embeds = self.target.embed_weight[self.draft_ids]
+        hidden = self.drafter(feats, embeds, ctx_pos, self.block_pos, mask=mask, cache=self.draft_cache)
+        self.verify_ids[:, 0] = self.draft_ids[:, 0]
+        self.verify_ids[:, 1:] = (hidden[:, 1:] @ self.target.lm_head_weight.T).argmax(-1)
+
+    def _draft_step(self):
+        self._draft(self.feats, self.ctx_pos)
+
+    def _verify_step(self):
+        logits, feats = self._target(self.verify_ids, self.block_pos, self.layer_ids)
+        self.choice.copy_(logits.argmax(-1))
+        self.feats.copy_(feats)
+
+    def _advance_step(self):
+        """Acceptance as spec_decode.accept_greedy, per row; the verified block becomes the next context."""
+        n = (self.verify_ids[:, 1:] == self.choice[:, :-1]).long().cumprod(1).sum(1)
+        token = self.choice.gather(1, n[:, None])
+        self.accepted.copy_(torch.cat([self.verify_ids[:, 1:], token, n[:, None]], dim=1))
+        self.ctx_pos.copy_(self.block_pos)
+        start = torch.minimum(self.block_pos[:, 0] + n + 1, self.cap)
+        self.block_pos.copy_(start[:, None] + self.offsets)
+        self.draft_ids[:, :1] = token
+
+    def _target_step(self):
+        logits, _ = self._target(self.step_ids, self.step_pos)
+        self.step_ids.copy_(logits[:, -1:].argmax(-1))
+        self.step_pos.copy_(torch.minimum(self.step_pos + 1, self.cap[:, None]))
+
+    def _capture(self, graphs: bool):
+        steps = {"target": self._target_step}
+        if self.drafter is not None:
+            steps |= {"draft": self._draft_step, "verify": self._verify_step, "advance": self._advance_step}
+        self.run = dict(steps)
+        with torch.no_grad():
+            self._prefill([[0]], layer_ids=getattr(self, "layer_ids", ()))  # allocates the target cache
+            if not graphs:
+                return
+            try:
+                self.run = {name: _graphed(step, self.target.device) for name, step in steps.items()}
+                self.graphed = True
+            except Exception as e:  # a model whose forward cannot be captured still decodes, eagerly
+                self.graph_error = f"{type(e).__name__}: {e}"
+                log.error("CUDA graph capture failed (%s); decoding eagerly", self.graph_error)
+                self.run = dict(steps)
+
+    # --------------------------------------------------------------- decoding
+
+    def _prefill(self, prompts: list[list[int]], layer_ids=()):
+        """Rows right-padded (and the batch padded with copies of the last prompt): first tokens [R]
+        and the prompts' features [R, P, K*H]. Pad positions get K/V that no later query sees."""
+        device = self.target.device
+        rows = prompts + [prompts[-1]] * (self.rows - len(prompts))
+        width = max(map(len, rows))
+        ids = torch.zeros(self.rows, width, dtype=torch.long)
+        for r, row in enumerate(rows):
+            ids[r, : len(row)] = torch.tensor(row)
+        positions = torch.arange(width, device=device).expand(self.rows, -1)
+        last = torch.tensor([len(row) - 1 for row in rows], device=device)
+        logits, feats = self._target(ids.to(device), positions, layer_ids)
+        first = logits[torch.arange(self.rows, device=device), last].argmax(-1)
+        return first, feats, positions, last + 1
+
+    def _start(self, prompts, max_new_tokens, layer_ids=()):
+        if not 1 <= len(prompts) <= self.rows or min(map(len, prompts)) < 1:
+            raise ValueError(f"1..{self.rows} prompts of at least one token each, got {len(prompts)}")
+        check_budget(max_new_tokens)
+        longest = max(map(len, prompts)) + max_new_tokens
+        if longest > self.max_len:
+            raise ValueError(f"prompt + max_new_tokens = {longest} exceeds the decoder's max_len {self.max_len}")
+        first, feats, positions, lengths = self._prefill(prompts, layer_ids)
+        self.cap.copy_(lengths + max_new_tokens)
+        return first, feats, positions, lengths
+
+    @torch.no_grad()
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=()) -> Decoded:
+        """The target alone, one token per row and step: the baseline of `speculative`."""
+        first, _, _, lengths = self._start(prompts, max_new_tokens)
+        self.step_ids.copy_(first[:, None])
+        self.step_pos.copy_(lengths[:, None])
+        results = [DecodeResult(tokens=[], decode_seconds=0.0) for _ in prompts]
+        active = self._emit(results, first[: len(prompts), None].tolist(), max_new_tokens, set(stop_ids))
+        t0 = _sync_time(self.target.device)
+        while active:
+            self.run["target"]()
+            new = self.step_ids.tolist()
+            active = self._emit(results, [new[r] if r in active else [] for r in range(len(prompts))],
+                                max_new_tokens, set(stop_ids))
+        return self._done(Decoded(results), t0)
+
+    @torch.no_grad()
+    def speculative(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=()) -> Decoded:
+        """Decisions of `speculative_generate` at temperature 0, for up to R prompts at once."""
+        b, stop_ids = self.block_size, set(stop_ids)
+        first, feats, positions, lengths = self._start(prompts, max_new_tokens, self.layer_ids)
+        self.block_pos.copy_(lengths[:, None] + self.offsets)
+        self.draft_ids.fill_(self.drafter.config.mask_token_id)
+        self.draft_ids[:, 0] = first
+        results = [SpecResult(tokens=[], decode_seconds=0.0, block_size=b, position_accepts=[0] * (b - 1))
+                   for _ in prompts]
+        out = Decoded(results)
+        active = self._emit(results, first[: len(prompts), None].tolist(), max_new_tokens, stop_ids)
+        clock = _Clock(self.target.device)
+        t0 = _sync_time(self.target.device)
+        draft = lambda: self._draft(feats, positions)  # noqa: E731  round 1: the drafter's prompt pass
+        while active:
+            wall, marks = time.perf_counter(), [clock.mark()]
+            draft()
+            marks.append(clock.mark())
+            self.run["verify"]()
+            marks.append(clock.mark())
+            self.run["advance"]()
+            accepted = self.accepted.tolist()  # the round's one host sync
+            new = []
+            for r, row in enumerate(accepted):
+                n = row[b]
+                if r in active:
+                    results[r].acceptance_lengths.append(n + 1)
+                    for k in range(n):
+                        results[r].position_accepts[k] += 1
+                new.append(row[:n] + [row[b - 1]] if r in active else [])
+            active = self._emit(results, new[: len(prompts)], max_new_tokens, stop_ids)
+            out.draft_seconds.append(clock.seconds(marks[0], marks[1]))
+            out.verify_seconds.append(clock.seconds(marks[1], marks[2]))
+            out.bookkeeping_seconds.append(time.perf_counter() - wall - out.draft_seconds[-1] - out.verify_seconds[-1])
+            draft = self.run["draft"]
+        return self._done(out, t0)
+
+    def _emit(self, results, new, max_new_tokens, stop_ids) -> set[int]:
+        """Appends each row's new tokens (emit_tokens: stops and budget); the rows still decoding."""
+        return {r for r, (res, toks) in enumerate(zip(results, new))
+                if toks and not emit_tokens(res.tokens, toks, max_new_tokens, stop_ids)}
+
+    def _done(self, out: Decoded, t0: float) -> Decoded:
+        out.decode_seconds = _sync_time(self.target.device) - t0
+        for res in out.results:
+            res.decode_seconds = out.decode_seconds
+        return out
+
+
+def _sync_time(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
