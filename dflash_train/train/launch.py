@@ -22,7 +22,7 @@ from dflash_train.cli import HelpFormatter
 from dflash_train.config import load_config
 from dflash_train.data.dataset import load_training_data
 from dflash_train.target import load_target
-from dflash_train.train.distributed import drafter_runs
+from dflash_train.train.distributed import build_layout, drafter_runs
 from dflash_train.train.layout import Plan, plan_split
 from dflash_train.train.build import resolve_device
 from dflash_train.train.loop import Trainer
@@ -105,16 +105,28 @@ def measure(config: str, overrides: list[str], steps: int) -> tuple[float, list[
 
 
 def choose_split(args: argparse.Namespace) -> list[str]:
+    """The split's arguments for distributed.py, checked here with the workers' own layout call so a
+    split that cannot run is refused before torchrun starts."""
+    cfg = load_config(args.config, args.overrides)
+    world, tp = args.nproc_per_node * args.nnodes, cfg.target.tensor_parallel
+    names = [name for name, _ in drafter_runs(cfg)]
     if args.colocated:
+        build_layout(world, names, target_ranks=None, drafter_ranks=None, colocated=True, tensor_parallel=tp)
         return ["--colocated"]
-    world = args.nproc_per_node * args.nnodes
     if args.target_gpus != "auto":
+        build_layout(world, names, target_ranks=int(args.target_gpus), drafter_ranks=args.drafter_gpus,
+                     colocated=False, tensor_parallel=tp)
         split = ["--target-ranks", args.target_gpus]
         return split + (["--drafter-ranks", args.drafter_gpus] if args.drafter_gpus else [])
     if args.nnodes > 1:
         raise ValueError("--target-gpus auto measures on this node's GPU: run it on one node, then pass the split")
-    plan: Plan = plan_split(world, *measure(args.config, args.overrides, args.measure_steps))
-    print(f"dflash-train launch: plan for {world} GPUs: {plan.reason}", flush=True)
+    # A sharded target is measured whole on one GPU (it must fit) and its group assumed to scale
+    # ideally, N x one GPU: an upper bound, said in the plan's reason.
+    target_tps, drafter_tps, colocated_tps = measure(args.config, [*args.overrides, "target.tensor_parallel=1"],
+                                                     args.measure_steps)
+    plan: Plan = plan_split(world, target_tps * tp, drafter_tps, colocated_tps, tensor_parallel=tp)
+    assumed = f" (target group throughput assumed {tp} x one unsharded GPU)" if tp > 1 else ""
+    print(f"dflash-train launch: plan for {world} GPUs: {plan.reason}{assumed}", flush=True)
     if plan.colocated:
         return ["--colocated"]
     return ["--target-ranks", str(plan.num_targets), "--drafter-ranks", ",".join(map(str, plan.group_sizes))]
