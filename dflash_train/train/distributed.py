@@ -16,6 +16,7 @@ import argparse
 import copy
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -77,14 +78,16 @@ class Watchdog:
     makes this rank exit non-zero with a message naming it, instead of hanging in a collective."""
 
     def __init__(self, store, rank: int, layout: Layout, timeout: float, interval: float = 1.0,
-                 on_failure=None):
-        self.store, self.rank, self.layout = store, rank, layout
+                 on_failure=None, where: str | None = None):
+        self.store, self.rank, self.layout, self.where = store, rank, layout, where
         self.timeout, self.interval = timeout, interval
         self.on_failure = on_failure or _exit_failed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dflash-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
+        if self.where:  # read back by the others' messages: a dead node is named, not only its ranks
+            self.store.set(f"where/{self.rank}", self.where)
         self.store.add(f"beat/{self.rank}", 1)
         self._thread.start()
         return self
@@ -103,7 +106,8 @@ class Watchdog:
                 and not self.store.check([f"state/{r}"])]
 
     def describe(self, rank: int) -> str:
-        return f"rank {rank} ({self.layout.describe(rank)})"
+        where = self.store.get(f"where/{rank}").decode() if self.store.check([f"where/{rank}"]) else None
+        return f"rank {rank} ({self.layout.describe(rank)}{f', {where}' if where else ''})"
 
     def _run(self) -> None:
         others = [r for r in range(self.layout.world_size) if r != self.rank]
@@ -205,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             mesh = DeviceMesh.from_group(shards[rank // layout.tensor_parallel], device.type)
     store = dist.PrefixStore("dflash-watchdog/", dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=COLLECTIVE_TIMEOUT))
-    watchdog = Watchdog(store, rank, layout, args.heartbeat_timeout).start()
+    # torchrun's GROUP_RANK is this machine's --node-rank.
+    where = f"node {os.environ.get('GROUP_RANK', 0)} ({socket.gethostname()})"
+    watchdog = Watchdog(store, rank, layout, args.heartbeat_timeout, where=where).start()
     try:
         run_rank(args, cfg, runs, layout, groups, rank, device, mesh)
     except Exception as err:
