@@ -98,7 +98,7 @@ def test_killed_rank_stops_everyone_then_resume_with_another_split(assets, tmp_p
     assert proc.returncode != 0
     # Named either by torchrun's root cause or by the survivor whose send failed first.
     assert (re.search(r"Root Cause.*rank\s+: 1 \(local_rank: 1\)\s+exitcode\s+: -9", out, re.S)
-            or "silent peers (likely dead): rank 1 (target 1)" in out), out[-3000:]
+            or "silent peers (likely dead): rank 1 (target 1, node 0 (" in out), out[-3000:]
     assert not children(proc.pid)
     saved = resume_step([str(tmp_path / "run")])
     assert saved is not None and saved < 60
