@@ -30,6 +30,11 @@ class TargetConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """auto = bf16 on GPU, fp32 on CPU."""
     attn_implementation: str = "sdpa"
+    tensor_parallel: int = Field(1, ge=1)
+    """GPUs per target replica under `dflash-train launch`: target ranks form groups of this many that
+    run one target sharded with the model's own tensor-parallel plan (transformers'
+    `base_model_tp_plan`, applied with DTensor); the group's first rank sends the features. 1 = every
+    target rank holds the whole target. `dflash-train train` runs one process and needs 1."""
 
 
 class DraftConfig(_Section):

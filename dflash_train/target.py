@@ -24,6 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from dflash_train.atomic import new_temp_dir, swap_dir
 from dflash_train.config import TargetConfig
 from dflash_train.target_path import check_target_path, load_pretrained
+from dflash_train.tensor_parallel import shard_decoder
 from dflash_train.package_data import SMOLLM2_GGUF, cache_home, packaged_file
 
 log = logging.getLogger("dflash_train")
@@ -247,10 +248,23 @@ def resolve_mask_token_id(explicit: int | None, tokenizer, embed_rows: int) -> i
     )
 
 
-def load_target(cfg: TargetConfig, device: torch.device) -> Target:
+def load_target(cfg: TargetConfig, device: torch.device, *, mesh=None, decoder: bool = True) -> Target:
+    """The target on `device`. `mesh`: a tensor-parallel group's DeviceMesh; its decoder layers are
+    sharded over it (`target.tensor_parallel` ranks). decoder=False: only the embedding and LM head
+    reach the device (drafter ranks of a split layout), so a target larger than one GPU still loads.
+    Either way the whole checkpoint is read on CPU first."""
+    if decoder and mesh is None and cfg.tensor_parallel > 1:
+        raise ValueError(f"target.tensor_parallel {cfg.tensor_parallel} shards the target over several "
+                         "processes: run it with `dflash-train launch`, or set target.tensor_parallel=1")
     path = resolve_target_path(cfg.path)
     dtype = pick_dtype(cfg.dtype, device)
     tokenizer = load_pretrained(AutoTokenizer, path)
     model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=cfg.attn_implementation)
+    if not decoder:
+        layers = decoder_layers(model)
+        for i in range(len(layers)):
+            layers[i] = nn.Identity()
+    elif mesh is not None:
+        shard_decoder(model, mesh)
     model.to(device).eval().requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, name=cfg.path, device=device)

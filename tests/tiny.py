@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_train.target import Target
 
@@ -47,3 +47,14 @@ def tiny_target(
     model = Qwen3ForCausalLM(config).eval().requires_grad_(False)
     tokenizer = tiny_tokenizer() if tokenizer is _DEFAULT else tokenizer
     return Target(model=model, tokenizer=tokenizer, name=f"tiny-qwen3-v{vocab}", device=torch.device("cpu"))
+
+
+def tiny_llama(num_layers: int = 3, hidden: int = 32, vocab: int = 272, seed: int = 0) -> Target:
+    """A random Llama target (SmolLM2's architecture): 4 heads, 2 KV heads, so it shards 2 ways."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    return Target(model=model, tokenizer=tiny_tokenizer(), name=f"tiny-llama-v{vocab}", device=torch.device("cpu"))

@@ -16,6 +16,7 @@ import argparse
 import copy
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -24,10 +25,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from dflash_train.config import RunConfig, build_config, load_config
 from dflash_train.data.dataset import load_training_data
-from dflash_train.target import Target, decoder_layers, load_target
+from dflash_train.target import load_target
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.layout import Layout
 from dflash_train.train.build import resolve_device, stream_layer_ids
@@ -76,14 +78,16 @@ class Watchdog:
     makes this rank exit non-zero with a message naming it, instead of hanging in a collective."""
 
     def __init__(self, store, rank: int, layout: Layout, timeout: float, interval: float = 1.0,
-                 on_failure=None):
-        self.store, self.rank, self.layout = store, rank, layout
+                 on_failure=None, where: str | None = None):
+        self.store, self.rank, self.layout, self.where = store, rank, layout, where
         self.timeout, self.interval = timeout, interval
         self.on_failure = on_failure or _exit_failed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dflash-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
+        if self.where:  # read back by the others' messages: a dead node is named, not only its ranks
+            self.store.set(f"where/{self.rank}", self.where)
         self.store.add(f"beat/{self.rank}", 1)
         self._thread.start()
         return self
@@ -102,7 +106,8 @@ class Watchdog:
                 and not self.store.check([f"state/{r}"])]
 
     def describe(self, rank: int) -> str:
-        return f"rank {rank} ({self.layout.describe(rank)})"
+        where = self.store.get(f"where/{rank}").decode() if self.store.check([f"where/{rank}"]) else None
+        return f"rank {rank} ({self.layout.describe(rank)}{f', {where}' if where else ''})"
 
     def _run(self) -> None:
         others = [r for r in range(self.layout.world_size) if r != self.rank]
@@ -133,16 +138,6 @@ def _exit_failed(message: str) -> None:
     os._exit(1)  # the main thread may be blocked inside a collective that would never return
 
 
-def heads_only(target: Target) -> Target:
-    """Drafter ranks need only the target's embedding and LM head: free the decoder layers."""
-    layers = decoder_layers(target.model)
-    for i in range(len(layers)):
-        layers[i] = torch.nn.Identity()
-    if target.device.type == "cuda":
-        torch.cuda.empty_cache()
-    return target
-
-
 def resume_step(run_dirs: list[str]) -> int | None:
     """The newest checkpoint step that every drafter group has (a crash can fall between two
     groups' saves of the same step); None when there is none."""
@@ -168,20 +163,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_layout(args, world: int, names: list[str]) -> Layout:
+def build_layout(world: int, names: list[str], *, target_ranks: int | None, drafter_ranks: str | None,
+                 colocated: bool, tensor_parallel: int) -> Layout:
+    """The layout of `world` processes (`launch` checks it before starting them, with the same call)."""
     names_t = tuple(names)
-    if args.colocated:
-        return Layout(world, (world,), names_t, colocated=True)
-    rest = world - args.target_ranks
-    if args.drafter_ranks:
-        sizes = tuple(int(x) for x in args.drafter_ranks.split(","))
+    if colocated:
+        return Layout(world, (world,), names_t, colocated=True, tensor_parallel=tensor_parallel)
+    rest = world - target_ranks
+    if drafter_ranks:
+        sizes = tuple(int(x) for x in drafter_ranks.split(","))
     elif rest % len(names) == 0:
         sizes = (rest // len(names),) * len(names)
     else:
         raise ValueError(f"{rest} drafter ranks do not split evenly over {len(names)} groups: give --drafter-ranks")
-    layout = Layout(args.target_ranks, sizes, names_t)
+    layout = Layout(target_ranks, sizes, names_t, tensor_parallel=tensor_parallel)
     if layout.world_size != world or len(sizes) != len(names):
-        raise ValueError(f"layout {args.target_ranks} targets + {sizes} drafters does not match "
+        raise ValueError(f"layout {target_ranks} targets + {sizes} drafters does not match "
                          f"{world} processes and {len(names)} drafter groups")
     return layout
 
@@ -197,17 +194,26 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=COLLECTIVE_TIMEOUT)
     rank, world = dist.get_rank(), dist.get_world_size()
     runs = drafter_runs(cfg)
-    layout = build_layout(args, world, [name for name, _ in runs])
+    layout = build_layout(world, [name for name, _ in runs], target_ranks=args.target_ranks,
+                          drafter_ranks=args.drafter_ranks, colocated=args.colocated,
+                          tensor_parallel=cfg.target.tensor_parallel)
     layout.check_grad_accum(cfg.train.grad_accum)
     check_wall_clock_stops(runs, world)
     for _, run_cfg in runs:  # every rank refuses alike, before any target loads
         check_lead_rank_evals(run_cfg, layout)
     groups = [dist.new_group(layout.group_ranks(g)) for g in range(len(runs))]  # every rank creates every group
+    mesh = None
+    if layout.tensor_parallel > 1:
+        shards = [dist.new_group(layout.target_group_ranks(k)) for k in range(layout.num_target_groups)]
+        if layout.is_target(rank):
+            mesh = DeviceMesh.from_group(shards[rank // layout.tensor_parallel], device.type)
     store = dist.PrefixStore("dflash-watchdog/", dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=COLLECTIVE_TIMEOUT))
-    watchdog = Watchdog(store, rank, layout, args.heartbeat_timeout).start()
+    # torchrun's GROUP_RANK is this machine's --node-rank.
+    where = f"node {os.environ.get('GROUP_RANK', 0)} ({socket.gethostname()})"
+    watchdog = Watchdog(store, rank, layout, args.heartbeat_timeout, where=where).start()
     try:
-        run_rank(args, cfg, runs, layout, groups, rank, device)
+        run_rank(args, cfg, runs, layout, groups, rank, device, mesh)
     except Exception as err:
         silent = watchdog.silent_ranks(seconds=3 * watchdog.interval) if isinstance(err, RuntimeError) else []
         names = ", ".join(watchdog.describe(r) for r in silent)
@@ -221,10 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, device: torch.device) -> None:
+def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, device: torch.device, mesh) -> None:
     link = Link(rank, device, args.max_in_flight)
     group = layout.drafter_role(rank)
-    target = load_target(cfg.target, device)
+    # Drafter-only ranks need just the target's embedding and LM head: its layers never reach the GPU.
+    target = load_target(cfg.target, device, mesh=mesh, decoder=layout.is_target(rank))
     dataset = load_training_data(cfg.data, target.tokenizer, target.identity["tokenizer"])
     feeder = None
     if layout.is_target(rank):
@@ -232,7 +239,7 @@ def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, devi
         feeder = TargetFeeder(cfg, target, dataset, layout, link, rank, layer_ids)
     drafter = None
     if group is not None:
-        drafter = DrafterRank(runs[group][1], target if layout.colocated else heads_only(target), dataset,
+        drafter = DrafterRank(runs[group][1], target, dataset,
                               layout=layout, link=link, rank=rank, group_index=group, group=groups[group],
                               feeder=feeder)
         path = args.resume

@@ -15,16 +15,20 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 
 import torch
+from transformers import AutoConfig
 
 from dflash_train.cli import HelpFormatter
 from dflash_train.config import load_config
 from dflash_train.data.dataset import load_training_data
-from dflash_train.target import load_target
-from dflash_train.train.distributed import drafter_runs
+from dflash_train.target import load_target, resolve_target_path
+from dflash_train.target_path import load_pretrained
+from dflash_train.train.distributed import build_layout, drafter_runs
 from dflash_train.train.layout import Plan, plan_split
-from dflash_train.train.build import resolve_device
+from dflash_train.train.memory import GiB, check_fits, plan_memory
+from dflash_train.train.build import resolve_device, target_layer_ids
 from dflash_train.train.loop import Trainer
 
 
@@ -48,7 +52,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heartbeat-timeout", type=float, default=30.0,
                    help="seconds without a peer's heartbeat before the run is stopped")
     p.add_argument("--measure-steps", type=int, default=3, help="timed steps per role for --target-gpus auto")
-    p.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
+    p.add_argument("--gpu-memory-gib", type=float,
+                   help="memory of one GPU for the plan's check (default: this node's first GPU; none on CPU)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the memory plan and the torchrun command instead of running it")
     return p.parse_args(argv)
 
 
@@ -105,26 +112,63 @@ def measure(config: str, overrides: list[str], steps: int) -> tuple[float, list[
 
 
 def choose_split(args: argparse.Namespace) -> list[str]:
+    """The split's arguments for distributed.py, checked here with the workers' own layout call so a
+    split that cannot run is refused before torchrun starts."""
+    cfg = load_config(args.config, args.overrides)
+    world, tp = args.nproc_per_node * args.nnodes, cfg.target.tensor_parallel
+    names = [name for name, _ in drafter_runs(cfg)]
     if args.colocated:
+        build_layout(world, names, target_ranks=None, drafter_ranks=None, colocated=True, tensor_parallel=tp)
         return ["--colocated"]
-    world = args.nproc_per_node * args.nnodes
     if args.target_gpus != "auto":
+        build_layout(world, names, target_ranks=int(args.target_gpus), drafter_ranks=args.drafter_gpus,
+                     colocated=False, tensor_parallel=tp)
         split = ["--target-ranks", args.target_gpus]
         return split + (["--drafter-ranks", args.drafter_gpus] if args.drafter_gpus else [])
     if args.nnodes > 1:
         raise ValueError("--target-gpus auto measures on this node's GPU: run it on one node, then pass the split")
-    plan: Plan = plan_split(world, *measure(args.config, args.overrides, args.measure_steps))
-    print(f"dflash-train launch: plan for {world} GPUs: {plan.reason}", flush=True)
+    # A sharded target is measured whole on one GPU (it must fit) and its group assumed to scale
+    # ideally, N x one GPU: an upper bound, said in the plan's reason.
+    target_tps, drafter_tps, colocated_tps = measure(args.config, [*args.overrides, "target.tensor_parallel=1"],
+                                                     args.measure_steps)
+    plan: Plan = plan_split(world, target_tps * tp, drafter_tps, colocated_tps, tensor_parallel=tp)
+    assumed = f" (target group throughput assumed {tp} x one unsharded GPU)" if tp > 1 else ""
+    print(f"dflash-train launch: plan for {world} GPUs: {plan.reason}{assumed}", flush=True)
     if plan.colocated:
         return ["--colocated"]
     return ["--target-ranks", str(plan.num_targets), "--drafter-ranks", ",".join(map(str, plan.group_sizes))]
+
+
+def check_memory(args: argparse.Namespace, colocated: bool) -> None:
+    """Prints the per-GPU memory plan (memory.py) and refuses one that cannot fit."""
+    cfg = load_config(args.config, args.overrides)
+    hf = load_pretrained(AutoConfig, resolve_target_path(cfg.target.path))
+    runs = drafter_runs(cfg)
+    ids = {i for _, run_cfg in runs for i in target_layer_ids(run_cfg.draft, hf.num_hidden_layers)}
+    if cfg.train.needs_target_logits:
+        ids.add(hf.num_hidden_layers - 1)
+    dtype_bytes = 2 if cfg.target.dtype == "auto" else getattr(torch, cfg.target.dtype).itemsize
+    roles = []
+    for name, run_cfg in runs:
+        *target, drafter = plan_memory(run_cfg, hf, num_features=len(ids), max_in_flight=args.max_in_flight,
+                                       tensor_parallel=cfg.target.tensor_parallel, colocated=colocated,
+                                       dtype_bytes=dtype_bytes)
+        roles += target if not roles else []  # one target stream feeds every drafter group
+        roles.append(replace(drafter, role=f"{drafter.role} '{name}'") if len(runs) > 1 else drafter)
+    print("dflash-train launch: memory per GPU (estimate):\n  " + "\n  ".join(r.line() for r in roles), flush=True)
+    gib = args.gpu_memory_gib or (torch.cuda.get_device_properties(0).total_memory / GiB
+                                  if torch.cuda.is_available() else None)
+    if gib:
+        check_fits(roles, int(gib * GiB))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.nproc_per_node:
         raise ValueError("no GPU visible: give --nproc-per-node (CPU runs use gloo, one process each)")
-    cmd = torchrun_command(args, choose_split(args))
+    split = choose_split(args)
+    check_memory(args, colocated=split == ["--colocated"])
+    cmd = torchrun_command(args, split)
     if args.dry_run:
         print(" ".join(cmd))
         return 0

@@ -1,10 +1,12 @@
 """Who does what in distributed training, and how many GPUs each role should get. Pure functions.
 
 Global ranks: target ranks 0..T-1, then the ranks of drafter group 0, group 1, ... in order.
-Colocated: every rank is target rank r AND rank r of the single drafter group, so every
-micro-batch is produced and consumed by the same process.
-Micro-batch m of a step is produced by target m % T and consumed by rank m % D_g of each group:
-balanced, and a pure function of m, so any split resumes from the same global cursor.
+Target ranks form T/N tensor-parallel groups of N = `target.tensor_parallel` consecutive ranks
+(N = 1: every target rank is its own group); a group runs one sharded target and its first rank,
+the lead, sends. Colocated: every rank is target rank r AND rank r of the single drafter group, so
+every micro-batch is produced and consumed by the same process.
+Micro-batch m of a step is produced by target group m % (T/N) and consumed by rank m % D_g of each
+drafter group: balanced, and a pure function of m, so any split resumes from the same global cursor.
 """
 
 from __future__ import annotations
@@ -19,12 +21,30 @@ class Layout:
     group_sizes: tuple[int, ...]
     group_names: tuple[str, ...]
     colocated: bool = False
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         if self.num_targets < 1 or not self.group_sizes or min(self.group_sizes) < 1:
             raise ValueError(f"need >= 1 target rank and >= 1 rank per drafter group, got {self}")
         if self.colocated and self.group_sizes != (self.num_targets,):
             raise ValueError("colocated mode runs exactly one drafter group on every rank")
+        if self.colocated and self.tensor_parallel > 1:
+            raise ValueError(f"target.tensor_parallel {self.tensor_parallel} needs a split layout "
+                             "(--target-gpus), not --colocated")
+        if self.num_targets % self.tensor_parallel:
+            raise ValueError(f"{self.num_targets} target GPUs do not form groups of target.tensor_parallel = "
+                             f"{self.tensor_parallel}: give a multiple of {self.tensor_parallel}")
+
+    @property
+    def num_target_groups(self) -> int:
+        return self.num_targets // self.tensor_parallel
+
+    def target_group_ranks(self, k: int) -> list[int]:
+        return list(range(k * self.tensor_parallel, (k + 1) * self.tensor_parallel))
+
+    def target_lead(self, rank: int) -> int:
+        """The rank that sends for `rank`'s target group."""
+        return rank - rank % self.tensor_parallel
 
     @property
     def world_size(self) -> int:
@@ -47,7 +67,8 @@ class Layout:
         return None
 
     def target_of(self, m: int) -> int:
-        return m % self.num_targets
+        """The lead rank of the target group that produces micro-batch m."""
+        return (m % self.num_target_groups) * self.tensor_parallel
 
     def consumers(self, m: int) -> list[int]:
         """The rank of each drafter group that trains on micro-batch m."""
@@ -59,7 +80,9 @@ class Layout:
 
     def describe(self, rank: int) -> str:
         roles = []
-        if self.is_target(rank):
+        if self.is_target(rank) and self.tensor_parallel > 1:
+            roles.append(f"target group {rank // self.tensor_parallel} shard {rank % self.tensor_parallel}")
+        elif self.is_target(rank):
             roles.append(f"target {rank}")
         group = self.drafter_role(rank)
         if group is not None:
@@ -68,10 +91,10 @@ class Layout:
         return " + ".join(roles)
 
     def check_grad_accum(self, grad_accum: int) -> None:
-        widest = max(self.num_targets, *self.group_sizes)
+        widest = max(self.num_target_groups, *self.group_sizes)
         if grad_accum < widest:
             raise ValueError(
-                f"train.grad_accum ({grad_accum}) < {widest} ranks of one role: every rank needs at least one "
+                f"train.grad_accum ({grad_accum}) < {widest} target groups or ranks of one drafter group: every one needs at least one "
                 "micro-batch per step; raise grad_accum or use fewer ranks"
             )
 
@@ -85,30 +108,37 @@ class Plan:
     reason: str
 
 
-def plan_split(num_gpus: int, target_tps: float, drafter_tps: list[float], colocated_tps: float | None) -> Plan:
-    """The split of `num_gpus` that maximises end-to-end tokens/s, from measured per-GPU throughputs:
-    a GPU running only the target, only one drafter, or both (None: does not fit, or several
-    drafters). A disaggregated pipeline runs at its slowest stage. In an ideal world colocated equals
-    the best fractional split (N*a*b/(a+b)), so disaggregation wins through integer splits that fit
-    well, memory (both models on one GPU force smaller batches or do not fit), or several drafters."""
+def plan_split(num_gpus: int, target_tps: float, drafter_tps: list[float], colocated_tps: float | None,
+               tensor_parallel: int = 1) -> Plan:
+    """The split of `num_gpus` that maximises end-to-end tokens/s, from measured throughputs: one
+    target group (`tensor_parallel` GPUs running one sharded target), one GPU running only one
+    drafter, or one GPU running both (None: does not fit, several drafters, or a sharded target).
+    Target GPUs come in whole groups. A disaggregated pipeline runs at its slowest stage. In an ideal
+    world colocated equals the best fractional split (N*a*b/(a+b)), so disaggregation wins through
+    integer splits that fit well, memory (both models on one GPU force smaller batches or do not
+    fit), or several drafters."""
     if num_gpus < 1 or target_tps <= 0 or min(drafter_tps) <= 0:
         raise ValueError("plan_split needs >= 1 GPU and positive throughputs")
-    measured = (f"measured per GPU: target {target_tps:.0f}, drafter {', '.join(f'{b:.0f}' for b in drafter_tps)}"
+    per = f"per target group of {tensor_parallel} GPUs" if tensor_parallel > 1 else "per GPU"
+    measured = (f"measured {per}: target {target_tps:.0f}, drafter per GPU {', '.join(f'{b:.0f}' for b in drafter_tps)}"
                 + (f", colocated {colocated_tps:.0f}" if colocated_tps else "") + " tokens/s")
     best = None
     for sizes in itertools.product(range(1, num_gpus), repeat=len(drafter_tps)):
         t = num_gpus - sum(sizes)
-        stages = [t * target_tps] + [d * b for d, b in zip(sizes, drafter_tps)]
-        if t >= 1 and (best is None or min(stages) > best.tokens_per_s):
+        if t < 1 or t % tensor_parallel:
+            continue
+        stages = [t // tensor_parallel * target_tps] + [d * b for d, b in zip(sizes, drafter_tps)]
+        if best is None or min(stages) > best.tokens_per_s:
             bound = "target" if stages[0] == min(stages) else "drafter"
             best = Plan(t, tuple(sizes), False, min(stages),
                         f"{t} target + {'/'.join(map(str, sizes))} drafter GPUs run at their slowest stage "
                         f"({', '.join(f'{s:.0f}' for s in stages)}): {min(stages):.0f} tokens/s, {bound}-bound")
-    if colocated_tps and (best is None or num_gpus * colocated_tps >= best.tokens_per_s):
+    if colocated_tps and tensor_parallel == 1 and (best is None or num_gpus * colocated_tps >= best.tokens_per_s):
         vs = f" (vs {best.reason})" if best else ""
         return Plan(num_gpus, (num_gpus,), True, num_gpus * colocated_tps,
                     f"colocated on {num_gpus} GPUs: {num_gpus * colocated_tps:.0f} tokens/s{vs}; {measured}")
     if best is None:
-        raise ValueError(f"{num_gpus} GPUs cannot hold a target rank and {len(drafter_tps)} drafter groups")
+        raise ValueError(f"{num_gpus} GPUs cannot hold a target group of {tensor_parallel} GPUs and "
+                         f"{len(drafter_tps)} drafter groups")
     vs = f" (vs colocated {num_gpus * colocated_tps:.0f})" if colocated_tps else ""
     return Plan(best.num_targets, best.group_sizes, False, best.tokens_per_s, f"{best.reason}{vs}; {measured}")

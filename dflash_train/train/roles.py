@@ -108,7 +108,9 @@ class Link:
 
 
 class TargetFeeder:
-    """One target rank: global cursor -> its micro-batches -> features -> every drafter group."""
+    """One target rank: global cursor -> its group's micro-batches -> features -> every drafter
+    group. In a tensor-parallel group every rank runs the same forwards (each holds a shard) and only
+    the lead sends."""
 
     def __init__(self, cfg: RunConfig, target: Target, dataset: TokenizedDataset, layout: Layout,
                  link: Link, rank: int, group_layer_ids: list[list[int]]):
@@ -131,19 +133,22 @@ class TargetFeeder:
         for m in range(self.cfg.train.grad_accum):
             epoch, index = locate(self.epoch_batches, self.cursor)
             self.cursor = (epoch, index + 1)
-            if self.layout.target_of(m) == self.rank:
+            if self.layout.target_of(m) == self.layout.target_lead(self.rank):
                 indices = self.epoch_batches[epoch % len(self.epoch_batches)][index]
                 shape = batch_shape(self.dataset, indices, self.cfg.data)
                 batches.append((m, collate(self.dataset, indices, self.target.device, shape),
                                 anchor_seed(self.cfg.seed, epoch, index)))
+        lead = self.layout.target_lead(self.rank) == self.rank
         for m, batch, seed in batches:
-            for dst in self.layout.consumers(m):
+            for dst in self.layout.consumers(m) if lead else ():
                 self.link.send_header(dst, batch, seed)
         for m, batch, _ in batches:
             feats = functools.cache(
                 lambda b=batch: self.target.features(b["input_ids"], self.layer_ids)
             )
-            for group, dst in enumerate(self.layout.consumers(m)):
+            if not lead:
+                feats()  # this rank's shard of the group's forward
+            for group, dst in enumerate(self.layout.consumers(m)) if lead else ():
                 self.link.send_features(dst, lambda g=group, f=feats: self._select(f(), g))
 
 
