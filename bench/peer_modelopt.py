@@ -275,9 +275,9 @@ def train_modelopt(cfg: RunConfig, out: Path, loss: str, weights: str) -> dict:
     model.get_exporter().export(out / "modelopt_export")  # its own deployment format
     ours = save_ours(*to_ours(model), out / "drafter")
     tokens = consumed_tokens(plan, dataset.input_ids, step * tc.grad_accum)
-    return summary("modelopt", cfg, step, records, read_jsonl(out / "heldout.jsonl"), tokens, device,
-                   {"drafter": str(ours), "modelopt_export": str(out / "modelopt_export"),
-                    "peer_loss": loss, "peer_weights": weights, "planned_steps": planned})
+    return summary(f"modelopt ({loss}, {weights})", cfg, step, records, read_jsonl(out / "heldout.jsonl"), tokens,
+                   device, {"drafter": str(ours), "modelopt_export": str(out / "modelopt_export"),
+                            "peer_loss": loss, "peer_weights": weights, "planned_steps": planned})
 
 
 # ---- the table and the loss chart ---------------------------------------------------------------------
