@@ -209,12 +209,15 @@ class Trainer:
             for row, i in enumerate(missing):
                 # A copy: a view would keep the whole padded batch tensor alive.
                 self.feature_cache[i] = feats[row, : len(self.dataset.input_ids[i])].clone()
-        t = batch["input_ids"].shape[1]
-        out = []
-        for i in batch["indices"]:
+        # Zeros in the padding, rows included: with length_bucket the batch is padded to a static
+        # (rows, length) shape beyond its real sequences.
+        rows, t = batch["input_ids"].shape
+        first = self.feature_cache[batch["indices"][0]]
+        out = first.new_zeros(rows, t, first.shape[-1])
+        for row, i in enumerate(batch["indices"]):
             f = self.feature_cache[i]
-            out.append(torch.nn.functional.pad(f, (0, 0, 0, t - f.shape[0])))
-        return torch.stack(out)
+            out[row, : f.shape[0]] = f
+        return out
 
     # ---- one optimizer step ----------------------------------------------------------------
     def train_step(self) -> dict:
