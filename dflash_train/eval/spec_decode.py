@@ -51,9 +51,11 @@ class SpecResult(DecodeResult):
         return sum(self.acceptance_lengths) / max(1, self.num_rounds)
 
 
-def _sync(device: torch.device) -> None:
+def synced_time(device: torch.device) -> float:
+    """perf_counter once the device has finished its queued work (GPU work is asynchronous)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def check_budget(max_new_tokens: int) -> None:
@@ -91,13 +93,11 @@ def target_greedy(target: Target, input_ids: torch.Tensor, max_new_tokens: int, 
     logits = target.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     out: list[int] = []
     token = logits[0, -1].argmax()
-    _sync(target.device)
-    t0 = time.perf_counter()
+    t0 = synced_time(target.device)
     while not emit_tokens(out, [int(token)], max_new_tokens, stop_ids):
         logits = target.model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True).logits
         token = logits[0, -1].argmax()
-    _sync(target.device)
-    return DecodeResult(tokens=out, decode_seconds=time.perf_counter() - t0)
+    return DecodeResult(tokens=out, decode_seconds=synced_time(target.device) - t0)
 
 
 # ----------------------------------------------------------------------------- speculative
@@ -205,8 +205,7 @@ def speculative_generate(
 
     draft_cache = DraftKVCache(cfg.num_hidden_layers)
     start = input_ids.shape[1]  # position of `token`, the block's slot 0
-    _sync(device)
-    t0 = time.perf_counter()
+    t0 = synced_time(device)
     while True:
         block = torch.full((block_size,), cfg.mask_token_id, dtype=torch.long, device=device)
         block[0] = token
@@ -229,6 +228,5 @@ def speculative_generate(
         context_new = features[:, : n + 1]
         if emit_tokens(out, block[1 : n + 1].tolist() + [token], max_new_tokens, stop_ids):
             break
-    _sync(device)
-    result.decode_seconds = time.perf_counter() - t0
+    result.decode_seconds = synced_time(device) - t0
     return result

@@ -30,7 +30,7 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from dflash_train.draft.model import DFlashDraftModel
-from dflash_train.eval.spec_decode import DecodeResult, SpecResult, check_budget, emit_tokens
+from dflash_train.eval.spec_decode import DecodeResult, SpecResult, check_budget, emit_tokens, synced_time
 from dflash_train.target import Target
 
 log = logging.getLogger("dflash_train")
@@ -272,7 +272,7 @@ class StaticDecoder:
         self.step_pos.copy_(lengths[:, None])
         results = [DecodeResult(tokens=[], decode_seconds=0.0) for _ in prompts]
         active = self._emit(results, first[: len(prompts), None].tolist(), max_new_tokens, set(stop_ids))
-        t0 = _sync_time(self.target.device)
+        t0 = synced_time(self.target.device)
         while active:
             self.run["target"]()
             new = self.step_ids.tolist()
@@ -293,7 +293,7 @@ class StaticDecoder:
         out = Decoded(results)
         active = self._emit(results, first[: len(prompts), None].tolist(), max_new_tokens, stop_ids)
         clock = _Clock(self.target.device)
-        t0 = _sync_time(self.target.device)
+        t0 = synced_time(self.target.device)
         draft = lambda: self._draft(feats, positions)  # noqa: E731  round 1: the drafter's prompt pass
         while active:
             wall, marks = time.perf_counter(), [clock.mark()]
@@ -324,13 +324,7 @@ class StaticDecoder:
                 if toks and not emit_tokens(res.tokens, toks, max_new_tokens, stop_ids)}
 
     def _done(self, out: Decoded, t0: float) -> Decoded:
-        out.decode_seconds = _sync_time(self.target.device) - t0
+        out.decode_seconds = synced_time(self.target.device) - t0
         for res in out.results:
             res.decode_seconds = out.decode_seconds
         return out
-
-
-def _sync_time(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

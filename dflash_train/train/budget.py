@@ -4,8 +4,7 @@ TimeBudget (runs without max_steps): once the step time is known (after the comp
 run's total steps shrink to those that fit in the time left, re-estimated as training goes on from
 the step time of the last few estimate windows (not the whole run: with `data.cache_features` the
 first epoch also runs the target and later steps are much faster); the trainer then retargets the
-schedule to that length. Cutting a run by a timeout instead would stop it
-at a high learning rate.
+schedule to that length. Cutting a run by a timeout instead would stop it at a high learning rate.
 Deadline (fixed-length runs): the trainer saves and exits when it is reached, and the next call
 resumes the SAME schedule; refitting in every call would push the learning rate back up each time.
 """
@@ -48,7 +47,7 @@ class TimeBudget:
             return None
         now = self.clock()
         self.marks.append((step, now))
-        (first_step, first_time) = self.marks[0]
+        first_step, first_time = self.marks[0]
         per_step = (now - first_time) / (step - first_step)
         return min(planned, step + max(0, int((self.deadline - now) / per_step)))
 
