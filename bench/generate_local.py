@@ -3,9 +3,11 @@
 A random-init target of a given shape answers N random-token prompts (lengths drawn like chat
 prompts) with M new tokens each and no stop token, so every engine does the same work:
   padded       one left-padded `generate` per batch of B prompts (the backend's default)
+  static       the same on transformers' static cache (decode step compiled on a GPU)
   continuous   transformers' continuous batching over all N at once (paged KV cache, CUDA graphs)
-Real answers end at different lengths, which costs the padded engine more (finished rows keep
-running until the batch's longest ends) and the continuous one nothing: this bench is its lower bound.
+  graphed      ours: B rows on a static per-row cache, finished rows refilled, one CUDA graph per step
+Real answers end at different lengths, which costs the padded engines more (finished rows keep
+running until the batch's longest ends) and the refilling ones nothing: this bench is their lower bound.
 
     PYTHONPATH=. python bench/generate_local.py --prompts 1024 --new-tokens 128 --out gen.json
     PYTHONPATH=. python bench/generate_local.py --shape tiny --prompts 8 --new-tokens 8   # CPU check
@@ -21,7 +23,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash_train.data.backends import GenParams
-from dflash_train.data.local_backend import generate_ids
+from dflash_train.data.local_backend import generate_ids, graphed_generate
 
 SHAPES = {
     # SmolLM2-135M-Instruct (the H200 example's target): 30 layers, 576 wide, 9 heads, 3 KV heads.
@@ -39,15 +41,21 @@ def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[
 
 
 def run_engine(model, prompts, params, engine: str, batch: int) -> dict:
-    """Wall time and tokens/s for answering `prompts` (batches of `batch` for padded, all at once else)."""
-    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)] if engine == "padded" else [prompts]
+    """Wall time and tokens/s for answering `prompts`: batches of `batch` (padded, static), `batch`
+    rows (graphed, its graph capture included), all at once (continuous)."""
+    batched = engine in ("padded", "static")
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)] if batched else [prompts]
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    tokens = sum(len(ids) for group in groups for ids, _ in generate_ids(model, group, params, set(), 0, engine))
+    if engine == "graphed":
+        answers = graphed_generate(model, prompts, params, set(), 0, rows=batch)
+    else:
+        answers = [a for group in groups for a in generate_ids(model, group, params, set(), 0, engine)]
+    tokens = sum(len(ids) for ids, _ in answers)
     sync()
     seconds = time.perf_counter() - t0
-    return {"engine": engine, "batch": batch if engine == "padded" else len(prompts), "seconds": round(seconds, 2),
+    return {"engine": engine, "batch": batch if engine != "continuous" else len(prompts), "seconds": round(seconds, 2),
             "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
 
 
@@ -57,8 +65,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, nargs=2, default=[60, 450], metavar=("MIN", "MAX"))
-    ap.add_argument("--batches", type=int, nargs="+", default=[1024, 256], help="padded engine batch sizes")
-    ap.add_argument("--engines", nargs="+", default=["padded", "continuous"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1024, 256],
+                    help="batch sizes of the padded and static engines, rows of the graphed one")
+    ap.add_argument("--engines", nargs="+", default=["padded", "continuous"],
+                    choices=["padded", "static", "continuous", "graphed"])
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -74,7 +84,7 @@ def main() -> None:
 
     runs = []
     for engine in args.engines:
-        for batch in args.batches if engine == "padded" else [len(prompts)]:
+        for batch in args.batches if engine != "continuous" else [len(prompts)]:
             runs.append(run_engine(model, prompts, params, engine, batch))
             print(json.dumps(runs[-1]), flush=True)
     report = {"shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

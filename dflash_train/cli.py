@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help=f"local backend: auto, cpu or cuda ({_gen_default('local', 'device')})")
     p.add_argument("--batch-size", dest="batch_size", type=int,
                    help=f"local backend: prompts per generate call ({_gen_default('local', 'batch_size')})")
-    p.add_argument("--engine", choices=["padded", "static", "continuous"],
+    p.add_argument("--engine", choices=["padded", "static", "continuous", "graphed"],
                    help=f"local backend: generation engine ({_gen_default('local', 'engine')})")
     p.set_defaults(func=cmd_generate)
 

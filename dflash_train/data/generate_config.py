@@ -58,11 +58,13 @@ class LocalConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     batch_size: int = Field(16, ge=1)
-    engine: Literal["padded", "static", "continuous"] = "padded"
+    engine: Literal["padded", "static", "continuous", "graphed"] = "padded"
     """padded: one left-padded `generate` per batch (every row runs until the longest ends);
     static: the same with a preallocated KV cache, decode steps compiled into CUDA graphs on a GPU;
-    continuous: transformers' continuous batching (paged KV cache, finished rows replaced at once,
-    CUDA graphs), the faster engine for big batches on a GPU (docs/benchmarks/generate_local.md)."""
+    continuous: transformers' continuous batching (paged KV cache, finished rows replaced at once);
+    graphed: ours (data/graphed_engine.py): `batch_size` rows on a static per-row cache, finished rows
+    refilled, the decode step one CUDA graph on a GPU; greedy or temperature sampling, no top-p. The
+    fastest on a GPU (docs/benchmarks/generate_local.md)."""
 
 
 class GenerateConfig(_Section):
@@ -92,6 +94,9 @@ class GenerateConfig(_Section):
     def _backend_is_usable(self) -> GenerateConfig:
         if self.backend == "http" and not self.http.server_urls:
             raise ValueError("backend 'http' needs at least one server URL (http.server_urls / --server-url)")
+        if self.backend == "local" and self.local.engine == "graphed" and self.sampling.top_p < 1:
+            raise ValueError(f"local.engine 'graphed' samples from the whole distribution: sampling.top_p "
+                             f"{self.sampling.top_p} needs engine padded, static or continuous")
         resolved = [str(Path(p).resolve()) for p in self.inputs]
         if len(set(resolved)) != len(resolved):
             raise ValueError(f"inputs lists a file twice: {self.inputs}")

@@ -1,12 +1,13 @@
 """In-process generation with transformers: batched, left-padded, greedy or sampled.
 
-For small targets (the SmolLM2 quickstart on CPU) and single-GPU runs without a server. Three
+For small targets (the SmolLM2 quickstart on CPU) and single-GPU runs without a server. Four
 engines: one left-padded `generate` per batch with a dynamic cache (`padded`) or a preallocated
-static cache whose decode step transformers compiles into CUDA graphs on a GPU (`static`), or
-transformers' continuous batching.
+static cache whose decode step transformers compiles into CUDA graphs on a GPU (`static`),
+transformers' continuous batching, or ours (`graphed`: data/graphed_engine.py).
 Concurrent `complete` calls queue up; one worker thread takes whatever is waiting (up to
 `batch_size`, same sampling settings) and runs one `model.generate` for all of it, so batches
-fill up naturally while the previous one runs.
+fill up naturally while the previous one runs. The graphed engine instead keeps `batch_size` rows
+decoding and pulls waiting requests into the rows that finish.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from transformers import GenerationConfig
 from dflash_train.config import TargetConfig
 from dflash_train.data.backends import Completion, GenParams
 from dflash_train.data.generate_config import LocalConfig
+from dflash_train.data.graphed_engine import GraphedEngine, Job
 from dflash_train.target import load_target
 
 log = logging.getLogger("dflash_train")
@@ -129,31 +131,54 @@ def _continuous_generate(model, prompts: list[list[int]], gen: GenerationConfig)
     return [r.generated_tokens for r in results]
 
 
+def graphed_generate(model, prompts: list[list[int]], params: GenParams, stops: set[int], pad_id: int,
+                      rows: int | None = None) -> list[tuple[list[int], bool]]:
+    jobs = [Job(p, params.max_tokens, params.temperature) for p in prompts]
+    waiting = deque(jobs)
+    engine = GraphedEngine(model, rows or len(prompts), stops, pad_id)
+    engine.serve(lambda n: [waiting.popleft() for _ in range(min(n, len(waiting)))], lambda job: None)
+    return [(job.tokens, job.stopped) for job in jobs]
+
+
 @torch.no_grad()
 def generate_ids(model, prompts: list[list[int]], params: GenParams, stops: set[int], pad_id: int,
                  engine: str = "padded") -> list[tuple[list[int], bool]]:
     """Per token-id prompt: (new token ids cut after the first stop token, whether one ended them)."""
     if params.temperature > 0 and params.seed is not None:
         torch.manual_seed(params.seed)
+    if engine == "graphed":
+        return graphed_generate(model, prompts, params, stops, pad_id)
     run = {"padded": _padded_generate, "static": _static_generate, "continuous": _continuous_generate}[engine]
     with _plain_distribution(model):
         answers = run(model, prompts, _generation_config(params, stops, pad_id))
     return [_cut_at_stop(ids, stops) for ids in answers]
 
 
+def completion(tokenizer, prompt: list[int], new: list[int], stopped: bool) -> Completion:
+    return Completion(
+        text=tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False),
+        prompt_tokens=len(prompt),
+        completion_tokens=len(new),
+        finish_reason="stop" if stopped else "length",
+    )
+
+
 def generate_batch(model, tokenizer, prompts: list[list[int]], params: GenParams, engine: str = "padded") -> list[Completion]:
     """Answer token-id prompts in one `generate` (padded) or `generate_batch` (continuous) call."""
     stops = stop_ids(model, tokenizer)
     pad_id = pad_token_id(tokenizer, stops)
-    return [
-        Completion(
-            text=tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False),
-            prompt_tokens=len(prompt),
-            completion_tokens=len(new),
-            finish_reason="stop" if stopped else "length",
-        )
-        for (new, stopped), prompt in zip(generate_ids(model, prompts, params, stops, pad_id, engine), prompts)
-    ]
+    return [completion(tokenizer, prompt, new, stopped)
+            for (new, stopped), prompt in zip(generate_ids(model, prompts, params, stops, pad_id, engine), prompts)]
+
+
+def _resolve(future: asyncio.Future, result) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _fail(future: asyncio.Future, error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)
 
 
 @dataclass
@@ -178,6 +203,7 @@ class LocalBackend:
         # One thread runs the model, always the same one: compiled CUDA graphs (static engine) are
         # recorded per thread, and a pool would hand batches to whichever thread is free.
         self._model_thread: ThreadPoolExecutor | None = None
+        self._graphed: GraphedEngine | None = None
 
     @classmethod
     def load(cls, path: str, cfg: LocalConfig) -> LocalBackend:
@@ -218,6 +244,10 @@ class LocalBackend:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self.engine == "graphed":
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self._model_thread, self._serve_graphed, loop)
+                continue
             while self._queue:
                 batch = self._take_batch()
                 prompts = [r.prompt for r in batch]
@@ -233,6 +263,59 @@ class LocalBackend:
                 for r, result in zip(batch, results):
                     if not r.future.done():
                         r.future.set_result(result)
+
+    def _serve_graphed(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Runs the graphed engine (in the model thread) until the queue is empty; answers reach
+        their callers as each one finishes. On CUDA out-of-memory the rows halve and the answers
+        in flight start again."""
+        stops = stop_ids(self.model, self.tokenizer)
+        inflight: dict[int, _Request] = {}
+
+        def take(n: int) -> list[Job]:
+            jobs = []
+            while self._queue and len(jobs) < n:
+                r = self._queue.popleft()  # deque pops are atomic: the event loop appends meanwhile
+                if r.params.top_p < 1:
+                    loop.call_soon_threadsafe(_fail, r.future, ValueError(
+                        f"engine 'graphed' does not do top-p (top_p {r.params.top_p}): use padded, static or continuous"))
+                    continue
+                if r.params.temperature > 0 and r.params.seed is not None and not inflight and not jobs:
+                    torch.manual_seed(r.params.seed)  # like the padded engine: reproducible per run, not per request
+                inflight[id(r)] = r
+                jobs.append(Job(r.prompt, r.params.max_tokens, r.params.temperature, tag=r))
+            return jobs
+
+        def give(job: Job) -> None:
+            r = inflight.pop(id(job.tag))
+            loop.call_soon_threadsafe(_resolve, r.future, completion(self.tokenizer, r.prompt, job.tokens, job.stopped))
+
+        try:
+            if self._graphed is None:
+                self._graphed = GraphedEngine(self.model, self.batch_size, stops, pad_token_id(self.tokenizer, stops))
+            self._graphed.serve(take, give)
+            return
+        except torch.OutOfMemoryError:
+            if self.batch_size == 1:
+                self._fail_all(loop, inflight, "out of GPU memory with one row")
+                return
+        except Exception as err:  # noqa: BLE001 -- a bug must reach the callers, not kill the worker
+            self._fail_all(loop, inflight, err)
+            self._graphed = None
+            return
+        self._graphed = None  # out of the except block: its traceback no longer pins the engine's memory
+        torch.cuda.empty_cache()
+        self.batch_size = (self.batch_size + 1) // 2
+        log.warning("out of GPU memory in the graphed engine: %d rows now; %d answers start again",
+                    self.batch_size, len(inflight))
+        self._queue.extendleft(reversed(list(inflight.values())))
+        loop.call_soon_threadsafe(self._wake.set)
+
+    @staticmethod
+    def _fail_all(loop, inflight: dict, err) -> None:
+        error = err if isinstance(err, Exception) else RuntimeError(err)
+        for r in inflight.values():
+            loop.call_soon_threadsafe(_fail, r.future, error)
+        inflight.clear()
 
     def _generate_fitting(self, prompts: list[list[int]], params: GenParams) -> list[Completion]:
         """generate_batch, halving the batch on CUDA out-of-memory (and keeping the smaller size for

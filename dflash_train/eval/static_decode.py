@@ -27,47 +27,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache, StaticLayer
-
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.spec_decode import DecodeResult, SpecResult, check_budget, emit_tokens, synced_time
+from dflash_train.static_cache import ALIGN, forward_at, graphed, positioned_cache, static_cache_problem
 from dflash_train.target import Target
 
 log = logging.getLogger("dflash_train")
-
-ALIGN = 16
-"""Cache lengths are rounded up to this: SDPA's memory-efficient kernel wants aligned mask rows."""
-
-
-def static_cache_problem(model) -> str | None:
-    """Why `model` cannot run here with a static cache, or None when it can."""
-    config = model.config.get_text_config(decoder=True)
-    name = type(model).__name__
-    if not getattr(model, "_can_compile_fullgraph", False):
-        return f"transformers does not support a static cache for {name} (_can_compile_fullgraph is False)"
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"} or getattr(config, "sliding_window", None):
-        return f"{name} has {sorted(layer_types)} layers (sliding window {getattr(config, 'sliding_window', None)}); " \
-               "the static decoder's cache holds full-attention layers only"
-    if config._attn_implementation not in ("sdpa", "eager"):
-        return f"attention '{config._attn_implementation}' ignores the decoder's 4D masks (use sdpa or eager)"
-    return None
-
-
-class _PositionedLayer(StaticLayer):
-    """A StaticLayer that writes at `positions` [R, Q] (set before each forward) instead of its
-    running length: per-row positions, rewritable."""
-
-    positions: torch.Tensor
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        index = self.positions[:, None, :, None]
-        self.keys.scatter_(2, index.expand_as(key_states), key_states)
-        self.values.scatter_(2, index.expand_as(value_states), value_states)
-        return self.keys, self.values
-
 
 class DraftStaticCache:
     """DraftKVCache's interface over preallocated [R, kv_heads, L, D] buffers written at `positions`."""
@@ -83,28 +48,6 @@ class DraftStaticCache:
         self.k[layer].scatter_(2, index, k_ctx)
         self.v[layer].scatter_(2, index, v_ctx)
         return self.k[layer], self.v[layer]
-
-
-def causal_bias(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [R, 1, Q, L]: query at position p sees cache positions <= p (eager adds it,
-    SDPA takes it as is)."""
-    keys = torch.arange(length, device=positions.device)
-    visible = keys <= positions[:, None, :, None]
-    return torch.zeros((), dtype=dtype, device=positions.device).masked_fill(~visible, torch.finfo(dtype).min)
-
-
-def _graphed(step, device: torch.device):
-    """`step` captured as a CUDA graph (warmed up on a side stream first); returns its replay."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 class _Clock:
@@ -150,7 +93,7 @@ class StaticDecoder:
         self.block_size = b = block_size or (drafter.config.block_size if drafter else 1)
         device, self.dtype = target.device, target.embed_weight.dtype
         self.length = -(-(max_len + b) // ALIGN) * ALIGN  # a clamped row's block ends below max_len + B
-        self.cache = Cache(layers=[_PositionedLayer(self.length) for _ in range(target.num_layers)])
+        self.cache = positioned_cache(target.num_layers, self.length)
         self.cap = torch.zeros(rows, dtype=torch.long, device=device)
         self.offsets = torch.arange(b, device=device)
         self.step_ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
@@ -175,14 +118,10 @@ class StaticDecoder:
     def _target(self, ids, positions, layer_ids=()):
         """Logits [R, Q, V] of `ids` at `positions`, written into the cache there, and the features
         of `layer_ids` [R, Q, K*H] (None without)."""
-        for layer in self.cache.layers:
-            layer.positions = positions
-        kwargs = dict(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
-                      attention_mask=causal_bias(positions, self.length, self.dtype))
         if not layer_ids:
-            return self.target.model(**kwargs).logits, None
+            return forward_at(self.target.model, self.cache, ids, positions).logits, None
         with self.target.capture(layer_ids) as store:
-            logits = self.target.model(**kwargs).logits
+            logits = forward_at(self.target.model, self.cache, ids, positions).logits
         return logits, torch.cat([store[i] for i in layer_ids], dim=-1)
 
     def _draft(self, feats, ctx_pos):
@@ -229,7 +168,7 @@ class StaticDecoder:
             if not graphs:
                 return
             try:
-                self.run = {name: _graphed(step, self.target.device) for name, step in steps.items()}
+                self.run = {name: graphed(step, self.target.device) for name, step in steps.items()}
                 self.graphed = True
             except Exception as e:  # a model whose forward cannot be captured still decodes, eagerly
                 self.graph_error = f"{type(e).__name__}: {e}"

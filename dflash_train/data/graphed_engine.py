@@ -1,0 +1,188 @@
+"""Regeneration as a serving engine runs it: continuous batching over a static KV cache, CUDA graphs.
+
+`rows` answers are decoded together, one token per row and step. The step (the target's forward
+over [rows, 1] at per-row positions, then the next token of every row) has fixed shapes, so on a GPU
+it is captured once as a CUDA graph and replayed; on CPU (tests) the same function runs eagerly.
+A finished row is refilled with a waiting prompt: the new prompts are prefilled together in one
+eager forward and their K/V copied into the free rows (static_cache.py says why stale K/V there is
+harmless). The host reads the new tokens once every `chunk` steps, so it seldom waits on the GPU.
+
+Greedy and temperature sampling (Gumbel-max: exact sampling from softmax(logits / T)) per row;
+top-p is refused. The cache holds prompt + max_tokens positions of the longest request seen; a longer
+one waits until the rows drain, then the cache is rebuilt for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_train.static_cache import ALIGN, forward_at, graphed, positioned_cache, static_cache_problem
+
+log = logging.getLogger("dflash_train")
+
+LENGTH_STEP = 256
+"""Cache lengths are rounded up to this, so a slightly longer prompt seldom forces a rebuild."""
+
+
+@dataclass
+class Job:
+    """One answer to produce: the prompt's token ids and how; `tokens` fills in as it decodes."""
+
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    tag: object = None
+    """The caller's handle (a request), given back with the answer."""
+    tokens: list[int] = field(default_factory=list)
+    stopped: bool = False
+
+    def positions_needed(self) -> int:
+        return len(self.prompt) + self.max_tokens + 1  # a finished row idles at prompt + max_tokens
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Per row [R, V] -> [R]: argmax where temperature is 0, else a draw from softmax(logits / T)
+    (the argmax of logits / T plus Gumbel noise)."""
+    logits = logits.float()
+    uniform = torch.rand_like(logits).clamp_(min=torch.finfo(torch.float32).tiny)
+    noisy = logits / temperature.clamp(min=1e-6)[:, None] - torch.log(-torch.log(uniform))
+    return torch.where(temperature > 0, noisy.argmax(-1), logits.argmax(-1))
+
+
+class GraphedEngine:
+    def __init__(self, model, rows: int, stops: set[int], pad_id: int, chunk: int = 8, graphs: bool | None = None):
+        problem = static_cache_problem(model)
+        if problem:
+            raise ValueError(f"generate engine 'graphed' cannot run {type(model).__name__}: {problem} "
+                             "(use --engine padded or static)")
+        self.model, self.rows, self.stops, self.pad_id, self.chunk = model, rows, stops, pad_id, chunk
+        self.device = next(model.parameters()).device
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        self.length = 0
+        self.graph_error: str | None = None
+        r = rows
+        self.ids = torch.zeros(r, 1, dtype=torch.long, device=self.device)
+        self.pos = torch.zeros(r, 1, dtype=torch.long, device=self.device)
+        self.cap = torch.zeros(r, dtype=torch.long, device=self.device)
+        self.temperature = torch.zeros(r, device=self.device)
+        self.history = torch.zeros(r, chunk, dtype=torch.long, device=self.device)
+        self.column = torch.zeros(1, dtype=torch.long, device=self.device)
+
+    # --------------------------------------------------------------- the fixed-shape step
+
+    def _step(self):
+        logits = forward_at(self.model, self.cache, self.ids, self.pos, logits_to_keep=1).logits[:, -1]
+        token = sample(logits, self.temperature)
+        self.ids.copy_(token[:, None])
+        self.history.index_copy_(1, self.column, token[:, None])
+        self.column.add_(1).remainder_(self.chunk)
+        self.pos.copy_(torch.minimum(self.pos + 1, self.cap[:, None]))
+
+    def _build(self, positions: int):
+        """Cache and step for `positions` per row; the step captured as a graph on a GPU."""
+        self.cache = self.step = None  # the old cache and graph go before the new ones are allocated
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.length = -(-positions // LENGTH_STEP) * LENGTH_STEP
+        self.length = -(-self.length // ALIGN) * ALIGN
+        self.cache = positioned_cache(self.num_layers, self.length)
+        self.cap.zero_()
+        self.pos.zero_()
+        self._step()  # allocates the cache (its batch size is the step's)
+        self.step = self._step
+        if self.graphs:
+            try:
+                self.step = graphed(self._step, self.device)
+            except Exception as e:  # a model whose forward cannot be captured still decodes, eagerly
+                self.graph_error = f"{type(e).__name__}: {e}"
+                log.error("CUDA graph capture failed (%s); generating eagerly", self.graph_error)
+        self.column.zero_()  # a chunk of steps fills history columns 0..chunk-1 in order
+        log.info("graphed engine: %d rows x %d positions%s", self.rows, self.length, " (CUDA graph)" if self.step is not self._step else "")
+
+    # --------------------------------------------------------------- admission
+
+    def _admit(self, rows: list[int], jobs: list[Job]) -> None:
+        """Prefills `jobs` into the free `rows`: one eager forward over the prompts, left-padded so
+        the last logit of every row is the prompt's. A pad token sits at a position after its prompt
+        (invisible to the prompt's queries, overwritten by the answer), so positions stay per row."""
+        width = max(len(j.prompt) for j in jobs)
+        ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)
+        positions = torch.empty((len(jobs), width), dtype=torch.long)
+        for i, job in enumerate(jobs):
+            n = len(job.prompt)
+            ids[i, width - n:] = torch.tensor(job.prompt)
+            positions[i] = torch.cat([torch.arange(n, width), torch.arange(n)])
+        prefill = positioned_cache(self.num_layers, width)
+        logits = forward_at(self.model, prefill, ids.to(self.device), positions.to(self.device), logits_to_keep=1).logits
+        index = torch.tensor(rows, device=self.device)
+        temperature = torch.tensor([j.temperature for j in jobs], device=self.device)
+        first = sample(logits[:, -1], temperature)
+        for layer, fresh in zip(self.cache.layers, prefill.layers):
+            layer.keys[index, :, :width] = fresh.keys
+            layer.values[index, :, :width] = fresh.values
+        lengths = torch.tensor([len(j.prompt) for j in jobs], device=self.device)
+        self.ids[index] = first[:, None]
+        self.pos[index] = lengths[:, None]
+        self.cap[index] = lengths + torch.tensor([j.max_tokens for j in jobs], device=self.device)
+        self.temperature[index] = temperature
+        for job, token in zip(jobs, first.tolist()):
+            self._emit(job, token)
+
+    def _emit(self, job: Job, token: int) -> bool:
+        """Appends `token` to an unfinished job; whether the job is finished now."""
+        job.tokens.append(token)
+        job.stopped = token in self.stops
+        return job.stopped or len(job.tokens) >= job.max_tokens
+
+    # --------------------------------------------------------------- serving
+
+    @torch.no_grad()
+    def serve(self, take: Callable[[int], list[Job]], give: Callable[[Job], None]) -> None:
+        """Decodes until `take` has nothing more: `take(n)` returns up to n waiting jobs (raising
+        ValueError for one this engine cannot run is the caller's business), `give(job)` receives
+        each finished one (tokens cut after the first stop token, `stopped` set)."""
+        occupant: list[Job | None] = [None] * self.rows
+        waiting: list[Job] = []
+        refill_at = max(1, self.rows // 8)  # a prefill costs about as much as a few steps: batch them
+        while True:
+            free = [r for r, job in enumerate(occupant) if job is None]
+            busy = len(free) < self.rows
+            if (len(free) >= refill_at or not busy) and len(free) > len(waiting):
+                waiting += take(len(free) - len(waiting))
+            if waiting and (len(free) >= refill_at or not busy):
+                need = max(j.positions_needed() for j in waiting)
+                if need > self.length and busy:
+                    pass  # the rows drain first, then the cache grows for the longer request
+                else:
+                    if need > self.length:
+                        self._build(need)
+                    jobs, waiting = waiting[: len(free)], waiting[len(free):]
+                    self._admit(free[: len(jobs)], jobs)
+                    for r, job in zip(free, jobs):
+                        occupant[r] = job
+                    self._release(occupant, give)  # a one-token answer ends at its prefill
+            if all(job is None for job in occupant):
+                if not waiting:
+                    return
+                continue
+            for _ in range(self.chunk):
+                self.step()
+            for r, tokens in enumerate(self.history.tolist()):
+                job = occupant[r]
+                if job is None or job.stopped or len(job.tokens) >= job.max_tokens:
+                    continue
+                for token in tokens:
+                    if self._emit(job, token):
+                        break
+            self._release(occupant, give)
+
+    def _release(self, occupant: list[Job | None], give) -> None:
+        for r, job in enumerate(occupant):
+            if job is not None and (job.stopped or len(job.tokens) >= job.max_tokens):
+                occupant[r] = None
+                give(job)

@@ -1,0 +1,127 @@
+"""The graphed engine (continuous batching on a static per-row cache) against the padded `generate`
+and a plain token-by-token greedy loop, on the tiny random target (CPU: the step runs eagerly)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import pytest
+import torch
+
+from dflash_train.data.backends import GenParams
+from dflash_train.data.generate_config import LocalConfig, build_generate_config
+from dflash_train.data.graphed_engine import GraphedEngine, Job, sample
+from dflash_train.data.local_backend import LocalBackend, encode_prompt, generate_ids, stop_ids
+from dflash_train.config import ConfigError
+from tests.data.test_generate_local import PROMPTS
+
+
+def plain_greedy(model, prompt: list[int], max_tokens: int, stops: set[int]) -> tuple[list[int], bool]:
+    """The reference: the whole sequence through the model once per new token, no cache."""
+    ids, new = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            token = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            new.append(token)
+            ids.append(token)
+            if token in stops:
+                return new, True
+    return new, False
+
+
+def serve_all(engine: GraphedEngine, jobs: list[Job]) -> list[Job]:
+    waiting, order = deque(jobs), []
+    engine.serve(lambda n: [waiting.popleft() for _ in range(min(n, len(waiting)))], order.append)
+    return order
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_target):
+    return LocalBackend.load(str(tiny_target), LocalConfig(device="cpu"))
+
+
+def prompts_of(backend, n: int) -> list[list[int]]:
+    """n distinct prompts of different lengths (the tiny tokenizer is byte-level)."""
+    texts = [m[-1]["content"] for m in PROMPTS]
+    return [encode_prompt(backend.tokenizer, [{"role": "user", "content": texts[i % 4] * (1 + i // 4)}], None)
+            for i in range(n)]
+
+
+def test_graphed_answers_equal_the_padded_generate_and_a_plain_greedy_loop(backend):
+    model, tokenizer = backend.model, backend.tokenizer
+    prompts = prompts_of(backend, 4)
+    params = GenParams(temperature=0.0, top_p=1.0, max_tokens=20)
+    stops = stop_ids(model, tokenizer)
+    free = generate_ids(model, prompts, params, stops, pad_id=0)
+    stops.add(free[0][0][5])  # a token the first answer reaches: that row must stop there
+    padded = generate_ids(model, prompts, params, stops, pad_id=0, engine="padded")
+    graphed = generate_ids(model, prompts, params, stops, pad_id=0, engine="graphed")
+    assert graphed == padded
+    assert graphed == [plain_greedy(model, p, 20, stops) for p in prompts]
+    assert graphed[0][1] and len(graphed[0][0]) <= 6
+    assert any(not stopped and len(ids) == 20 for ids, stopped in graphed)  # both endings covered
+
+
+def test_finished_rows_are_refilled_and_a_longer_prompt_regrows_the_cache(backend):
+    """Two rows for nine prompts of mixed lengths and budgets: rows are refilled (the stale K/V of
+    the previous answer must stay invisible) and the last, longest prompt forces a rebuild."""
+    model, tokenizer = backend.model, backend.tokenizer
+    stops = stop_ids(model, tokenizer)
+    prompts = prompts_of(backend, 8)
+    long_prompt = prompts[-1] * 20 # past the first cache's 256 positions
+    jobs = [Job(p, max_tokens=3 + 5 * (i % 3)) for i, p in enumerate(prompts)] + [Job(long_prompt, 12)]
+    engine = GraphedEngine(model, rows=2, stops=stops, pad_id=0, chunk=4)
+    finished = serve_all(engine, jobs)
+    assert sorted(map(id, finished)) == sorted(map(id, jobs))
+    assert engine.length >= len(long_prompt) + 12 + 1 > 256
+    for job in jobs:
+        assert (job.tokens, job.stopped) == plain_greedy(model, job.prompt, job.max_tokens, stops)
+    assert len({tuple(j.tokens) for j in jobs}) > 4  # a random model that says one thing proves nothing
+
+
+def test_sampling_draws_from_softmax_over_temperature():
+    """Gumbel-max per row against the float64 softmax; temperature 0 rows take the argmax."""
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
+    temperature = 0.7
+    rows = 200_000
+    draws = sample(logits.expand(rows, -1), torch.full((rows,), temperature))
+    freq = torch.bincount(draws, minlength=5).double() / rows
+    expected = torch.softmax(logits.double() / temperature, dim=0)
+    assert torch.allclose(freq, expected, atol=4e-3), (freq, expected)
+    mixed = sample(logits.expand(4, -1), torch.tensor([0.0, 1.0, 0.0, 1.0]))
+    assert mixed[0] == mixed[2] == 0
+
+
+def test_sampled_answers_through_the_backend_differ_from_greedy_and_repeat_with_the_seed(tiny_target):
+    prompts = [m for m in PROMPTS]
+
+    def answer(temperature: float, seed: int):
+        backend = LocalBackend.load(str(tiny_target), LocalConfig(device="cpu", engine="graphed", batch_size=2))
+        params = GenParams(temperature=temperature, top_p=1.0, max_tokens=16, seed=seed)
+
+        async def run():
+            try:
+                return await asyncio.gather(*(backend.complete(m, params) for m in prompts))
+            finally:
+                await backend.aclose()
+        return [a.text for a in asyncio.run(run())]
+
+    greedy = answer(0.0, 0)
+    padded = LocalBackend.load(str(tiny_target), LocalConfig(device="cpu", batch_size=4))
+
+    async def run_padded():
+        try:
+            params = GenParams(temperature=0.0, top_p=1.0, max_tokens=16)
+            return await asyncio.gather(*(padded.complete(m, params) for m in prompts))
+        finally:
+            await padded.aclose()
+    assert greedy == [a.text for a in asyncio.run(run_padded())]
+    assert answer(1.0, 5) == answer(1.0, 5) != greedy
+
+
+def test_graphed_engine_refuses_top_p_naming_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="sampling.top_p"):
+        build_generate_config({"inputs": [str(tmp_path / "x.jsonl")], "output_dir": str(tmp_path / "o"),
+                               "backend": "local", "sampling": {"top_p": 0.9}}, {"engine": "graphed"})
