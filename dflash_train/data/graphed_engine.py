@@ -9,7 +9,7 @@ harmless). The host reads the new tokens once every `chunk` steps, so it seldom 
 
 Greedy and temperature sampling (Gumbel-max: exact sampling from softmax(logits / T)) per row;
 top-p is refused. The cache holds prompt + max_tokens positions of the longest request seen; a longer
-one waits until the rows drain, then the cache is rebuilt for it.
+one grows it (by half at least): the rows' K/V are copied over and the step captured again.
 """
 
 from __future__ import annotations
@@ -62,8 +62,12 @@ class GraphedEngine:
         self.model, self.rows, self.stops, self.pad_id, self.chunk = model, rows, stops, pad_id, chunk
         self.device = next(model.parameters()).device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        config = model.config.get_text_config(decoder=True)
+        self.num_layers, self.kv_heads = config.num_hidden_layers, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.dtype = model.get_input_embeddings().weight.dtype
         self.length = 0
+        self.cache = None
         self.graph_error: str | None = None
         r = rows
         self.ids = torch.zeros(r, 1, dtype=torch.long, device=self.device)
@@ -84,16 +88,24 @@ class GraphedEngine:
         self.pos.copy_(torch.minimum(self.pos + 1, self.cap[:, None]))
 
     def _build(self, positions: int):
-        """Cache and step for `positions` per row; the step captured as a graph on a GPU."""
-        self.cache = self.step = None  # the old cache and graph go before the new ones are allocated
+        """Cache and step for `positions` per row; the step captured as a graph on a GPU. Growing,
+        the rows' K/V move to the new cache and decoding goes on where it was."""
+        old, self.step = self.cache, None  # the old graph goes before the new one is captured
+        length = max(-(-positions // LENGTH_STEP) * LENGTH_STEP, self.length * 3 // 2)  # few regrowths
+        length = -(-length // ALIGN) * ALIGN
+        self.cache = positioned_cache(self.num_layers, length)
+        probe = torch.zeros(self.rows, self.kv_heads, 1, self.head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.cache.layers):
+            layer.lazy_initialization(probe, probe)
+            if old is not None:
+                layer.keys[:, :, : self.length] = old.layers[i].keys
+                layer.values[:, :, : self.length] = old.layers[i].values
+                old.layers[i].keys = old.layers[i].values = None  # one layer of both caches at a time
+        self.length = length
+        del old
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.length = -(-positions // LENGTH_STEP) * LENGTH_STEP
-        self.length = -(-self.length // ALIGN) * ALIGN
-        self.cache = positioned_cache(self.num_layers, self.length)
-        self.cap.zero_()
-        self.pos.zero_()
-        self._step()  # allocates the cache (its batch size is the step's)
+        saved = self.ids.clone(), self.pos.clone()  # warm-up steps write only above each row's position
         self.step = self._step
         if self.graphs:
             try:
@@ -101,8 +113,11 @@ class GraphedEngine:
             except Exception as e:  # a model whose forward cannot be captured still decodes, eagerly
                 self.graph_error = f"{type(e).__name__}: {e}"
                 log.error("CUDA graph capture failed (%s); generating eagerly", self.graph_error)
+        self.ids.copy_(saved[0])
+        self.pos.copy_(saved[1])
         self.column.zero_()  # a chunk of steps fills history columns 0..chunk-1 in order
-        log.info("graphed engine: %d rows x %d positions%s", self.rows, self.length, " (CUDA graph)" if self.step is not self._step else "")
+        log.info("graphed engine: %d rows x %d positions%s", self.rows, self.length,
+                 " (CUDA graph)" if self.step is not self._step else "")
 
     # --------------------------------------------------------------- admission
 
@@ -147,27 +162,21 @@ class GraphedEngine:
         ValueError for one this engine cannot run is the caller's business), `give(job)` receives
         each finished one (tokens cut after the first stop token, `stopped` set)."""
         occupant: list[Job | None] = [None] * self.rows
-        waiting: list[Job] = []
         refill_at = max(1, self.rows // 8)  # a prefill costs about as much as a few steps: batch them
         while True:
             free = [r for r, job in enumerate(occupant) if job is None]
-            busy = len(free) < self.rows
-            if (len(free) >= refill_at or not busy) and len(free) > len(waiting):
-                waiting += take(len(free) - len(waiting))
-            if waiting and (len(free) >= refill_at or not busy):
-                need = max(j.positions_needed() for j in waiting)
-                if need > self.length and busy:
-                    pass  # the rows drain first, then the cache grows for the longer request
-                else:
-                    if need > self.length:
-                        self._build(need)
-                    jobs, waiting = waiting[: len(free)], waiting[len(free):]
-                    self._admit(free[: len(jobs)], jobs)
-                    for r, job in zip(free, jobs):
-                        occupant[r] = job
-                    self._release(occupant, give)  # a one-token answer ends at its prefill
+            idle = len(free) == self.rows
+            jobs = take(len(free)) if len(free) >= refill_at or idle else []
+            if jobs:
+                need = max(j.positions_needed() for j in jobs)
+                if need > self.length:
+                    self._build(need)
+                self._admit(free[: len(jobs)], jobs)
+                for r, job in zip(free, jobs):
+                    occupant[r] = job
+                self._release(occupant, give)  # a one-token answer ends at its prefill
             if all(job is None for job in occupant):
-                if not waiting:
+                if idle and not jobs:
                     return
                 continue
             for _ in range(self.chunk):

@@ -63,20 +63,30 @@ def test_graphed_answers_equal_the_padded_generate_and_a_plain_greedy_loop(backe
     assert any(not stopped and len(ids) == 20 for ids, stopped in graphed)  # both endings covered
 
 
-def test_finished_rows_are_refilled_and_a_longer_prompt_regrows_the_cache(backend):
-    """Two rows for nine prompts of mixed lengths and budgets: rows are refilled (the stale K/V of
-    the previous answer must stay invisible) and the last, longest prompt forces a rebuild."""
+def test_finished_rows_are_refilled_and_a_longer_prompt_regrows_the_cache_mid_answer(backend):
+    """Two rows for ten prompts of mixed lengths and budgets: rows are refilled (the stale K/V of
+    the previous answer must stay invisible), and a long prompt arriving while the first row is
+    mid-answer grows the cache under it (its K/V copied over, its decoding going on)."""
     model, tokenizer = backend.model, backend.tokenizer
     stops = stop_ids(model, tokenizer)
     prompts = prompts_of(backend, 8)
-    long_prompt = prompts[-1] * 20 # past the first cache's 256 positions
-    jobs = [Job(p, max_tokens=3 + 5 * (i % 3)) for i, p in enumerate(prompts)] + [Job(long_prompt, 12)]
-    engine = GraphedEngine(model, rows=2, stops=stops, pad_id=0, chunk=4)
+    long_prompt = prompts[-1] * 20  # past the first cache's 256 positions
+    jobs = [Job(prompts[0], 40), Job(prompts[1], 2), Job(long_prompt, 12)]
+    jobs += [Job(p, max_tokens=3 + 5 * (i % 3)) for i, p in enumerate(prompts[2:])]
+    engine = GraphedEngine(model, rows=2, stops=set(), pad_id=0, chunk=4)
+    grown_under = []
+    build = engine._build
+
+    def recording_build(positions):
+        grown_under.append(len(jobs[0].tokens))
+        build(positions)
+    engine._build = recording_build
     finished = serve_all(engine, jobs)
     assert sorted(map(id, finished)) == sorted(map(id, jobs))
     assert engine.length >= len(long_prompt) + 12 + 1 > 256
+    assert len(grown_under) == 2 and 0 < grown_under[1] < 40  # the second build happened mid-answer
     for job in jobs:
-        assert (job.tokens, job.stopped) == plain_greedy(model, job.prompt, job.max_tokens, stops)
+        assert (job.tokens, job.stopped) == plain_greedy(model, job.prompt, job.max_tokens, set())
     assert len({tuple(j.tokens) for j in jobs}) > 4  # a random model that says one thing proves nothing
 
 
