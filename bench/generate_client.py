@@ -19,15 +19,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_train.data.backends import GenParams
-from dflash_train.data.generate import generate
-from dflash_train.data.generate_config import HttpConfig, build_generate_config
-from dflash_train.data.http_backend import HttpBackend
+from dflash_train.generate.backends import GenParams
+from dflash_train.generate.job import generate
+from dflash_train.generate.config import HttpConfig, build_generate_config
+from dflash_train.generate.http_backend import HttpBackend
 
 
 def start_echo_server() -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_train.data.server", "--echo", "--port", "0"],
+        [sys.executable, str(Path(__file__).with_name("chat_server.py")), "--echo", "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -15,7 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from dflash_train import __version__
 from dflash_train.config import ConfigError, load_config
-from dflash_train.data import generate_config as gc
+from dflash_train.generate import config as gc
 from dflash_train.errors import UserError
 
 
@@ -42,7 +42,7 @@ def cmd_warmup(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from dflash_train.train.launch import main as launch_main
+    from dflash_train.distributed.launch import main as launch_main
 
     return launch_main(args.launch_args)
 
@@ -89,8 +89,8 @@ def cmd_diff_runs(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from dflash_train.data.generate import OutputMismatch, describe_partial, generate
-    from dflash_train.data.generate_config import load_generate_config
+    from dflash_train.generate.job import OutputMismatch, describe_partial, generate
+    from dflash_train.generate.config import load_generate_config
 
     cfg = load_generate_config(args.config, args)
     try:

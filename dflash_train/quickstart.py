@@ -21,8 +21,8 @@ from rich.table import Table
 from dflash_train.atomic import write_json_atomic
 from dflash_train.config import RunConfig, load_config
 from dflash_train.data.dataset import tokenize_files
-from dflash_train.data.generate import generate
-from dflash_train.data.generate_config import build_generate_config
+from dflash_train.generate.job import generate
+from dflash_train.generate.config import build_generate_config
 from dflash_train.eval.prompts import Prompt, first_turns, load_prompts, sharegpt, split_prompt_files
 from dflash_train.eval.report import encode, stop_token_ids
 from dflash_train.eval.spec_decode import speculative_generate, target_greedy

@@ -1,6 +1,6 @@
 """A target's KV cache the way a serving engine keeps it: preallocated, written at per-row positions.
 
-Shared by the regeneration engine (data/graphed_engine.py) and the speculative decoder
+Shared by the regeneration engine (generate/graphed_engine.py) and the speculative decoder
 (eval/static_decode.py). Rows are independent: each writes its K/V at the positions it is given, a
 query at position p sees the keys at positions <= p of its own row, and nothing is ever cropped, so
 a stale K/V above a row's position is invisible and gets overwritten before it could be seen. The

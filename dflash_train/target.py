@@ -24,7 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from dflash_train.atomic import new_temp_dir, swap_dir
 from dflash_train.config import TargetConfig
 from dflash_train.target_path import check_target_path, load_pretrained
-from dflash_train.tensor_parallel import shard_decoder
+from dflash_train.distributed.tensor_parallel import shard_decoder
 from dflash_train.package_data import SMOLLM2_GGUF, cache_home, packaged_file
 
 log = logging.getLogger("dflash_train")

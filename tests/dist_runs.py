@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from dflash_train.config import load_config
-from dflash_train.train.distributed import drafter_runs, main
+from dflash_train.distributed.run import drafter_runs, main
 from dflash_train.train.loop import Trainer
 from dflash_train.train.metrics import read_metrics
 
@@ -122,5 +122,5 @@ def launch_node(node_rank: int, endpoint: str, argv: list[str]) -> subprocess.Po
 def torchrun(nproc: int, argv: list[str]) -> subprocess.Popen:
     env = _env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--monitor-interval", "0.5", "-m", "dflash_train.train.distributed", *argv]
+           "--monitor-interval", "0.5", "-m", "dflash_train.distributed.run", *argv]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from dflash_train.cli import main
-from tests.data.conftest import build_tiny_target
+from tests.generate.conftest import build_tiny_target
 
 REPO = Path(__file__).resolve().parent.parent
 CONVERSATION = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}

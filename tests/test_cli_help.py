@@ -16,7 +16,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def _all_parsers() -> dict[str, argparse.ArgumentParser]:
-    from dflash_train.train import launch
+    from dflash_train.distributed import launch
 
     parser = build_parser()
     parsers = {"dflash-train": parser, **_subparsers(parser)}

@@ -91,7 +91,7 @@ GENERATE_CONFIGS = sorted((REPO / "configs" / "generate").glob("*.yaml"))
 
 @pytest.mark.parametrize("path", GENERATE_CONFIGS, ids=lambda p: p.name)
 def test_shipped_generate_configs_load(path):
-    from dflash_train.data.generate_config import load_generate_config
+    from dflash_train.generate.config import load_generate_config
 
     cfg = load_generate_config(path)
     assert cfg.inputs and cfg.output_dir

@@ -17,7 +17,7 @@ import pytest
 from pydantic import BaseModel
 
 from dflash_train.config import RunConfig
-from dflash_train.data.generate_config import GenerateConfig
+from dflash_train.generate.config import GenerateConfig
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dflash_train"
 DECLARING = {PACKAGE / "config.py", PACKAGE / "data" / "generate_config.py"}

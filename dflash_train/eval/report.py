@@ -25,8 +25,8 @@ from dflash_train.atomic import write_atomic
 from dflash_train.config import EvalConfig, TargetConfig
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.export import load_drafter
-from dflash_train.data.backends import GenParams
-from dflash_train.data.local_backend import generate_ids, pad_token_id
+from dflash_train.generate.backends import GenParams
+from dflash_train.generate.local_backend import generate_ids, pad_token_id
 from dflash_train.eval.batched import batched_speculative
 from dflash_train.eval.prompts import Prompt, load_prompts
 from dflash_train.eval.served_speed import first_difference, pick_speed_engine, served_speed

@@ -28,13 +28,13 @@ from dflash_train.ops.guard import ThroughputGuard
 from dflash_train.ops.manifest import build_manifest, write_manifest
 from dflash_train.ops.recompiles import RecompileWatch
 from dflash_train.target import Target, load_target
-from dflash_train.train import checkpoint as ckpt
+from dflash_train.checkpoint import local as ckpt
 from dflash_train.train.batches import anchor_seed, batch_shape, collate, epoch_plan, locate
 from dflash_train.train.build import autocast_for, compile_layers, resolve_device, stream_layer_ids
 from dflash_train.train.drafter_init import build_drafter
 from dflash_train.train.heldout import HeldoutProbe, score_heldout
 from dflash_train.train.metrics import MetricsFile
-from dflash_train.train.storage import prune_local, resolve_resume
+from dflash_train.checkpoint.storage import prune_local, resolve_resume
 from dflash_train.train.tracking import Tracker
 from dflash_train.train.budget import Deadline, TimeBudget
 from dflash_train.train.optim import build_optimizer, build_scheduler, retarget_scheduler
@@ -77,7 +77,7 @@ class Trainer:
         self.feature_cache_full = False
         self.uploader = None  # background uploads to checkpoint.remote
         if cfg.checkpoint.remote:
-            from dflash_train.train.uploader import remote_uploader  # boto3 only when asked for
+            from dflash_train.checkpoint.uploader import remote_uploader  # boto3 only when asked for
 
             self.uploader = remote_uploader(cfg.checkpoint)
         self.checkpoint_writer = ckpt.CheckpointWriter()

@@ -13,7 +13,7 @@ from dflash_train.config import ConfigError, DraftConfig
 from dflash_train.eval.export import export_drafter, load_drafter
 from dflash_train.eval.spec_decode import speculative_generate
 from dflash_train.train.build import target_layer_ids
-from dflash_train.train.checkpoint import latest_checkpoint
+from dflash_train.checkpoint.local import latest_checkpoint
 from dflash_train.train.loop import Trainer
 
 from .test_spec_decode import prompt, reference_greedy
@@ -59,7 +59,7 @@ def test_two_layer_drafter_reading_three_target_layers_end_to_end(make_run_confi
 
 
 def test_a_drafter_of_several_chooses_its_own_target_layers(make_run_config):
-    from dflash_train.train.distributed import drafter_runs
+    from dflash_train.distributed.run import drafter_runs
 
     cfg = make_run_config("multi", ["drafters=[{name: a}, {name: b, draft: {num_target_features: 3}}]"])
     (_, a), (_, b) = drafter_runs(cfg)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.data.backends import GenParams
-from dflash_train.data.graphed_engine import GraphedEngine, Job
-from dflash_train.data.local_backend import generate_ids
+from dflash_train.generate.backends import GenParams
+from dflash_train.generate.graphed_engine import GraphedEngine, Job
+from dflash_train.generate.local_backend import generate_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eval.tiny_models import tiny_target  # noqa: E402

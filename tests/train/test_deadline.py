@@ -95,7 +95,7 @@ def test_resumed_budgeted_run_continues_its_schedule(make_run_config, shared_tin
 
 def test_launch_on_several_ranks_refuses_wall_clock_stops(make_run_config):
     """Only the logging rank would stop: the others would hang in its collectives."""
-    from dflash_train.train.distributed import check_wall_clock_stops, drafter_runs
+    from dflash_train.distributed.run import check_wall_clock_stops, drafter_runs
 
     cfg = make_run_config(overrides=["train.max_steps=8", "train.deadline_minutes=5"])
     check_wall_clock_stops(drafter_runs(cfg), world_size=1)

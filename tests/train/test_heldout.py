@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dflash_train.data.dataset import tokenize_files
-from dflash_train.train.checkpoint import latest_checkpoint
+from dflash_train.checkpoint.local import latest_checkpoint
 from dflash_train.train.loop import Trainer
 
 

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_train.eval.export import export_drafter
-from dflash_train.train.checkpoint import latest_checkpoint
+from dflash_train.checkpoint.local import latest_checkpoint
 from dflash_train.train.loop import Trainer
 
 

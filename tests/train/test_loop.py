@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_train.draft.objective import draft_loss, make_task
-from dflash_train.train.checkpoint import latest_checkpoint
+from dflash_train.checkpoint.local import latest_checkpoint
 from dflash_train.train.loop import Trainer
 from dflash_train.train.metrics import read_metrics
 from dflash_train.train.optim import lr_factor

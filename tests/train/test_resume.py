@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from dflash_train.train.checkpoint import latest_checkpoint
+from dflash_train.checkpoint.local import latest_checkpoint
 from dflash_train.train.loop import Trainer
 from dflash_train.train.metrics import read_metrics
 

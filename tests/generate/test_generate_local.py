@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from dflash_train.data.backends import GenParams
-from dflash_train.data.generate import generate
-from dflash_train.data.generate_config import LocalConfig, build_generate_config
-from dflash_train.data.local_backend import LocalBackend, encode_prompt, generate_ids, stop_ids
-from tests.data.conftest import read_rows, write_jsonl
+from dflash_train.generate.backends import GenParams
+from dflash_train.generate.job import generate
+from dflash_train.generate.config import LocalConfig, build_generate_config
+from dflash_train.generate.local_backend import LocalBackend, encode_prompt, generate_ids, stop_ids
+from tests.generate.conftest import read_rows, write_jsonl
 
 PROMPTS = [
     [{"role": "user", "content": "hello"}],
@@ -121,7 +121,7 @@ def test_local_and_http_served_model_regenerate_identically(tmp_path, tiny_targe
 
 
 def test_out_of_memory_halves_the_batch_and_loses_no_answer(tiny_target, monkeypatch, caplog):
-    from dflash_train.data import local_backend
+    from dflash_train.generate import local_backend
 
     params = GenParams(temperature=0.0, top_p=1.0, max_tokens=16)
 
@@ -163,7 +163,7 @@ def test_out_of_memory_halves_the_batch_and_loses_no_answer(tiny_target, monkeyp
 def test_a_failing_batch_stops_the_run_keeps_finished_rows_and_reports_once(tmp_path, tiny_target, monkeypatch, caplog):
     import gc
 
-    from dflash_train.data import local_backend
+    from dflash_train.generate import local_backend
 
     real, calls = local_backend.generate_batch, []
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash_train.data.generate import generate
-from dflash_train.data.generate_config import build_generate_config
+from dflash_train.generate.job import generate
+from dflash_train.generate.config import build_generate_config
 from tests.tiny import CHATML, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ class Server:
     def __init__(self, *args: str):
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dflash_train.data.server", "--port", "0", *args],
+            [sys.executable, str(REPO / "bench" / "chat_server.py"), "--port", "0", *args],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
         )
         line = self.proc.stdout.readline()
@@ -76,7 +76,7 @@ class Server:
 
 @pytest.fixture
 def start_server():
-    """start_server(*args) -> Server running `python -m dflash_train.data.server --port 0 *args`."""
+    """start_server(*args) -> Server running `python bench/chat_server.py --port 0 *args`."""
     servers: list[Server] = []
 
     def start(*args: str) -> Server:

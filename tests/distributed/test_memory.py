@@ -4,8 +4,8 @@ import pytest
 from transformers import Qwen3Config
 
 from dflash_train.config import build_config
-from dflash_train.train.launch import main as launch_main
-from dflash_train.train.memory import GiB, check_fits, plan_memory
+from dflash_train.distributed.launch import main as launch_main
+from dflash_train.distributed.memory import GiB, check_fits, plan_memory
 from dist_runs import write_assets, write_config
 from tiny import tiny_llama
 

@@ -26,7 +26,7 @@ from dflash_train.draft.loss import LossTally
 from dflash_train.draft.objective import make_task
 from dflash_train.eval.report import check_periodic_eval, periodic_eval_for
 from dflash_train.target import Target
-from dflash_train.train.layout import Layout
+from dflash_train.distributed.layout import Layout
 from dflash_train.train.batches import anchor_seed, batch_shape, collate, epoch_plan, locate
 from dflash_train.train.loop import Trainer
 

@@ -14,7 +14,7 @@ import pytest
 from dflash_train.cli import main
 from dflash_train.data.formats import MAX_ROW_BYTES, DataError, iter_rows
 from dflash_train.eval.prompts import load_prompts
-from tests.data.conftest import write_jsonl
+from tests.generate.conftest import write_jsonl
 
 SMALL = {"messages": [{"role": "user", "content": "hi"}]}
 HUGE = 20 << 20

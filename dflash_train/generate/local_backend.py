@@ -3,7 +3,7 @@
 For small targets (the SmolLM2 quickstart on CPU) and single-GPU runs without a server. Four
 engines: one left-padded `generate` per batch with a dynamic cache (`padded`) or a preallocated
 static cache whose decode step transformers compiles into CUDA graphs on a GPU (`static`),
-transformers' continuous batching, or ours (`graphed`: data/graphed_engine.py).
+transformers' continuous batching, or ours (`graphed`: generate/graphed_engine.py).
 Concurrent `complete` calls queue up; one worker thread takes whatever is waiting (up to
 `batch_size`, same sampling settings) and runs one `model.generate` for all of it, so batches
 fill up naturally while the previous one runs. The graphed engine instead keeps `batch_size` rows
@@ -24,9 +24,9 @@ import torch
 from transformers import GenerationConfig
 
 from dflash_train.config import TargetConfig
-from dflash_train.data.backends import Completion, GenParams
-from dflash_train.data.generate_config import LocalConfig
-from dflash_train.data.graphed_engine import GraphedEngine, Job
+from dflash_train.generate.backends import Completion, GenParams
+from dflash_train.generate.config import LocalConfig
+from dflash_train.generate.graphed_engine import GraphedEngine, Job
 from dflash_train.target import load_target
 
 log = logging.getLogger("dflash_train")

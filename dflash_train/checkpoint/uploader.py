@@ -13,8 +13,8 @@ import queue
 import threading
 from pathlib import Path
 
-from dflash_train.train.remote import RemoteStorageError, S3Store, hash_checkpoint
-from dflash_train.train.storage import has_receipt, prune_remote, write_receipt
+from dflash_train.checkpoint.s3 import RemoteStorageError, S3Store, hash_checkpoint
+from dflash_train.checkpoint.storage import has_receipt, prune_remote, write_receipt
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Disaggregated training on torch.distributed: target ranks feed drafter ranks.
 
-    torchrun --nproc-per-node 3 -m dflash_train.train.distributed -c run.yaml --target-ranks 2
-    torchrun --nproc-per-node 2 -m dflash_train.train.distributed -c run.yaml --colocated
+    torchrun --nproc-per-node 3 -m dflash_train.distributed.run -c run.yaml --target-ranks 2
+    torchrun --nproc-per-node 2 -m dflash_train.distributed.run -c run.yaml --colocated
 
 One process per GPU (gloo on CPU). Roles and message protocol: layout.py and roles.py.
 Faults: torchrun kills the whole group when one worker exits non-zero; across nodes (and for a
@@ -30,10 +30,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from dflash_train.config import RunConfig, build_config, load_config
 from dflash_train.data.dataset import load_training_data
 from dflash_train.target import load_target
-from dflash_train.train import checkpoint as ckpt
-from dflash_train.train.layout import Layout
+from dflash_train.checkpoint import local as ckpt
+from dflash_train.distributed.layout import Layout
 from dflash_train.train.build import resolve_device, stream_layer_ids
-from dflash_train.train.roles import DrafterRank, Link, TargetFeeder, check_lead_rank_evals
+from dflash_train.distributed.roles import DrafterRank, Link, TargetFeeder, check_lead_rank_evals
 
 log = logging.getLogger("dflash_train")
 
@@ -149,7 +149,7 @@ def resume_step(run_dirs: list[str]) -> int | None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dflash_train.train.distributed", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m dflash_train.distributed.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-c", "--config", required=True)
     p.add_argument("overrides", nargs="*")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dflash_train.atomic import write_json_atomic
-from dflash_train.train.remote import FileEntry, RemoteStorageError, S3Store, S3Url, sha256_file, step_of
+from dflash_train.checkpoint.s3 import FileEntry, RemoteStorageError, S3Store, S3Url, sha256_file, step_of
 
 # ---- resume ----------------------------------------------------------------------------------
 

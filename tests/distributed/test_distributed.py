@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.train.distributed import Watchdog, resume_step
-from dflash_train.train.launch import main as launch_main
-from dflash_train.train.layout import Layout, plan_split
+from dflash_train.distributed.run import Watchdog, resume_step
+from dflash_train.distributed.launch import main as launch_main
+from dflash_train.distributed.layout import Layout, plan_split
 from dist_runs import children, losses, reference_losses, spawn, torchrun, write_assets, write_config
 from tiny import tiny_target
 
@@ -159,10 +159,10 @@ def test_launch_auto_measures_plans_and_builds_the_torchrun_command(assets, tmp_
     out = capsys.readouterr().out
     assert "plan for 3 GPUs: colocated on 3 GPUs" in out and "measured per GPU: target" in out
     assert out.strip().splitlines()[-1].endswith(
-        "--standalone -m dflash_train.train.distributed -c " + str(config)
+        "--standalone -m dflash_train.distributed.run -c " + str(config)
         + " --colocated --max-in-flight 4 --heartbeat-timeout 30.0 train.lr=2e-3")
     assert launch_main(["-c", str(config), "--target-gpus", "2", "--drafter-gpus", "2", "--nproc-per-node", "2",
                         "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:29500", "--dry-run"]) == 0
     assert ("--nnodes 2 --node-rank 1 --rdzv-backend c10d --rdzv-endpoint h:29500 --rdzv-id dflash-train -m "
-            "dflash_train.train.distributed -c " + str(config) + " --target-ranks 2 --drafter-ranks 2") \
+            "dflash_train.distributed.run -c " + str(config) + " --target-ranks 2 --drafter-ranks 2") \
         in capsys.readouterr().out

@@ -15,8 +15,8 @@ import random
 
 import aiohttp
 
-from dflash_train.data.backends import Completion, GenerationError, GenParams
-from dflash_train.data.generate_config import HttpConfig
+from dflash_train.generate.backends import Completion, GenerationError, GenParams
+from dflash_train.generate.config import HttpConfig
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from dflash_train.train.remote import MARKER, S3Store
-from dflash_train.train.storage import prune_local, prune_remote, resolve_resume
-from dflash_train.train.uploader import BackgroundUploader
+from dflash_train.checkpoint.s3 import MARKER, S3Store
+from dflash_train.checkpoint.storage import prune_local, prune_remote, resolve_resume
+from dflash_train.checkpoint.uploader import BackgroundUploader
 
 MiB = 1024 * 1024
 

@@ -25,9 +25,9 @@ from dflash_train.config import load_config
 from dflash_train.data.dataset import load_training_data
 from dflash_train.target import load_target, resolve_target_path
 from dflash_train.target_path import load_pretrained
-from dflash_train.train.distributed import build_layout, drafter_runs
-from dflash_train.train.layout import Plan, plan_split
-from dflash_train.train.memory import GiB, check_fits, plan_memory
+from dflash_train.distributed.run import build_layout, drafter_runs
+from dflash_train.distributed.layout import Plan, plan_split
+from dflash_train.distributed.memory import GiB, check_fits, plan_memory
 from dflash_train.train.build import resolve_device, target_layer_ids
 from dflash_train.train.loop import Trainer
 
@@ -69,7 +69,7 @@ def torchrun_command(args: argparse.Namespace, split: list[str]) -> list[str]:
             raise ValueError("--nnodes > 1 needs --rdzv-endpoint host:port (the same on every node)")
         cmd += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id]
-    cmd += ["-m", "dflash_train.train.distributed", "-c", args.config, *split,
+    cmd += ["-m", "dflash_train.distributed.run", "-c", args.config, *split,
             "--max-in-flight", str(args.max_in_flight), "--heartbeat-timeout", str(args.heartbeat_timeout)]
     if args.resume:
         cmd += ["--resume", args.resume]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import shlex
 
 from dflash_train.cli import main
-from dflash_train.data.backends import GenParams
-from dflash_train.data.generate import count_rows
-from dflash_train.data.local_backend import _generation_config
-from tests.data.conftest import write_jsonl
+from dflash_train.generate.backends import GenParams
+from dflash_train.generate.job import count_rows
+from dflash_train.generate.local_backend import _generation_config
+from tests.generate.conftest import write_jsonl
 
 PROMPT = {"messages": [{"role": "user", "content": "hi"}]}
 

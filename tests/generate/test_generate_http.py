@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from dflash_train.data.formats import RowStats, iter_conversations
-from dflash_train.data.generate import generate
-from dflash_train.data.generate_config import build_generate_config
-from dflash_train.data.server import echo_answer
-from tests.data.conftest import conversation, read_rows, run, write_jsonl
+from dflash_train.generate.job import generate
+from dflash_train.generate.config import build_generate_config
+from tests.generate.conftest import conversation, read_rows, run, write_jsonl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from chat_server import echo_answer  # noqa: E402  the test server lives with the benchmarks
 
 
 def test_every_assistant_turn_is_answered_in_order_from_the_targets_own_history(tmp_path, start_server):

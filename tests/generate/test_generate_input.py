@@ -11,12 +11,12 @@ import pytest
 
 from dflash_train.config import ConfigError
 from dflash_train.data.formats import DataError
-from dflash_train.data.generate import generate
-from dflash_train.data.generate_config import (
+from dflash_train.generate.job import generate
+from dflash_train.generate.config import (
     build_generate_config,
     load_generate_config,
 )
-from tests.data.conftest import read_rows, run, write_jsonl
+from tests.generate.conftest import read_rows, run, write_jsonl
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}]}
 BAD_LINES = [

@@ -6,7 +6,7 @@ import json
 
 from safetensors import safe_open
 
-from dflash_train.train import checkpoint as ckpt
+from dflash_train.checkpoint import local as ckpt
 from dflash_train.train.loop import Trainer
 
 

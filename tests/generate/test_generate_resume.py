@@ -11,21 +11,21 @@ import time
 import pytest
 import yaml
 
-from dflash_train.data.generate import generate
-from dflash_train.data.generate_config import (
+from dflash_train.generate.job import generate
+from dflash_train.generate.config import (
     build_generate_config,
     load_generate_config,
 )
-from dflash_train.data.shards import OutputLock
-from tests.data.conftest import REPO, conversation, read_rows, write_jsonl
+from dflash_train.generate.shards import OutputLock
+from tests.generate.conftest import REPO, conversation, read_rows, write_jsonl
 
 NUM_ROWS = 240
 
 
 def start_generate(config_path) -> subprocess.Popen:
     code = (
-        "import sys; from dflash_train.data.generate import generate; "
-        "from dflash_train.data.generate_config import load_generate_config; "
+        "import sys; from dflash_train.generate.job import generate; "
+        "from dflash_train.generate.config import load_generate_config; "
         "generate(load_generate_config(sys.argv[1]))"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}

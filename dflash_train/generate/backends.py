@@ -56,9 +56,9 @@ def make_backend(cfg) -> Backend:
     aiohttp (the `generate` extra).
     """
     if cfg.backend == "http":
-        from dflash_train.data.http_backend import HttpBackend
+        from dflash_train.generate.http_backend import HttpBackend
 
         return HttpBackend(cfg.http, model=cfg.model, max_connections=cfg.concurrency)
-    from dflash_train.data.local_backend import LocalBackend
+    from dflash_train.generate.local_backend import LocalBackend
 
     return LocalBackend.load(cfg.model or "smollm2", cfg.local)

@@ -8,7 +8,7 @@ import shutil
 from tiny import tiny_target
 
 from dflash_train.config import build_config
-from dflash_train.train import checkpoint as ckpt
+from dflash_train.checkpoint import local as ckpt
 from dflash_train.train.loop import Trainer, train
 from dflash_train.train.metrics import read_metrics
 

@@ -27,11 +27,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from dflash_train.data.backends import Backend, GenerationError, GenParams, make_backend
+from dflash_train.generate.backends import Backend, GenerationError, GenParams, make_backend
 from dflash_train.data.formats import DataError, row_id, iter_rows, normalise_messages
-from dflash_train.data.generate_config import GenerateConfig
+from dflash_train.generate.config import GenerateConfig
 from dflash_train.atomic import write_json_atomic
-from dflash_train.data.shards import (
+from dflash_train.generate.shards import (
     OutputLock,
     ShardWriter,
     committed_shards,

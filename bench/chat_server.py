@@ -1,7 +1,7 @@
 """A small OpenAI-compatible chat-completions server (non-streaming) for local work and tests.
 
-    python -m dflash_train.data.server --model smollm2            # the in-process backend over HTTP
-    python -m dflash_train.data.server --echo --fail-every 7      # deterministic echo + fault injection
+    python bench/chat_server.py --model smollm2            # the in-process backend over HTTP
+    python bench/chat_server.py --echo --fail-every 7      # deterministic echo + fault injection
 
 It prints `READY <url>` once listening (port 0 picks a free one). The echo responder answers with
 a hash of the whole conversation it was sent, so a client can check exactly what each request
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from dflash_train.data.backends import Completion, GenParams
+from dflash_train.generate.backends import Completion, GenParams
 
 
 def echo_answer(messages: list[dict]) -> str:
@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.echo:
         responder = EchoResponder()
     else:  # torch and transformers only when a model is served: the echo server starts in ~0.3 s
-        from dflash_train.data.generate_config import LocalConfig
-        from dflash_train.data.local_backend import LocalBackend
+        from dflash_train.generate.config import LocalConfig
+        from dflash_train.generate.local_backend import LocalBackend
 
         responder = LocalBackend.load(args.model, LocalConfig(device=args.device, batch_size=args.batch_size))
     faults = FaultPlan(args.fail_every, args.drop_every, args.stall_every, args.stall_s, args.fail_marker)

@@ -9,12 +9,12 @@ from collections import deque
 import pytest
 import torch
 
-from dflash_train.data.backends import GenParams
-from dflash_train.data.generate_config import LocalConfig, build_generate_config
-from dflash_train.data.graphed_engine import GraphedEngine, Job, sample
-from dflash_train.data.local_backend import LocalBackend, encode_prompt, generate_ids, stop_ids
+from dflash_train.generate.backends import GenParams
+from dflash_train.generate.config import LocalConfig, build_generate_config
+from dflash_train.generate.graphed_engine import GraphedEngine, Job, sample
+from dflash_train.generate.local_backend import LocalBackend, encode_prompt, generate_ids, stop_ids
 from dflash_train.config import ConfigError
-from tests.data.test_generate_local import PROMPTS
+from tests.generate.test_generate_local import PROMPTS
 
 
 def plain_greedy(model, prompt: list[int], max_tokens: int, stops: set[int]) -> tuple[list[int], bool]:
