@@ -32,6 +32,7 @@ from dflash_train.checkpoint import local as ckpt
 from dflash_train.train.batches import anchor_seed, batch_shape, collate, epoch_plan, locate
 from dflash_train.train.build import autocast_for, compile_layers, resolve_device, stream_layer_ids
 from dflash_train.train.drafter_init import build_drafter
+from dflash_train.train.feature_cache import FeatureCache
 from dflash_train.train.heldout import HeldoutProbe, score_heldout
 from dflash_train.train.metrics import MetricsFile
 from dflash_train.checkpoint.storage import prune_local, resolve_resume
@@ -40,9 +41,6 @@ from dflash_train.train.budget import Deadline, TimeBudget
 from dflash_train.train.optim import build_optimizer, build_scheduler, retarget_scheduler
 
 log = logging.getLogger("dflash_train")
-
-FEATURE_CACHE_RESERVE_GIB = 16
-"""GPU memory `data.cache_features` leaves free for the training step itself."""
 
 
 class Trainer:
@@ -73,8 +71,7 @@ class Trainer:
         self.devices_held = 1  # for device-seconds (distributed ranks: the world size)
         self.manifest: dict | None = None  # written at the start of fit(); checkpoints carry it
         self.cursor = (0, 0)  # (epoch, batch index) of the next micro-batch
-        self.feature_cache: dict[int, torch.Tensor] = {}
-        self.feature_cache_full = False
+        self.feature_cache = FeatureCache(self.dataset, self.device) if cfg.data.cache_features else None
         self.uploader = None  # background uploads to checkpoint.remote
         if cfg.checkpoint.remote:
             from dflash_train.checkpoint.uploader import remote_uploader  # boto3 only when asked for
@@ -203,42 +200,10 @@ class Trainer:
         return len(shapes)
 
     def features(self, batch: dict) -> torch.Tensor:
-        layer_ids = self.stream_layers
-        if not self.cfg.data.cache_features:
-            return self.target.features(batch["input_ids"], layer_ids)
-        missing = [i for i in batch["indices"] if i not in self.feature_cache]
-        fresh = {}
-        if missing:
-            sub = collate(self.dataset, missing, self.device)
-            feats = self.target.features(sub["input_ids"], layer_ids)
-            fresh = {i: feats[row, : len(self.dataset.input_ids[i])] for row, i in enumerate(missing)}
-            if self._cache_has_room(feats.nbytes):
-                # Copies: a view would keep the whole padded batch tensor alive.
-                self.feature_cache.update({i: f.clone() for i, f in fresh.items()})
-        # Zeros in the padding, rows included: with length_bucket the batch is padded to a static
-        # (rows, length) shape beyond its real sequences.
-        rows, t = batch["input_ids"].shape
-        rows_feats = [fresh[i] if i in fresh else self.feature_cache[i] for i in batch["indices"]]
-        out = rows_feats[0].new_zeros(rows, t, rows_feats[0].shape[-1])
-        for row, f in enumerate(rows_feats):
-            out[row, : f.shape[0]] = f
-        return out
-
-    def _cache_has_room(self, nbytes: int) -> bool:
-        """Whether the feature cache may grow by `nbytes` and leave FEATURE_CACHE_RESERVE_GIB for
-        training; past that, the rows not cached yet get their features recomputed every epoch
-        (slower, never out of memory)."""
-        if self.device.type != "cuda":
-            return True
-        free, _ = torch.cuda.mem_get_info(self.device)
-        room = free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        if room - nbytes > FEATURE_CACHE_RESERVE_GIB * 2**30:
-            return True
-        if not self.feature_cache_full:
-            self.feature_cache_full = True
-            log.warning("feature cache full at %d rows (%.1f GiB free): the other rows' features are recomputed",
-                        len(self.feature_cache), room / 2**30)
-        return False
+        compute = lambda ids: self.target.features(ids, self.stream_layers)  # noqa: E731
+        if self.feature_cache is None:
+            return compute(batch["input_ids"])
+        return self.feature_cache.features(batch, compute)
 
     # ---- one optimizer step ----------------------------------------------------------------
     def train_step(self) -> dict:

@@ -45,7 +45,7 @@ def test_batched_greedy_equals_model_generate_prompt_by_prompt(tiny_target):
     assert len({a.text for a in answers}) == len(PROMPTS)  # a random model that says one thing proves nothing
 
 
-def test_static_and_continuous_engines_answer_exactly_as_the_padded_generate(tiny_target):
+def test_static_continuous_and_graphed_engines_answer_exactly_as_the_padded_generate(tiny_target):
     backend = LocalBackend.load(str(tiny_target), LocalConfig(device="cpu"))
     model, tokenizer = backend.model, backend.tokenizer
     prompts = [encode_prompt(tokenizer, m, None) for m in PROMPTS]
@@ -56,8 +56,10 @@ def test_static_and_continuous_engines_answer_exactly_as_the_padded_generate(tin
     padded = generate_ids(model, prompts, params, stops, pad_id=0, engine="padded")
     continuous = generate_ids(model, prompts, params, stops, pad_id=0, engine="continuous")
     static = generate_ids(model, prompts, params, stops, pad_id=0, engine="static")  # wider padding too
+    graphed = generate_ids(model, prompts, params, stops, pad_id=0, engine="graphed")  # ours: per-row cache
     assert continuous == padded
     assert static == padded
+    assert graphed == padded
     assert padded[0][1] and len(padded[0][0]) <= 6
     assert any(not stopped and len(ids) == 20 for ids, stopped in padded)  # both endings covered
 
@@ -79,7 +81,7 @@ def test_answers_come_from_the_plain_distribution_not_the_models_generation_sett
     model.generation_config.no_repeat_ngram_size = 1
     try:
         penalised = model.generate(torch.tensor([prompt]), max_new_tokens=16, pad_token_id=0)[0, len(prompt):].tolist()
-        for engine in ("padded", "static", "continuous"):
+        for engine in ("padded", "static", "continuous", "graphed"):
             assert generate_ids(model, [prompt], params, set(), pad_id=0, engine=engine) == [(argmax, False)]
     finally:
         model.generation_config.repetition_penalty = 1.0

@@ -48,21 +48,6 @@ def prompts_of(backend, n: int) -> list[list[int]]:
             for i in range(n)]
 
 
-def test_graphed_answers_equal_the_padded_generate_and_a_plain_greedy_loop(backend):
-    model, tokenizer = backend.model, backend.tokenizer
-    prompts = prompts_of(backend, 4)
-    params = GenParams(temperature=0.0, top_p=1.0, max_tokens=20)
-    stops = stop_ids(model, tokenizer)
-    free = generate_ids(model, prompts, params, stops, pad_id=0)
-    stops.add(free[0][0][5])  # a token the first answer reaches: that row must stop there
-    padded = generate_ids(model, prompts, params, stops, pad_id=0, engine="padded")
-    graphed = generate_ids(model, prompts, params, stops, pad_id=0, engine="graphed")
-    assert graphed == padded
-    assert graphed == [plain_greedy(model, p, 20, stops) for p in prompts]
-    assert graphed[0][1] and len(graphed[0][0]) <= 6
-    assert any(not stopped and len(ids) == 20 for ids, stopped in graphed)  # both endings covered
-
-
 def test_finished_rows_are_refilled_and_a_longer_prompt_regrows_the_cache_mid_answer(backend):
     """Two rows for ten prompts of mixed lengths and budgets: rows are refilled (the stale K/V of
     the previous answer must stay invisible), and a long prompt arriving while the first row is

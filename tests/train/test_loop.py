@@ -202,7 +202,7 @@ def test_cached_features_train_exactly_as_recomputed_ones(make_run_config, share
     for _ in range(steps):
         assert float(cached.train_step()["loss"]) == pytest.approx(float(plain.train_step()["loss"]), rel=1e-6)
     assert sum(calls) == len(cached.dataset)  # every row once, over three epochs
-    for f in cached.feature_cache.values():
+    for f in cached.feature_cache.rows.values():
         assert f.untyped_storage().nbytes() == f.numel() * f.element_size()
 
 
@@ -212,7 +212,7 @@ def test_a_full_feature_cache_recomputes_the_rest_and_trains_the_same(make_run_c
     plain = Trainer(make_run_config("plain", over), target=shared_tiny_target)
     cached = Trainer(make_run_config("cached", [*over, "data.cache_features=true"]), target=shared_tiny_target)
     room = iter([True])  # one batch fits, then the memory is "full"
-    cached._cache_has_room = lambda nbytes: next(room, False)
+    cached.feature_cache.has_room = lambda nbytes: next(room, False)
     for _ in range(plain.total_steps):
         assert float(cached.train_step()["loss"]) == pytest.approx(float(plain.train_step()["loss"]), rel=1e-6)
     assert 0 < len(cached.feature_cache) < len(cached.dataset)

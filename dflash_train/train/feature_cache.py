@@ -1,0 +1,63 @@
+"""`data.cache_features`: the target's captured features of every answer, kept in device memory.
+
+The target runs once per answer (its first batch); later epochs read the features from here. The
+cache stops growing before the training step would run out of memory: rows not cached by then get
+their features recomputed every epoch (slower, never out of memory).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from dflash_train.train.batches import collate
+
+log = logging.getLogger("dflash_train")
+
+RESERVE_GIB = 16
+"""GPU memory the cache leaves free for the training step itself."""
+
+
+class FeatureCache:
+    def __init__(self, dataset, device: torch.device):
+        self.dataset, self.device = dataset, device
+        self.rows: dict[int, torch.Tensor] = {}
+        self.full = False
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def features(self, batch: dict, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The batch's features [rows, T, K*H]; `compute(input_ids)` runs the target for rows not cached."""
+        missing = [i for i in batch["indices"] if i not in self.rows]
+        fresh = {}
+        if missing:
+            feats = compute(collate(self.dataset, missing, self.device)["input_ids"])
+            fresh = {i: feats[row, : len(self.dataset.input_ids[i])] for row, i in enumerate(missing)}
+            if self.has_room(feats.nbytes):
+                # Copies: a view would keep the whole padded batch tensor alive.
+                self.rows.update({i: f.clone() for i, f in fresh.items()})
+        # Zeros in the padding, rows included: with length_bucket the batch is padded to a static
+        # (rows, length) shape beyond its real sequences.
+        rows, t = batch["input_ids"].shape
+        per_row = [fresh[i] if i in fresh else self.rows[i] for i in batch["indices"]]
+        out = per_row[0].new_zeros(rows, t, per_row[0].shape[-1])
+        for row, f in enumerate(per_row):
+            out[row, : f.shape[0]] = f
+        return out
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether the cache may grow by `nbytes` and leave RESERVE_GIB free."""
+        if self.device.type != "cuda":
+            return True
+        free, _ = torch.cuda.mem_get_info(self.device)
+        room = free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        if room - nbytes > RESERVE_GIB * 2**30:
+            return True
+        if not self.full:
+            self.full = True
+            log.warning("feature cache full at %d rows (%.1f GiB free): the other rows' features are recomputed",
+                        len(self.rows), room / 2**30)
+        return False
