@@ -23,6 +23,7 @@ def first_step() -> dict:
     import torch
 
     from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
+    from dflash_train.config import ObjectiveConfig
     from dflash_train.draft.objective import draft_loss, make_task
     from dflash_train.ops import compile_cache
 
@@ -42,7 +43,7 @@ def first_step() -> dict:
     loss_mask = torch.ones(1, t, dtype=torch.long, device=dev)
     loss_mask[:, :400] = 0
     feats = torch.randn(1, t, 5 * 4096, device=dev, dtype=torch.bfloat16)
-    task = make_task(ids, loss_mask, 512, 16, 7.0, 0)
+    task = make_task(ids, loss_mask, ObjectiveConfig(num_anchors=512, block_size=16, gamma=7.0), 0)
     t_build = time.perf_counter()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = draft_loss(drafter, task, feats, embed, embed, True, 4096)

@@ -51,11 +51,11 @@ def main(argv=None):
     cfg = {
         "run_dir": str(out / "run"), "device": device,
         "target": {"path": str(out / "target"), "dtype": "bfloat16" if device == "cuda" else "float32"},
-        "draft": {"num_layers": 5, "block_size": 16, "mask_token_id": shape["vocab_size"] - 1,
-                  "attention": "flex" if device == "cuda" else "sdpa"},
+        "draft": {"num_layers": 5, "attention": "flex" if device == "cuda" else "sdpa"},
+        "objective": {"block_size": 16, "mask_token_id": shape["vocab_size"] - 1, "num_anchors": args.anchors},
         "data": {"train_files": [str(out / "data")], "max_length": args.max_length, "token_budget": args.max_length,
                  "max_batch_size": 1},
-        "train": {"max_steps": args.steps, "num_anchors": args.anchors, "log_every": 10, "compile": device == "cuda"},
+        "train": {"max_steps": args.steps, "log_every": 10, "compile": device == "cuda"},
         "checkpoint": {"every": 10**6, "keep_last": 1},
     }
     (out / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))

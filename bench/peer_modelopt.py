@@ -51,7 +51,7 @@ from dflash_train.eval.export import CHECKPOINT_CONFIG, WEIGHTS, check_state_dic
 from dflash_train.target import load_target
 from dflash_train.train.batches import batch_shape, collate, epoch_plan, locate
 from dflash_train.train.budget import TimeBudget
-from dflash_train.train.build import autocast_for, draft_model_config, resolve_device
+from dflash_train.train.build import autocast_for, resolve_device
 from dflash_train.train.heldout import HeldoutProbe
 from dflash_train.train.loop import Trainer
 from dflash_train.train.optim import build_optimizer, build_scheduler, retarget_scheduler
@@ -74,12 +74,12 @@ def peer_config(cfg: RunConfig, d: DraftModelConfig, loss: str, weights: str) ->
     }
     return {
         "dflash_block_size": d.block_size,
-        "dflash_num_anchors": cfg.train.num_anchors,
+        "dflash_num_anchors": cfg.objective.num_anchors,
         "dflash_mask_token_id": d.mask_token_id,
         "dflash_self_logit_distillation": loss == "kd",
         "dflash_loss_objective": weights,
         # read only by the `decay` objective (it warns when set beside dpace)
-        "dflash_loss_decay_factor": cfg.train.gamma if weights == "decay" else 0.0,
+        "dflash_loss_decay_factor": cfg.objective.gamma if weights == "decay" else 0.0,
         "dflash_architecture_config": arch,
     }
 

@@ -54,9 +54,10 @@ def main(argv=None):
     run_dir = tempfile.mkdtemp(prefix="recompiles-", dir=str(Path.home()))
     cfg = build_config({
         "run_dir": run_dir, "device": "cuda",
-        "draft": {"num_layers": 2, "block_size": 16, "mask_token_id": 151669, "attention": "flex"},
+        "draft": {"num_layers": 2, "attention": "flex"},
+        "objective": {"block_size": 16, "mask_token_id": 151669, "num_anchors": 256},
         "data": {"max_length": 2048, "token_budget": 8192, "max_batch_size": 8, "length_bucket": 256},
-        "train": {"lr": 6e-4, "max_steps": args.steps, "num_anchors": 256, "log_every": 10, "compile": True,
+        "train": {"lr": 6e-4, "max_steps": args.steps, "log_every": 10, "compile": True,
                   "compile_warmup_steps": 20},
         "checkpoint": {"every": 10**6},
     })

@@ -48,8 +48,9 @@ def real_setup(args):
     target = load_target(TargetConfig(path=args.target, dtype=args.dtype), device)
     if args.random_drafter:
         cfg = RunConfig.model_validate({"target": {"path": args.target},
-                                        "draft": {"num_layers": args.draft_layers, "block_size": args.block_size,
-                                                  "mask_token_id": args.mask_token_id}})
+                                        "draft": {"num_layers": args.draft_layers},
+                                        "objective": {"block_size": args.block_size,
+                                                      "mask_token_id": args.mask_token_id}})
         drafter = build_drafter(cfg, target, device).to(target.embed_weight.dtype).eval().requires_grad_(False)
     else:
         drafter = load_drafter(args.drafter, target, device)

@@ -148,7 +148,7 @@ def main(argv=None):
     ap.add_argument("--compile-loss", action="store_true", help="torch.compile the loss chunks (train.compile_loss)")
     ap.add_argument("--full-length", action="store_true", help="every sequence max_length long (the shape of docs/design.md#reference-figures)")
     ap.add_argument("--loss", default="ce", choices=["ce", "kl", "target_argmax"],
-                    help="per-slot loss (train.loss): the target kinds also run the target's last layers and head")
+                    help="per-slot loss (objective.loss): the target kinds also run the target's last layers and head")
     ap.add_argument("--profile", action="store_true", help="GPU: CUDA time of one end-to-end step by kernel family")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -163,9 +163,9 @@ def main(argv=None):
         model = Qwen3ForCausalLM(Qwen3Config(**SHAPES[shape], tie_word_embeddings=False, max_position_embeddings=32768))
     model.to(dtype).eval().requires_grad_(False)
     target = Target(model=model, tokenizer=_NoTokenizer(), name=f"{shape}-random", device=device)
-    cfg = build_config({"device": device.type, "draft": {"num_layers": 2 if args.tiny else args.draft_layers,
-                        "block_size": 16, "mask_token_id": SHAPES[shape]["vocab_size"] - 1},
-                        "train": {"num_anchors": anchors, "loss": {args.loss: 1.0}}})
+    cfg = build_config({"device": device.type, "draft": {"num_layers": 2 if args.tiny else args.draft_layers},
+                        "objective": {"block_size": 16, "mask_token_id": SHAPES[shape]["vocab_size"] - 1,
+                                      "num_anchors": anchors, "loss": {args.loss: 1.0}, "gamma": 7.0}})
     drafter = DFlashDraftModel(draft_model_config(cfg, target)).to(device)
     if args.compile:
         for layer in drafter.layers:
@@ -173,7 +173,7 @@ def main(argv=None):
     opt = build_optimizer(drafter.parameters(), cfg.train, device)
     use_flex = device.type == "cuda"
     layer_ids = stream_layer_ids(cfg, target)  # + the last layer when the loss distils
-    mix = LossMix.from_weights(cfg.train.loss, cfg.train.kd_temperature)
+    mix = LossMix.from_weights(cfg.objective.loss, cfg.objective.kd_temperature)
     gen = torch.Generator().manual_seed(0)
     ids, loss_mask, tokens = make_batch(shape, args.batch, max_length, device, gen, args.full_length)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
@@ -182,7 +182,7 @@ def main(argv=None):
         return target.features(ids, layer_ids)
 
     feats = target_step()
-    task = make_task(ids, loss_mask, anchors, 16, 7.0, 0)
+    task = make_task(ids, loss_mask, cfg.objective, 0)
 
     def draft_step(features=None, optimizer=opt):
         with autocast:

@@ -41,14 +41,11 @@ class DraftConfig(_Section):
     """The DFlash drafter. Width, heads and vocabulary come from the target."""
 
     num_layers: int = Field(5, ge=1)
-    block_size: int = Field(16, ge=2)
     target_layer_ids: list[int] | None = None
     """0-based target layers whose OUTPUTS are captured; default evenly spaced from 1 to L-3."""
     num_target_features: int | None = Field(None, ge=1)
     """How many evenly spaced target layers to capture when `target_layer_ids` is not given (the
     paper's 5-layer drafters read 5; a 4-layer drafter may read 5 too); default = `num_layers`."""
-    mask_token_id: int | None = None
-    """Explicit id; else the tokenizer's mask token; else the first unused embedding row."""
     intermediate_size: int | None = None
     """Default: the target's."""
     init_from: str | None = None
@@ -102,6 +99,42 @@ class DataConfig(_Section):
         return self
 
 
+class ObjectiveConfig(_Section):
+    """What the drafter learns: blocks, anchors, slot weights and the loss. One section, read by the
+    trainer, the held-out probe and the distributed drafter ranks alike."""
+
+    block_size: int = Field(16, ge=2)
+    """Tokens per drafted block: the anchor's token plus block_size - 1 predicted slots."""
+    mask_token_id: int | None = None
+    """Explicit id; else the tokenizer's mask token; else the first unused embedding row."""
+    num_anchors: int = Field(512, ge=1)
+    """Blocks per sequence. The rule measured on SmolLM2 (docs/benchmarks/quality.md): at a fixed
+    number of sequences per step, 32, 64 and 256 anchors learned the same per optimizer step, so past
+    the point where the step is target-bound extra anchors buy cost, not learning; under a time budget,
+    fewer anchors and more steps won (64 best). Size it so the drafter's share of the step is no
+    larger than the target's, then spend the time on steps and epochs."""
+    gamma: float = Field(7.0, gt=0)
+    """Loss weight decay over block positions: w_k = exp(-(k-1)/gamma)."""
+    loss: dict[Literal["ce", "target_argmax", "kl"], float] = Field(default_factory=lambda: {"ce": 1.0})
+    """Per-slot loss as a weighted mix: `ce` on the data tokens, `target_argmax` (CE on the target's
+    own greedy token), `kl` to the target's next-token distribution. The target kinds run the target's
+    remaining layers and LM head where labels are needed; they make text the target did not write usable."""
+    kd_temperature: float = Field(1.0, gt=0)
+    """Softmax temperature of both distributions in `kl` (the loss is scaled by T^2)."""
+    ce_chunk_size: int = Field(4096, ge=16)
+    """Query tokens per LM-head chunk: bounds the logits ever materialised."""
+
+    @model_validator(mode="after")
+    def _loss_mix(self) -> ObjectiveConfig:
+        if any(w < 0 for w in self.loss.values()) or not any(w > 0 for w in self.loss.values()):
+            raise ValueError(f"objective.loss {self.loss}: weights must be >= 0 with at least one > 0")
+        return self
+
+    @property
+    def needs_target_logits(self) -> bool:
+        return any(self.loss.get(kind, 0) > 0 for kind in ("target_argmax", "kl"))
+
+
 class TrainConfig(_Section):
     lr: float = Field(6e-4, gt=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
@@ -126,22 +159,6 @@ class TrainConfig(_Section):
     reserve for the checkpoint) the trainer saves and exits; `--resume auto` then continues the same
     schedule. For fixed-length runs (max_steps) spread over several calls."""
     grad_accum: int = Field(1, ge=1)
-    num_anchors: int = Field(512, ge=1)
-    """Blocks per sequence. The rule measured on SmolLM2 (docs/benchmarks/quality.md): at a fixed
-    number of sequences per step, 32, 64 and 256 anchors learned the same per optimizer step, so past
-    the point where the step is target-bound extra anchors buy cost, not learning; under a time budget,
-    fewer anchors and more steps won (64 best). Size it so the drafter's share of the step is no
-    larger than the target's, then spend the time on steps and epochs."""
-    gamma: float = Field(7.0, gt=0)
-    """Loss weight decay over block positions: w_k = exp(-(k-1)/gamma)."""
-    loss: dict[Literal["ce", "target_argmax", "kl"], float] = Field(default_factory=lambda: {"ce": 1.0})
-    """Per-slot loss as a weighted mix: `ce` on the data tokens, `target_argmax` (CE on the target's
-    own greedy token), `kl` to the target's next-token distribution. The target kinds run the target's
-    remaining layers and LM head where labels are needed; they make text the target did not write usable."""
-    kd_temperature: float = Field(1.0, gt=0)
-    """Softmax temperature of both distributions in `kl` (the loss is scaled by T^2)."""
-    ce_chunk_size: int = Field(4096, ge=16)
-    """Query tokens per LM-head chunk: bounds the logits ever materialised."""
     log_every: int = Field(10, ge=1)
     compile: bool = False
     """torch.compile the draft layers (GPU)."""
@@ -161,16 +178,6 @@ class TrainConfig(_Section):
                        "a time budget already ends on time; set one")
         return self
 
-
-    @model_validator(mode="after")
-    def _loss_mix(self) -> TrainConfig:
-        if any(w < 0 for w in self.loss.values()) or not any(w > 0 for w in self.loss.values()):
-            raise ValueError(f"train.loss {self.loss}: weights must be >= 0 with at least one > 0")
-        return self
-
-    @property
-    def needs_target_logits(self) -> bool:
-        return any(self.loss.get(kind, 0) > 0 for kind in ("target_argmax", "kl"))
 
 
 class CheckpointConfig(_Section):
@@ -209,9 +216,11 @@ class DrafterSpec(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     """Its run sub-directory: <run_dir>/<name> (checkpoints, metrics)."""
     draft: dict[str, Any] = Field(default_factory=dict)
-    """Overrides of the top-level `draft` section, e.g. {block_size: 8}."""
+    """Overrides of the top-level `draft` section, e.g. {num_layers: 3}."""
+    objective: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of `objective`, e.g. {block_size: 8, gamma: 4}."""
     train: dict[str, Any] = Field(default_factory=dict)
-    """Overrides of `train`, e.g. {gamma: 4, lr: 3e-4}; the step structure (grad_accum, epochs,
+    """Overrides of `train`, e.g. {lr: 3e-4}; the step structure (grad_accum, epochs,
     max_steps) is shared by every drafter of the stream."""
 
     @model_validator(mode="after")
@@ -228,6 +237,7 @@ class RunConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     target: TargetConfig = Field(default_factory=TargetConfig)
     draft: DraftConfig = Field(default_factory=DraftConfig)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -271,10 +281,36 @@ def format_validation_errors(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+MOVED_KEYS = {
+    "draft.block_size": "objective.block_size",
+    "draft.mask_token_id": "objective.mask_token_id",
+    "train.num_anchors": "objective.num_anchors",
+    "train.gamma": "objective.gamma",
+    "train.loss": "objective.loss",
+    "train.kd_temperature": "objective.kd_temperature",
+    "train.ce_chunk_size": "objective.ce_chunk_size",
+}
+"""Keys that moved to another section: an old config gets an error naming the new key."""
+
+
+def check_moved_keys(tree: dict, source: str) -> None:
+    places = [("", tree)] + [(f"drafters[{i}].", spec) for i, spec in enumerate(tree.get("drafters") or [])
+                             if isinstance(spec, dict)]
+    for prefix, node in places:
+        for old, new in MOVED_KEYS.items():
+            section, key = old.split(".")
+            if isinstance(node.get(section), dict) and key in node[section]:
+                raise ConfigError(f"{source}: {prefix}{old} has moved to {prefix}{new}")
+
+
 def build_config(tree: dict | None = None, overrides: list[str] = (), source: str = "<dict>") -> RunConfig:
     tree = dict(tree or {})
+    check_moved_keys(tree, source)
     for text in overrides:
         key, value = parse_override(text)
+        moved = next((old for old in MOVED_KEYS if key == old or key.startswith(old + ".")), None)
+        if moved:
+            raise ConfigError(f"override '{text}': {moved} has moved to {MOVED_KEYS[moved]}")
         set_dotted(tree, key, value, f"override '{text}'")
     try:
         return RunConfig.model_validate(tree)

@@ -230,20 +230,20 @@ def resolve_mask_token_id(explicit: int | None, tokenizer, embed_rows: int) -> i
     """Explicit id, else the tokenizer's mask token, else the first unused embedding row."""
     if explicit is not None:
         if not 0 <= explicit < embed_rows:
-            raise ValueError(f"draft.mask_token_id {explicit} is outside the embedding table ({embed_rows} rows)")
+            raise ValueError(f"objective.mask_token_id {explicit} is outside the embedding table ({embed_rows} rows)")
         return explicit
     if getattr(tokenizer, "mask_token_id", None) is not None:
         if tokenizer.mask_token_id >= embed_rows:
             raise ValueError(
                 f"the tokenizer's mask token id {tokenizer.mask_token_id} is outside the embedding table "
-                f"({embed_rows} rows); set draft.mask_token_id"
+                f"({embed_rows} rows); set objective.mask_token_id"
             )
         return tokenizer.mask_token_id
     if len(tokenizer) < embed_rows:
         return len(tokenizer)
     raise ValueError(
         f"no usable mask token: the tokenizer has no mask token and all {embed_rows} embedding rows "
-        "are real tokens. Set draft.mask_token_id to a special token that never occurs in chat data "
+        "are real tokens. Set objective.mask_token_id to a special token that never occurs in chat data "
         "(e.g. an unused tool/code-marker token)."
     )
 

@@ -62,10 +62,10 @@ def make_run_config(tmp_path):
             "run_dir": str(tmp_path / name),
             "seed": 0,
             "device": "cpu",
-            "draft": {"num_layers": 1, "block_size": 4, "target_layer_ids": [0, 2], "attention": "sdpa"},
+            "draft": {"num_layers": 1, "target_layer_ids": [0, 2], "attention": "sdpa"},
+            "objective": {"block_size": 4, "num_anchors": 8, "gamma": 4.0, "ce_chunk_size": 16},
             "data": {"train_files": [str(data)], "max_length": 96, "token_budget": 192, "max_batch_size": 4},
-            "train": {"lr": 3e-3, "warmup_ratio": 0.1, "num_anchors": 8, "gamma": 4.0, "log_every": 1,
-                      "ce_chunk_size": 16, "epochs": 1},
+            "train": {"lr": 3e-3, "warmup_ratio": 0.1, "log_every": 1, "epochs": 1},
             "checkpoint": {"every": 1000, "keep_last": 3},
         }
         return build_config(tree, overrides=list(overrides))

@@ -39,11 +39,11 @@ def write_config(assets: Path, run_dir: Path, **extra) -> Path:
     tree = {
         "run_dir": str(run_dir), "seed": 3, "device": "cpu",
         "target": {"path": str(assets / "target"), "dtype": "float32"},
-        "draft": {"num_layers": 1, "block_size": 4, "attention": "sdpa"},
+        "draft": {"num_layers": 1, "attention": "sdpa"},
+        "objective": {"block_size": 4, "num_anchors": 8, "gamma": 4.0},
         "data": {"train_files": [str(assets / "data.jsonl")], "max_length": 96, "token_budget": 192,
                  "max_batch_size": 2},
-        "train": {"lr": 1e-3, "warmup_ratio": 0.0, "grad_accum": 4, "max_steps": 4, "num_anchors": 8,
-                  "gamma": 4.0, "log_every": 1},
+        "train": {"lr": 1e-3, "warmup_ratio": 0.0, "grad_accum": 4, "max_steps": 4, "log_every": 1},
         "checkpoint": {"every": 2, "keep_last": 5},
         **extra,
     }

@@ -31,8 +31,8 @@ def _config(tmp_path: Path, target: str, train_files: list[str] | None = None) -
     cfg = {
         "run_dir": str(tmp_path / "run"), "device": "cpu",
         "target": {"path": target},
-        "draft": {"num_layers": 1, "block_size": 4, "target_layer_ids": [0, 1], "attention": "sdpa",
-                  "mask_token_id": 0},
+        "draft": {"num_layers": 1, "target_layer_ids": [0, 1], "attention": "sdpa"},
+        "objective": {"block_size": 4, "mask_token_id": 0},
         "data": {"train_files": train_files or [str(data)], "max_length": 64, "token_budget": 128},
         "train": {"max_steps": 1},
     }

@@ -24,18 +24,18 @@ def test_dotted_overrides_parse_types():
     cfg = build_config(
         {"train": {"lr": 1e-3}},
         overrides=[
-            "train.lr=3.0e-4", "train.gamma=4", "train.compile=true", "draft.target_layer_ids=[1, 5, 9]",
-            "data.train_files=[a.jsonl,b.parquet]", "train.betas=[0.8, 0.99]", "draft.mask_token_id=null",
+            "train.lr=3.0e-4", "objective.gamma=4", "train.compile=true", "draft.target_layer_ids=[1, 5, 9]",
+            "data.train_files=[a.jsonl,b.parquet]", "train.betas=[0.8, 0.99]", "objective.mask_token_id=null",
             "data.chat_template_kwargs={enable_thinking: false}", "run_dir=runs/x", "train.max_steps=7",
         ],
     )
     assert cfg.train.lr == pytest.approx(3e-4)
-    assert cfg.train.gamma == 4.0
+    assert cfg.objective.gamma == 4.0
     assert cfg.train.compile is True
     assert cfg.draft.target_layer_ids == [1, 5, 9]
     assert cfg.data.train_files == ["a.jsonl", "b.parquet"]
     assert tuple(cfg.train.betas) == (0.8, 0.99)
-    assert cfg.draft.mask_token_id is None
+    assert cfg.objective.mask_token_id is None
     assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
     assert cfg.run_dir == "runs/x" and cfg.train.max_steps == 7
     assert parse_override("train.lr=1e-3")[0] == "train.lr"
@@ -49,7 +49,7 @@ def test_override_without_equals_is_refused():
 
 @pytest.mark.parametrize(
     "override,field",
-    [("train.lr=abc", "train.lr"), ("draft.block_size=1", "draft.block_size"), ("train.compile=maybe", "train.compile"),
+    [("train.lr=abc", "train.lr"), ("objective.block_size=1", "objective.block_size"), ("train.compile=maybe", "train.compile"),
      ("device=tpu", "device"), ("draft.target_layer_ids=5", "draft.target_layer_ids")],
 )
 def test_wrong_type_or_value_names_the_field(override, field):
@@ -95,3 +95,16 @@ def test_shipped_generate_configs_load(path):
 
     cfg = load_generate_config(path)
     assert cfg.inputs and cfg.output_dir
+
+
+@pytest.mark.parametrize("old,new", [("train.num_anchors", "objective.num_anchors"), ("draft.block_size", "objective.block_size"),
+                                     ("train.loss", "objective.loss")])
+def test_a_moved_key_is_refused_naming_its_new_place(old, new):
+    section, key = old.split(".")
+    value = {"kl": 1.0} if key == "loss" else 8
+    with pytest.raises(ConfigError, match=f"{old} has moved to {new}"):
+        build_config({section: {key: value}})
+    with pytest.raises(ConfigError, match=f"{old} has moved to {new}"):
+        build_config(overrides=[f"{old}.kl=1.0" if key == "loss" else f"{old}=8"])
+    with pytest.raises(ConfigError, match=rf"drafters\[0\].{old} has moved to drafters\[0\].{new}"):
+        build_config({"drafters": [{"name": "a", section: {key: value}}]})

@@ -24,7 +24,7 @@ def test_smollm2_example_runs_end_to_end_on_cpu(tmp_path):
         "RUN": str(run), "DEVICE": "cpu", "NUM_PROMPTS": "10", "HELDOUT": "2", "ANSWER_TOKENS": "12", "BATCH": "8",
         "EVAL_BATCH": "2", "NEW_TOKENS": "6", "EVAL_PROMPTS": "3", "CURVE_PROMPTS": "2", "SPEEDUP_PROMPTS": "1",
         "ENGINE": "continuous",
-        "TRAIN_ARGS": "target.dtype=auto train.time_budget_minutes=null train.max_steps=3 train.num_anchors=4 data.length_bucket=0 "
+        "TRAIN_ARGS": "target.dtype=auto train.time_budget_minutes=null train.max_steps=3 objective.num_anchors=4 data.length_bucket=0 "
                       "data.max_length=256 data.token_budget=512 checkpoint.every=1 train.compile=false train.compile_loss=false",
     }
     done = subprocess.run(["bash", str(ROOT / "examples" / "smollm2_h200.sh"), "all"], cwd=ROOT, env=env,

@@ -104,7 +104,7 @@ def test_peer_config_builds_our_drafter_shape():
         num_hidden_layers=3, vocab_size=VOCAB, block_size=BLOCK, target_layer_ids=[0, 2, 5], num_target_layers=6,
         mask_token_id=7, rms_norm_eps=1e-5, rope_theta=1e5, max_position_embeddings=256,
     )
-    run = build_config({"train": {"num_anchors": 3, "gamma": 4.0}})
+    run = build_config({"objective": {"num_anchors": 3, "gamma": 4.0}})
     model = converted(model, peer_config(run, ours, loss="kd", weights="dpace"))
     assert to_ours(model)[0] == ours
     assert model.dflash_num_anchors == 3 and model.dflash_self_logit_distillation

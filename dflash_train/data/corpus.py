@@ -1,6 +1,6 @@
 """Training text the target did not write: whole conversations of a prompt source, every turn.
 
-With a target-distilled loss (`train.loss: {kl: 1}` or `target_argmax`) the labels come from the
+With a target-distilled loss (`objective.loss: {kl: 1}` or `target_argmax`) the labels come from the
 target's own distribution, so the assistant turns need not be the target's: a conversation dump
 becomes training data without a regeneration pass. Conversations are cut at user turns into
 segments of at most `max_chars`; any conversation that asks a held-out prompt (compared after

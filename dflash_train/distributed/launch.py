@@ -145,7 +145,7 @@ def check_memory(args: argparse.Namespace, colocated: bool) -> None:
     hf = load_pretrained(AutoConfig, resolve_target_path(cfg.target.path))
     runs = drafter_runs(cfg)
     ids = {i for _, run_cfg in runs for i in target_layer_ids(run_cfg.draft, hf.num_hidden_layers)}
-    if cfg.train.needs_target_logits:
+    if cfg.objective.needs_target_logits:
         ids.add(hf.num_hidden_layers - 1)
     dtype_bytes = 2 if cfg.target.dtype == "auto" else getattr(torch, cfg.target.dtype).itemsize
     roles = []

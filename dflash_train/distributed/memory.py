@@ -63,14 +63,14 @@ def plan_memory(cfg: RunConfig, hf, *, num_features: int, tensor_parallel: int, 
     d = cfg.draft
     d_inter = d.intermediate_size or inter
     drafter_params = num_features * h * h + d.num_layers * _layer_params(h, heads, kv, hd, d_inter) + 2 * h
-    block_tokens = cfg.data.max_batch_size * cfg.train.num_anchors * d.block_size
+    block_tokens = cfg.data.max_batch_size * cfg.objective.num_anchors * cfg.objective.block_size
     drafter = {
         "drafter+grads+AdamW": 16 * drafter_params,
         "features received": 0 if colocated else 2 * feature_bytes,
         # saved per layer for backward: block activations, and K/V over context + blocks
         "activations": d.num_layers * (block_tokens * (6 * h + 3 * d_inter)
                                        + 2 * (tokens + block_tokens) * kv * hd) * 2,
-        "logit chunks": 3 * cfg.train.ce_chunk_size * v * 4,
+        "logit chunks": 3 * cfg.objective.ce_chunk_size * v * 4,
     }
     if colocated:  # one context; the drafter's parts join the target's
         return [RoleMemory("colocated GPU (target + drafter)", {**target, **drafter})]

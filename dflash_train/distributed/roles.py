@@ -22,12 +22,12 @@ import torch.distributed as dist
 
 from dflash_train.config import RunConfig
 from dflash_train.data.dataset import TokenizedDataset
-from dflash_train.draft.loss import LossTally
 from dflash_train.draft.objective import make_task
 from dflash_train.eval.report import check_periodic_eval, periodic_eval_for
 from dflash_train.target import Target
 from dflash_train.distributed.layout import Layout
 from dflash_train.train.batches import anchor_seed, batch_shape, collate, epoch_plan, locate
+from dflash_train.train.accumulate import MicroBatch
 from dflash_train.train.loop import Trainer
 
 
@@ -166,64 +166,78 @@ def check_lead_rank_evals(cfg: RunConfig, layout: Layout) -> None:
                              "target's embedding and LM head)")
 
 
-class DrafterRank(Trainer):
-    """One data-parallel replica of a drafter group: features come from target ranks, gradients
-    and step statistics are summed over the group only; the group's rank 0 logs and saves."""
+class LinkSource:
+    """A drafter rank's micro-batches: its share of the global cursor, headers then features received
+    from the target ranks (the next micro-batch's features arrive while this one trains). Colocated,
+    this process first runs its own target share (`feeder`)."""
 
-    def __init__(self, cfg: RunConfig, target: Target, dataset: TokenizedDataset | None, *, layout: Layout,
-                 link: Link, rank: int, group_index: int, group, feeder: TargetFeeder | None = None):
-        check_lead_rank_evals(cfg, layout)
-        is_leader = rank == layout.group_ranks(group_index)[0]
-        # Only the leader runs fit() (and so evaluates); the others wait in the next step's all-reduce.
-        super().__init__(cfg, target=target, dataset=dataset,
-                         periodic_eval=periodic_eval_for(cfg.eval) if is_leader else None)
-        self.layout, self.link, self.rank, self.group = layout, link, rank, group
-        self.feeder = feeder  # colocated: this process also produces the features it trains on
-        self.mine = layout.consumed_by(rank, group_index, cfg.train.grad_accum)
-        self.feature_dim = len(self.stream_layers) * self.target.hidden_size
-        self.feature_dtype = self.target.embed_weight.dtype
-        self.is_leader = is_leader
-        self.devices_held = layout.world_size
+    def __init__(self, layout: Layout, link: Link, rank: int, group_index: int, grad_accum: int,
+                 feeder: TargetFeeder | None):
+        self.layout, self.link, self.feeder = layout, link, feeder
+        self.mine = layout.consumed_by(rank, group_index, grad_accum)
 
-    def train_step(self) -> dict:
-        tc, d = self.cfg.train, self.drafter.config
+    def micro_batches(self, trainer) -> list[MicroBatch]:
         if self.feeder is not None:
             self.feeder.feed_step()
-        for _ in range(tc.grad_accum):
-            epoch, index = locate(self.epoch_batches, self.cursor)
-            self.cursor = (epoch, index + 1)
+        for _ in range(trainer.cfg.train.grad_accum):  # the global cursor moves past every micro-batch
+            epoch, index = locate(trainer.epoch_batches, trainer.cursor)
+            trainer.cursor = (epoch, index + 1)
         sources = [self.layout.target_of(m) for m in self.mine]
         headers = [self.link.recv_header(src) for src in sources]
-        tasks = [make_task(h.input_ids, h.loss_mask, tc.num_anchors, d.block_size, tc.gamma, h.seed) for h in headers]
-        denom = sum((t.weights.sum() for t in tasks), torch.zeros((), device=self.device))
-        dist.all_reduce(denom, group=self.group)
-        denom = denom.clamp(min=1e-12)
-        tally = LossTally(d.block_size, self.device)
-        shape = lambda h: (*h.input_ids.shape, self.feature_dim)  # noqa: E731
-        pending = self.link.recv_features(sources[0], shape(headers[0]), self.feature_dtype)
-        for k, task in enumerate(tasks):
-            feats = pending()
-            if k + 1 < len(tasks):
-                pending = self.link.recv_features(sources[k + 1], shape(headers[k + 1]), self.feature_dtype)
-            out = self.draft_forward(task, feats)
-            (out.weighted_ce_sum / denom).backward()
-            tally.add(out)
-        # A plain SUM all-reduce, not DDP: ranks may hold different numbers of micro-batches and the
-        # loss is already normalised by the global weight sum, so DDP's averaging would be wrong.
-        works = [dist.all_reduce(p.grad, group=self.group, async_op=True) for p in self.drafter.parameters()]
-        tokens = sum(int(h.attention_mask.sum()) for h in headers)
-        stats = torch.cat([tally.loss_sum.view(1), tally.correct, tally.counted,
-                           torch.tensor([float(tokens)], device=self.device)])
+        width = len(trainer.stream_layers) * trainer.target.hidden_size
+        dtype = trainer.target.embed_weight.dtype
+        pending: list = []
+
+        def receive(k: int):
+            shape = (*headers[k].input_ids.shape, width)
+            pending.append(self.link.recv_features(sources[k], shape, dtype))
+
+        def features(k: int) -> torch.Tensor:
+            if k == 0:
+                receive(0)
+            if k + 1 < len(headers):
+                receive(k + 1)  # posted before this micro-batch trains
+            return pending[k]()
+
+        return [MicroBatch(make_task(h.input_ids, h.loss_mask, trainer.cfg.objective, h.seed),
+                           functools.partial(features, k), int(h.attention_mask.sum()))
+                for k, h in enumerate(headers)]
+
+
+class GroupReduction:
+    """Sums over the ranks of one drafter group: a plain SUM all-reduce, not DDP (see Trainer.train_step)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(value, group=self.group)
+        return value
+
+    def finish(self, params, stats: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
+        works = [dist.all_reduce(p.grad, group=self.group, async_op=True) for p in params]
+        stats = torch.cat([stats, torch.tensor([float(tokens)], device=stats.device)])
         works.append(dist.all_reduce(stats, group=self.group, async_op=True))
         for w in works:
             w.wait()
-        b = d.block_size
-        return {"loss": stats[0] / denom, "correct": stats[1:1 + b], "counted": stats[1 + b:1 + 2 * b],
-                **self.optimizer_step(), "tokens": int(stats[-1])}
+        return stats[:-1], int(stats[-1])
 
-    def run(self) -> dict | None:
-        if self.is_leader:
-            return self.fit(progress=True)
-        while self.step < self.total_steps:
-            self.train_step()
-        return None
+
+def drafter_rank(cfg: RunConfig, target: Target, dataset: TokenizedDataset | None, *, layout: Layout, link: Link,
+                 rank: int, group_index: int, group, feeder: TargetFeeder | None = None) -> Trainer:
+    """One data-parallel replica of a drafter group: a Trainer whose features come from the target
+    ranks and whose sums run over the group. Only the group's first rank evaluates, logs and saves."""
+    check_lead_rank_evals(cfg, layout)
+    leader = rank == layout.group_ranks(group_index)[0]
+    return Trainer(cfg, target=target, dataset=dataset, periodic_eval=periodic_eval_for(cfg.eval) if leader else None,
+                   source=LinkSource(layout, link, rank, group_index, cfg.train.grad_accum, feeder),
+                   reduction=GroupReduction(group), devices_held=layout.world_size)
+
+
+def run_drafter(trainer: Trainer, leader: bool) -> None:
+    """The leader runs the whole loop; the others step in lockstep, waiting in the all-reduces."""
+    if leader:
+        trainer.fit(progress=True)
+        return
+    while trainer.step < trainer.total_steps:
+        trainer.train_step()

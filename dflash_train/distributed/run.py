@@ -33,7 +33,7 @@ from dflash_train.target import load_target
 from dflash_train.checkpoint import local as ckpt
 from dflash_train.distributed.layout import Layout
 from dflash_train.train.build import resolve_device, stream_layer_ids
-from dflash_train.distributed.roles import DrafterRank, Link, TargetFeeder, check_lead_rank_evals
+from dflash_train.distributed.roles import Link, TargetFeeder, check_lead_rank_evals, drafter_rank, run_drafter
 
 log = logging.getLogger("dflash_train")
 
@@ -56,6 +56,7 @@ def drafter_runs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
         if LAYER_CHOICE & set(spec.draft):  # a drafter's own choice of target layers replaces the base's
             tree["draft"].update(dict.fromkeys(LAYER_CHOICE))
         tree["draft"].update(spec.draft)
+        tree["objective"].update(spec.objective)
         tree["train"].update(spec.train)
         tree["run_dir"] = str(Path(cfg.run_dir) / spec.name)
         runs.append((spec.name, build_config(tree, source=f"drafters[{spec.name}]")))
@@ -239,9 +240,9 @@ def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, devi
         feeder = TargetFeeder(cfg, target, dataset, layout, link, rank, layer_ids)
     drafter = None
     if group is not None:
-        drafter = DrafterRank(runs[group][1], target, dataset,
-                              layout=layout, link=link, rank=rank, group_index=group, group=groups[group],
-                              feeder=feeder)
+        drafter = drafter_rank(runs[group][1], target, dataset,
+                               layout=layout, link=link, rank=rank, group_index=group, group=groups[group],
+                               feeder=feeder)
         path = args.resume
         if args.resume == "auto":
             step = resume_step([run_cfg.run_dir for _, run_cfg in runs])
@@ -263,7 +264,7 @@ def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, devi
     if feeder is not None:
         feeder.cursor = cursor
     if drafter is not None:
-        drafter.run()
+        run_drafter(drafter, leader=rank == layout.group_ranks(group)[0])
     else:
         for _ in range(step, total_steps):
             feeder.feed_step()

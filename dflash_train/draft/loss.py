@@ -6,7 +6,7 @@ ever exists, in the forward and in the backward. The same holds for the target's
 loss distils from the target: its final hidden states at the label positions travel with the
 drafter's, and each chunk applies the target's head to its own rows only.
 
-The per-slot loss is a weighted mix (`train.loss`):
+The per-slot loss is a weighted mix (`objective.loss`):
   ce            CE(q, data token)
   target_argmax CE(q, argmax p)            p: the target's next-token distribution at that position
   kl            T^2 KL(p_T || q_T)         both softened by the temperature T

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_train.config import ObjectiveConfig
 from dflash_train.draft import masks
 from dflash_train.draft.loss import BlockLoss, LossMix, block_loss
 from dflash_train.draft.model import DFlashDraftModel
@@ -26,18 +27,11 @@ class BlockTask:
     weights: torch.Tensor  # [b, N*B] loss weights (0 = not counted)
 
 
-def make_task(
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    num_anchors: int,
-    block_size: int,
-    gamma: float,
-    anchor_seed: int,
-) -> BlockTask:
+def make_task(input_ids: torch.Tensor, loss_mask: torch.Tensor, objective: ObjectiveConfig, anchor_seed: int) -> BlockTask:
     """Anchors come from a generator seeded per micro-batch: resume and rank layout cannot change them."""
     gen = torch.Generator().manual_seed(anchor_seed)
-    anchors, valid = masks.sample_anchors(loss_mask, num_anchors, gen)
-    labels, weights = masks.block_labels(input_ids, loss_mask, anchors, valid, block_size, gamma)
+    anchors, valid = masks.sample_anchors(loss_mask, objective.num_anchors, gen)
+    labels, weights = masks.block_labels(input_ids, loss_mask, anchors, valid, objective.block_size, objective.gamma)
     return BlockTask(input_ids, anchors, valid, labels, weights)
 
 

@@ -48,10 +48,10 @@ def draft_model_config(cfg: RunConfig, target: Target) -> DraftModelConfig:
         intermediate_size=cfg.draft.intermediate_size or tc.intermediate_size,
         num_hidden_layers=cfg.draft.num_layers,
         vocab_size=target.vocab_size,
-        block_size=cfg.draft.block_size,
+        block_size=cfg.objective.block_size,
         target_layer_ids=list(layer_ids),
         num_target_layers=target.num_layers,
-        mask_token_id=resolve_mask_token_id(cfg.draft.mask_token_id, target.tokenizer, target.vocab_size),
+        mask_token_id=resolve_mask_token_id(cfg.objective.mask_token_id, target.tokenizer, target.vocab_size),
         rms_norm_eps=tc.rms_norm_eps,
         rope_theta=rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)),
         max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
@@ -62,7 +62,7 @@ def stream_layer_ids(cfg: RunConfig, target: Target) -> list[int]:
     """The target layers a micro-batch's feature stream carries: the drafter's, then the last layer
     (its output is the final-normed hidden state) when the loss distils from the target's logits."""
     ids = list(draft_model_config(cfg, target).target_layer_ids)
-    return ids + [target.num_layers - 1] if cfg.train.needs_target_logits else ids
+    return ids + [target.num_layers - 1] if cfg.objective.needs_target_logits else ids
 
 
 def autocast_for(device: torch.device, target_dtype: torch.dtype) -> AbstractContextManager:

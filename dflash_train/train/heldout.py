@@ -20,6 +20,7 @@ from dflash_train.data.batching import make_batches
 from dflash_train.data.dataset import TokenizedDataset, tokenize_files
 from dflash_train.draft.loss import LossTally, acceptance_metrics
 from dflash_train.draft.objective import make_task
+from dflash_train.train.accumulate import MicroBatch, accumulate
 from dflash_train.train.batches import HELDOUT_SALT, anchor_seed, collate
 
 
@@ -27,16 +28,21 @@ from dflash_train.train.batches import HELDOUT_SALT, anchor_seed, collate
 def score_heldout(trainer, dataset: TokenizedDataset) -> dict:
     """Held-out loss, per-slot accuracy and tau_hat of `trainer`'s current drafter, teacher-forced
     (no update): fixed batches and anchors, so two calls on the same weights agree."""
-    tc, d, device = trainer.cfg.train, trainer.drafter.config, trainer.device
+    device = trainer.device
     batches = make_batches(dataset.lengths, trainer.cfg.data.token_budget, trainer.cfg.data.max_batch_size, 0, 0)
-    tally = LossTally(d.block_size, device)
     weight_sum = torch.zeros((), device=device)
-    for index, indices in enumerate(batches):
-        batch = collate(dataset, indices, device)
-        task = make_task(batch["input_ids"], batch["loss_mask"], tc.num_anchors, d.block_size, tc.gamma,
-                         anchor_seed(trainer.cfg.seed, HELDOUT_SALT, index))
-        tally.add(trainer.draft_forward(task, trainer.target.features(batch["input_ids"], trainer.stream_layers)))
-        weight_sum += task.weights.sum()
+
+    def micro_batches():
+        nonlocal weight_sum
+        for index, indices in enumerate(batches):  # one batch on the device at a time
+            batch = collate(dataset, indices, device)
+            task = make_task(batch["input_ids"], batch["loss_mask"], trainer.cfg.objective,
+                             anchor_seed(trainer.cfg.seed, HELDOUT_SALT, index))
+            weight_sum = weight_sum + task.weights.sum()
+            yield MicroBatch(task, lambda b=batch: trainer.target.features(b["input_ids"], trainer.stream_layers),
+                             batch["num_tokens"])
+
+    tally = accumulate(trainer.draft_forward, micro_batches(), LossTally(trainer.drafter.config.block_size, device))
     loss = float(tally.loss_sum / weight_sum.clamp(min=1e-12))
     return {"loss": loss, **acceptance_metrics(tally.correct, tally.counted)}
 

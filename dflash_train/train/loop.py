@@ -32,6 +32,7 @@ from dflash_train.checkpoint import local as ckpt
 from dflash_train.train.batches import anchor_seed, batch_shape, collate, epoch_plan, locate
 from dflash_train.train.build import autocast_for, compile_layers, resolve_device, stream_layer_ids
 from dflash_train.train.drafter_init import build_drafter
+from dflash_train.train.accumulate import LocalSource, NoReduction, Reduction, Source, accumulate
 from dflash_train.train.feature_cache import FeatureCache
 from dflash_train.train.heldout import HeldoutProbe, score_heldout
 from dflash_train.train.metrics import MetricsFile
@@ -44,17 +45,26 @@ log = logging.getLogger("dflash_train")
 
 
 class Trainer:
+    """The drafter's training: data, target and drafter, optimizer and schedule, the loop, its records
+    and checkpoints. Where a step's micro-batches come from (`source`) and how its sums are combined
+    across replicas (`reduction`) are parts: a distributed drafter rank is this class with other parts
+    (distributed/roles.py), not a subclass."""
+
     def __init__(self, cfg: RunConfig, target: Target | None = None, dataset: TokenizedDataset | None = None,
-                 periodic_eval: Callable[[Trainer], dict] | None = None):
+                 periodic_eval: Callable[[Trainer], dict] | None = None, source: Source | None = None,
+                 reduction: Reduction | None = None, devices_held: int = 1):
         self.cfg = cfg
         self.periodic_eval = periodic_eval  # real speculative decoding every eval.every steps (eval/)
+        self.source = source or LocalSource()
+        self.reduction = reduction or NoReduction()
+        self.devices_held = devices_held  # for device-seconds (distributed ranks: the world size)
         self.device = resolve_device(cfg.device)
         self.run_dir = Path(cfg.run_dir)
         if dataset is None:
             check_training_files(cfg.data)  # a typo in a data path fails now, not after the target loads
         self.target = target or load_target(cfg.target, self.device)
         self.drafter = build_drafter(cfg, self.target, self.device)  # seeded there, after the target's load
-        self.loss_mix = LossMix.from_weights(cfg.train.loss, cfg.train.kd_temperature)
+        self.loss_mix = LossMix.from_weights(cfg.objective.loss, cfg.objective.kd_temperature)
         self.stream_layers = stream_layer_ids(cfg, self.target)  # captured per micro-batch
         self.dataset = dataset or load_training_data(
             cfg.data, self.target.tokenizer, self.target.identity["tokenizer"]
@@ -68,7 +78,6 @@ class Trainer:
         self.optimizer = build_optimizer(self.drafter.parameters(), cfg.train, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps)
         self.step = 0
-        self.devices_held = 1  # for device-seconds (distributed ranks: the world size)
         self.manifest: dict | None = None  # written at the start of fit(); checkpoints carry it
         self.cursor = (0, 0)  # (epoch, batch index) of the next micro-batch
         self.feature_cache = FeatureCache(self.dataset, self.device) if cfg.data.cache_features else None
@@ -101,7 +110,7 @@ class Trainer:
         """The drafter's loss on one micro-batch, in the run's precision and attention path."""
         with self.autocast:
             return draft_loss(self.drafter, task, features, self.target.embed_weight, self.target.lm_head_weight,
-                              self.use_flex, self.cfg.train.ce_chunk_size, self.loss_mix, self.target.logits,
+                              self.use_flex, self.cfg.objective.ce_chunk_size, self.loss_mix, self.target.logits,
                               compiled_loss=self.cfg.train.compile_loss)
 
     @property
@@ -182,14 +191,13 @@ class Trainer:
     def compile_buckets(self) -> int:
         """One forward+backward per bucket shape (synthetic tokens, no update): compiles every graph
         the run will need, so training itself never recompiles. Returns the shapes compiled."""
-        tc, d = self.cfg.train, self.drafter.config
         gen = torch.Generator().manual_seed(0)
         shapes = self.bucket_shapes()
         for rows, length in shapes:
             ids = torch.randint(0, self.target.vocab_size, (rows, length), generator=gen).to(self.device)
             loss_mask = torch.zeros_like(ids)
             loss_mask[:, length // 4 :] = 1
-            task = make_task(ids, loss_mask, tc.num_anchors, d.block_size, tc.gamma, 0)
+            task = make_task(ids, loss_mask, self.cfg.objective, 0)
             # Random features of the right shape and dtype: the graphs depend on shapes only, and
             # drafter-only ranks of distributed training hold no target layers.
             feats = torch.randn(rows, length, len(self.stream_layers) * self.target.hidden_size,
@@ -207,26 +215,19 @@ class Trainer:
 
     # ---- one optimizer step ----------------------------------------------------------------
     def train_step(self) -> dict:
-        tc = self.cfg.train
-        d = self.drafter.config
-        micro = []
-        for _ in range(tc.grad_accum):
-            batch, seed = self.next_micro_batch()
-            task = make_task(batch["input_ids"], batch["loss_mask"], tc.num_anchors, d.block_size, tc.gamma, seed)
-            micro.append((batch, task))
-        denom = sum(task.weights.sum() for _, task in micro).clamp(min=1e-12)
-        tally = LossTally(d.block_size, self.device)
-        for batch, task in micro:
-            out = self.draft_forward(task, self.features(batch))
-            (out.weighted_ce_sum / denom).backward()
-            tally.add(out)
-        return {
-            "loss": tally.loss_sum / denom,
-            "correct": tally.correct,
-            "counted": tally.counted,
-            **self.optimizer_step(),
-            "tokens": sum(b["num_tokens"] for b, _ in micro),
-        }
+        """One optimizer step over grad_accum micro-batches: the loss normalised by the step's global
+        weight sum, gradients and statistics summed over the replicas (a plain sum, not DDP's mean:
+        replicas may hold different numbers of micro-batches)."""
+        micro = self.source.micro_batches(self)
+        weights = sum((mb.task.weights.sum() for mb in micro), torch.zeros((), device=self.device))
+        denominator = self.reduction.sum(weights).clamp(min=1e-12)
+        tally = accumulate(self.draft_forward, micro, LossTally(self.drafter.config.block_size, self.device),
+                           denominator)
+        stats = torch.cat([tally.loss_sum.view(1), tally.correct, tally.counted])
+        stats, tokens = self.reduction.finish(self.drafter.parameters(), stats, sum(mb.tokens for mb in micro))
+        b = self.drafter.config.block_size
+        return {"loss": stats[0] / denominator, "correct": stats[1:1 + b], "counted": stats[1 + b:],
+                **self.optimizer_step(), "tokens": tokens}
 
     def optimizer_step(self) -> dict:
         """Clip, update, advance the schedule; the gradients must already be summed and normalised."""

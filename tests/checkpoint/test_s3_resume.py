@@ -26,10 +26,11 @@ def _data(path):
 def _cfg(tmp_path, run, remote=None, endpoint=None):
     return build_config({
         "run_dir": str(tmp_path / run), "device": "cpu",
-        "draft": {"num_layers": 1, "block_size": 4, "mask_token_id": 258},
+        "draft": {"num_layers": 1},
+        "objective": {"block_size": 4, "mask_token_id": 258, "num_anchors": 8, "gamma": 4.0},
         "data": {"train_files": [str(tmp_path / "d.jsonl")], "max_length": 128, "token_budget": 512,
                  "max_batch_size": 4},
-        "train": {"lr": 1e-3, "max_steps": 4, "num_anchors": 8, "log_every": 1, "gamma": 4.0},
+        "train": {"lr": 1e-3, "max_steps": 4, "log_every": 1},
         "checkpoint": {"every": 2, "keep_last": 5, "remote": remote, "endpoint_url": endpoint},
     })
 

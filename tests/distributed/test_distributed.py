@@ -40,8 +40,8 @@ def test_matches_single_process(assets, tmp_path, world, split):
 def test_two_drafters_from_one_stream(assets, tmp_path):
     """1 target feeds a 2-rank data-parallel group (block 4) and a 1-rank group (block 8, 2 layers,
     distilled from the target's logits: its stream carries the final hidden states, the other's not)."""
-    drafters = [{"name": "b4"}, {"name": "b8", "draft": {"block_size": 8, "num_layers": 2},
-                                 "train": {"gamma": 7.0, "loss": {"ce": 0.5, "kl": 0.5}}}]
+    drafters = [{"name": "b4"}, {"name": "b8", "draft": {"num_layers": 2},
+                                 "objective": {"block_size": 8, "gamma": 7.0, "loss": {"ce": 0.5, "kl": 0.5}}}]
     config = write_config(assets, tmp_path / "run", drafters=drafters)
     assert spawn(4, ["-c", str(config), "--target-ranks", "1", "--drafter-ranks", "2,1"]) == [0] * 4
     reference_losses(config, tmp_path / "ref")

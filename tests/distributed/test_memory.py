@@ -32,7 +32,7 @@ def test_the_h200_workload_of_the_multi_gpu_benchmark():
     qwen3_8b = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                            num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)
     cfg = build_config({"draft": {"num_layers": 5}, "data": {"token_budget": 3072, "max_length": 3072,
-                                                              "max_batch_size": 1}, "train": {"num_anchors": 512}},
+                                                              "max_batch_size": 1}, "objective": {"num_anchors": 512}},
                        source="test")
     target, drafter = plan_memory(cfg, qwen3_8b, num_features=5, tensor_parallel=1, max_in_flight=4, colocated=False)
     assert target.parts["target shard"] + target.parts["embedding+head"] == pytest.approx(2 * 8.19e9, rel=0.01)

@@ -1,7 +1,6 @@
 """A target sharded over a tensor-parallel group of CPU/gloo processes: the same features as the
 whole target, and through `launch`'s worker the same training losses as one process."""
 
-import os
 from pathlib import Path
 
 import pytest

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash_train.config import ObjectiveConfig
 from dflash_train.draft.loss import acceptance_metrics, block_loss
 from dflash_train.draft.objective import BlockTask, draft_loss, make_task
 from draft.helpers_draft import tiny_drafter
@@ -90,7 +91,8 @@ def test_split_micro_batches_equal_one_merged_padded_batch():
     for lm in lms:
         lm[0, :3] = 0
     feats = [torch.randn(1, t, k_h, generator=gen) for t in lengths]
-    tasks = [make_task(s, lm, 4, d.block_size, 7.0, seed) for s, lm, seed in zip(seqs, lms, (11, 12))]
+    objective = ObjectiveConfig(num_anchors=4, block_size=d.block_size, gamma=7.0)
+    tasks = [make_task(s, lm, objective, seed) for s, lm, seed in zip(seqs, lms, (11, 12))]
 
     denom = sum(t.weights.sum() for t in tasks)
     split = 0.0

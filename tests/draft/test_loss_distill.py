@@ -1,4 +1,4 @@
-"""Target-distilled losses (train.loss: target_argmax, kl, mixes) vs float64 references written from
+"""Target-distilled losses (objective.loss: target_argmax, kl, mixes) vs float64 references written from
 their definitions; the label positions the target's hidden states are read at; the feature stream."""
 
 from __future__ import annotations

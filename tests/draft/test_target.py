@@ -58,7 +58,7 @@ def test_bad_layer_id_is_refused_with_the_range(target):
 def test_mask_token_explicit_id():
     tok = tiny_tokenizer()
     assert resolve_mask_token_id(7, tok, 272) == 7
-    with pytest.raises(ValueError, match="draft.mask_token_id"):
+    with pytest.raises(ValueError, match="objective.mask_token_id"):
         resolve_mask_token_id(272, tok, 272)
 
 
@@ -77,7 +77,7 @@ def test_mask_token_first_unused_row():
 
 def test_mask_token_none_available_is_a_clear_error():
     tok = tiny_tokenizer()
-    with pytest.raises(ValueError, match="no usable mask token.*draft.mask_token_id"):
+    with pytest.raises(ValueError, match="no usable mask token.*objective.mask_token_id"):
         resolve_mask_token_id(None, tok, len(tok))
 
 

@@ -216,6 +216,7 @@ def test_training_blocks_equal_the_blocks_drafted_at_inference(target):
     sequence, masked to positions < a) gives the same proposals as the block speculative decoding
     drafts once a is the last verified token (features of positions < a only, fresh draft cache)."""
     from dflash_train.draft.model import DraftKVCache
+    from dflash_train.config import ObjectiveConfig
     from dflash_train.draft.objective import draft_hidden, make_task
     from dflash_train.eval.spec_decode import draft_block
 
@@ -223,7 +224,7 @@ def test_training_blocks_equal_the_blocks_drafted_at_inference(target):
     ids = prompt(30, target.vocab_size, seed=3)
     loss_mask = torch.zeros_like(ids)
     loss_mask[:, 6:] = 1
-    task = make_task(ids, loss_mask, num_anchors=7, block_size=5, gamma=7.0, anchor_seed=0)
+    task = make_task(ids, loss_mask, ObjectiveConfig(num_anchors=7, block_size=5, gamma=7.0), anchor_seed=0)
     features = target.features(ids, drafter.config.target_layer_ids)
     trained = draft_hidden(drafter, task, features, target.embed_weight, use_flex=False)[0] @ target.lm_head_weight.T
     anchors = task.anchors[0][task.valid[0]].tolist()

@@ -12,7 +12,7 @@ import torch
 from dflash_train.generate.backends import GenParams
 from dflash_train.generate.config import LocalConfig, build_generate_config
 from dflash_train.generate.graphed_engine import GraphedEngine, Job, sample
-from dflash_train.generate.local_backend import LocalBackend, encode_prompt, generate_ids, stop_ids
+from dflash_train.generate.local_backend import LocalBackend, encode_prompt
 from dflash_train.config import ConfigError
 from tests.generate.test_generate_local import PROMPTS
 
@@ -52,8 +52,7 @@ def test_finished_rows_are_refilled_and_a_longer_prompt_regrows_the_cache_mid_an
     """Two rows for ten prompts of mixed lengths and budgets: rows are refilled (the stale K/V of
     the previous answer must stay invisible), and a long prompt arriving while the first row is
     mid-answer grows the cache under it (its K/V copied over, its decoding going on)."""
-    model, tokenizer = backend.model, backend.tokenizer
-    stops = stop_ids(model, tokenizer)
+    model = backend.model
     prompts = prompts_of(backend, 8)
     long_prompt = prompts[-1] * 20  # past the first cache's 256 positions
     jobs = [Job(prompts[0], 40), Job(prompts[1], 2), Job(long_prompt, 12)]

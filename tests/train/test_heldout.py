@@ -31,7 +31,7 @@ def test_probe_scores_heldout_every_n_steps_and_at_the_end(make_run_config, shar
     direct = trainer.run_eval(lambda tr: tr.evaluate(dataset))
     assert got[-1]["tau_hat"] == pytest.approx(direct["tau_hat"])
     assert got[-1]["loss"] == pytest.approx(direct["loss"])
-    assert got[-1]["acc"] == direct["acc"] and len(direct["acc"]) == cfg.draft.block_size - 1
+    assert got[-1]["acc"] == direct["acc"] and len(direct["acc"]) == cfg.objective.block_size - 1
 
 
 def test_resumed_run_continues_the_device_seconds(make_run_config, shared_tiny_target):

@@ -43,8 +43,8 @@ def test_init_from_a_checkpoint_gives_its_exact_weights(make_run_config, shared_
 
 @pytest.mark.parametrize(
     "change,field",
-    [("draft.block_size=8", "block_size"), ("draft.target_layer_ids=[1, 2]", "target_layer_ids"),
-     ("draft.num_layers=2", "num_hidden_layers"), ("draft.mask_token_id=3", "mask_token_id")],
+    [("objective.block_size=8", "block_size"), ("draft.target_layer_ids=[1, 2]", "target_layer_ids"),
+     ("draft.num_layers=2", "num_hidden_layers"), ("objective.mask_token_id=3", "mask_token_id")],
 )
 def test_init_from_another_setup_names_the_field(make_run_config, shared_tiny_target, trained, change, field):
     cfg = make_run_config("warm", [f"draft.init_from={trained}", change])

@@ -24,8 +24,8 @@ def test_tiny_training_learns_and_logs(make_run_config, shared_tiny_target):
     for r in records:
         for key in ("loss", "acc", "tau_hat", "tokens_per_s", "lr", "grad_norm"):
             assert key in r, key
-        assert len(r["acc"]) == cfg.draft.block_size - 1
-        assert 1.0 <= r["tau_hat"] <= cfg.draft.block_size
+        assert len(r["acc"]) == cfg.objective.block_size - 1
+        assert 1.0 <= r["tau_hat"] <= cfg.objective.block_size
         assert r["tokens_per_s"] > 0
     first = sum(r["loss"] for r in records[:3]) / 3
     last = sum(r["loss"] for r in records[-3:]) / 3
@@ -57,11 +57,11 @@ def test_grad_accum_step_is_the_global_weighted_mean(make_run_config, shared_tin
     logged = float(trainer.train_step()["loss"])
 
     ref = Trainer(cfg, target=shared_tiny_target)  # same seed: same initial drafter, same batches
-    d, tc = ref.drafter.config, cfg.train
+    d = ref.drafter.config
     sums, weights = [], []
     for _ in range(2):
         batch, seed = ref.next_micro_batch()
-        task = make_task(batch["input_ids"], batch["loss_mask"], tc.num_anchors, d.block_size, tc.gamma, seed)
+        task = make_task(batch["input_ids"], batch["loss_mask"], cfg.objective, seed)
         feats = ref.target.features(batch["input_ids"], d.target_layer_ids)
         out = draft_loss(ref.drafter, task, feats, ref.target.embed_weight, ref.target.lm_head_weight, False, 16)
         sums.append(out.weighted_ce_sum)
@@ -103,7 +103,7 @@ def test_periodic_real_tau_eval_during_training(make_run_config, shared_tiny_tar
     records = [json.loads(line) for line in lines]
     assert [r["step"] for r in records] == [2, 4]
     for r in records:
-        assert 1.0 <= r["tau"] <= cfg.draft.block_size and r["num_rounds"] > 0
+        assert 1.0 <= r["tau"] <= cfg.objective.block_size and r["num_rounds"] > 0
         assert r["lossless"]["matches"] == r["lossless"]["total"] == 2
 
 
@@ -143,15 +143,15 @@ def test_checkpoint_time_is_logged_apart_from_training_throughput(make_run_confi
 def test_distilled_step_equals_reference_from_the_targets_own_logits(make_run_config, shared_tiny_target, loss):
     """The trainer's distilled loss on one micro-batch == the same loss computed from the HF model's own
     forward logits (an independent path: no capture hook, no gather of hidden states)."""
-    cfg = make_run_config(overrides=[f"train.loss={loss}", "train.kd_temperature=1.5", "train.grad_clip=1e9"])
+    cfg = make_run_config(overrides=[f"objective.loss={loss}", "objective.kd_temperature=1.5", "train.grad_clip=1e9"])
     trainer = Trainer(cfg, target=shared_tiny_target)
     assert trainer.stream_layers[-1] == shared_tiny_target.num_layers - 1
     logged = float(trainer.train_step()["loss"])
 
     ref = Trainer(cfg, target=shared_tiny_target)
-    d, tc = ref.drafter.config, cfg.train
+    d = ref.drafter.config
     batch, seed = ref.next_micro_batch()
-    task = make_task(batch["input_ids"], batch["loss_mask"], tc.num_anchors, d.block_size, tc.gamma, seed)
+    task = make_task(batch["input_ids"], batch["loss_mask"], cfg.objective, seed)
     feats = ref.target.features(batch["input_ids"], d.target_layer_ids)
     with torch.no_grad():
         p_logits = ref.target.model(input_ids=batch["input_ids"]).logits.double()  # [b, T, V]
@@ -159,7 +159,7 @@ def test_distilled_step_equals_reference_from_the_targets_own_logits(make_run_co
 
     q_logits = (draft_hidden(ref.drafter, task, feats, ref.target.embed_weight, False)
                 @ ref.target.lm_head_weight.t()).double()  # [b, Q, V]
-    t = tc.kd_temperature
+    t = cfg.objective.kd_temperature
     total = torch.zeros((), dtype=torch.float64)
     b, q = task.labels.shape
     for r in range(b):
@@ -184,7 +184,7 @@ def test_cached_features_train_exactly_as_recomputed_ones(make_run_config, share
     of features recomputed every step, and each cached row owns its memory (no padded batch kept alive).
     Bucketed: batches padded to static (rows, length) shapes get zero features in the padding rows
     (the cache once returned only the real rows, and the H200 run failed on the shape)."""
-    over = [f"train.loss={loss}", "train.epochs=3", *bucket]
+    over = [f"objective.loss={loss}", "train.epochs=3", *bucket]
     plain = Trainer(make_run_config("plain", over), target=shared_tiny_target)
     cached = Trainer(make_run_config("cached", [*over, "data.cache_features=true"]), target=shared_tiny_target)
     calls = []

@@ -57,7 +57,7 @@ def test_resume_from_periodic_checkpoint_rewrites_later_metrics(make_run_config,
 
 @pytest.mark.parametrize(
     "change,field",
-    [(["draft.block_size=8"], "block_size"), (["draft.target_layer_ids=[1, 2]"], "target_layer_ids"),
+    [(["objective.block_size=8"], "block_size"), (["draft.target_layer_ids=[1, 2]"], "target_layer_ids"),
      (["draft.num_layers=2"], "num_draft_layers")],
 )
 def test_resume_with_a_different_setup_is_refused(make_run_config, shared_tiny_target, change, field):

@@ -32,8 +32,7 @@ def test_batches_and_anchors_ignore_the_global_rng(make_run_config, shared_tiny_
         trainer = Trainer(cfg, target=shared_tiny_target)
         torch.manual_seed(global_seed)
         batch, seed = trainer.next_micro_batch()
-        task = make_task(batch["input_ids"], batch["loss_mask"], cfg.train.num_anchors, cfg.draft.block_size,
-                         cfg.train.gamma, seed)
+        task = make_task(batch["input_ids"], batch["loss_mask"], cfg.objective, seed)
         seen.append((batch["indices"], seed, task.anchors))
     assert seen[0][:2] == seen[1][:2]
     assert torch.equal(seen[0][2], seen[1][2])

@@ -16,7 +16,7 @@ CONFIG = {
         "secret_access_key": SECRET,
     },
     "data": {"token_budget": 4096},
-    "draft": {"mask_token_id": 7},
+    "objective": {"mask_token_id": 7},
     "hf_token": SECRET,
     "wandb": {"api_key": SECRET, "password": SECRET},
 }
@@ -27,7 +27,7 @@ def test_scrub_redacts_secrets_but_keeps_config():
     clean = scrub(CONFIG)
     assert SECRET not in json.dumps(clean) and "pw1234" not in json.dumps(clean)
     assert clean["checkpoint"]["endpoint_url"] == f"https://{REDACTED}@minio.local:9000"
-    assert clean["data"]["token_budget"] == 4096 and clean["draft"]["mask_token_id"] == 7
+    assert clean["data"]["token_budget"] == 4096 and clean["objective"]["mask_token_id"] == 7
     assert CONFIG["hf_token"] == SECRET  # the caller's dict is untouched
 
 

@@ -1,0 +1,72 @@
+"""One optimizer step's micro-batches, and the one loop that runs them.
+
+Where a step's micro-batches come from and how their sums are combined differ between the
+single-process trainer and a drafter rank of distributed training; what is done with them does
+not. So the Trainer is composed of a source (`LocalSource` here, `distributed/roles.py LinkSource`)
+and a reduction (`NoReduction` here, `distributed/roles.py GroupReduction`), and `accumulate` is
+the only forward/backward loop, also used by the held-out scoring (without backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol
+
+import torch
+
+from dflash_train.draft.loss import BlockLoss, LossTally
+from dflash_train.draft.objective import BlockTask, make_task
+
+
+@dataclass
+class MicroBatch:
+    task: BlockTask
+    features: Callable[[], torch.Tensor]
+    """Called once, in order: the features [rows, T, K*H] (a distributed source receives them then)."""
+    tokens: int
+
+
+def accumulate(forward: Callable[[BlockTask, torch.Tensor], BlockLoss], micro: Iterable[MicroBatch],
+               tally: LossTally, denominator: torch.Tensor | None = None) -> LossTally:
+    """Runs every micro-batch through `forward`, adds its sums to `tally` and, with a
+    `denominator`, backpropagates its share of the step's normalised loss (gradients accumulate)."""
+    for mb in micro:
+        out = forward(mb.task, mb.features())
+        if denominator is not None:
+            (out.weighted_ce_sum / denominator).backward()
+        tally.add(out)
+    return tally
+
+
+class Source(Protocol):
+    def micro_batches(self, trainer) -> list[MicroBatch]: ...
+
+
+class Reduction(Protocol):
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the replicas of this drafter (in place)."""
+
+    def finish(self, params: Iterable[torch.Tensor], stats: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
+        """Sums the gradients of `params`, the flat `stats` and the `tokens` over the replicas."""
+
+
+class LocalSource:
+    """The single process's own cursor, data and target (or its feature cache)."""
+
+    def micro_batches(self, trainer) -> list[MicroBatch]:
+        micro = []
+        for _ in range(trainer.cfg.train.grad_accum):
+            batch, seed = trainer.next_micro_batch()
+            task = make_task(batch["input_ids"], batch["loss_mask"], trainer.cfg.objective, seed)
+            micro.append(MicroBatch(task, lambda b=batch: trainer.features(b), batch["num_tokens"]))
+        return micro
+
+
+class NoReduction:
+    """One replica: sums are already global."""
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def finish(self, params, stats: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
+        return stats, tokens
