@@ -30,7 +30,22 @@ from safetensors.torch import load_file, save_file
 from dflash_train.atomic import swap_dir
 from dflash_train.errors import UserError
 
-STEP_DIR = re.compile(r"^step_(\d{8})$")
+STEP_DIR = re.compile(r"step_(\d{8})")
+
+
+def step_dir_name(step: int) -> str:
+    """The one spelling of a checkpoint's name, local and remote: `step_00000100`."""
+    return f"step_{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """`step_00000100` -> 100; anything else (temp dirs, stray files) -> None."""
+    m = STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / step_dir_name(step)
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -41,7 +56,7 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+    return sorted(p for p in root.iterdir() if p.is_dir() and step_of(p.name) is not None)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -99,8 +114,8 @@ def snapshot(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
 def write_checkpoint(run_dir: str | Path, step: int, snap: dict) -> Path:
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp_step_{step:08d}"
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp_{step_dir_name(step)}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_file(snap["weights"], tmp / "model.safetensors", metadata={"format": "pt"})

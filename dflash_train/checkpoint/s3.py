@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dflash_train.checkpoint.local import step_of
+
 MARKER = "CHECKPOINT.sha256.json"
 MARKER_FORMAT = "dflash-checkpoint-sha256/1"
-_STEP_NAME = re.compile(r"step_(\d{8})")
 _MiB = 1024 * 1024
 
 # S3 error codes that retrying cannot fix: the user has to change credentials or configuration.
@@ -37,12 +37,6 @@ _PERMANENT_CODES = {
 # HEAD responses carry no body, hence no error code: only the status tells. A 404 is permanent only
 # where the caller says what was not found (a NoSuchUpload after a server restart is worth a retry).
 _PERMANENT_STATUS = {403: "access denied (403: wrong credentials or permissions)"}
-
-
-def step_of(name: str) -> int | None:
-    """`step_00000100` -> 100; anything else (temp dirs, stray files) -> None."""
-    m = _STEP_NAME.fullmatch(name)
-    return int(m.group(1)) if m else None
 
 
 def sha256_file(path: Path) -> str:

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dflash_train.atomic import write_json_atomic
-from dflash_train.checkpoint.s3 import FileEntry, RemoteStorageError, S3Store, S3Url, sha256_file, step_of
+from dflash_train.checkpoint.local import step_of
+from dflash_train.checkpoint.s3 import FileEntry, RemoteStorageError, S3Store, S3Url, sha256_file
 
 # ---- resume ----------------------------------------------------------------------------------
 
@@ -98,6 +99,14 @@ def has_receipt(ckpt_dir: Path) -> bool:
 # ---- retention -------------------------------------------------------------------------------
 
 
+def retired(names: list[str], keep_last: int) -> list[str]:
+    """The retention rule, local and remote: of the checkpoint names given, all but the newest
+    `keep_last` (by step), oldest first; the newest is never among them."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is never deleted), got {keep_last}")
+    return sorted(names, key=step_of)[:-keep_last]
+
+
 def prune_local(
     ckpt_root: Path, keep_last: int, is_safe_to_delete: Callable[[Path], bool] = lambda _: True
 ) -> list[Path]:
@@ -106,14 +115,9 @@ def prune_local(
     With a remote, pass `uploader.is_safe_to_delete`: a checkpoint whose upload is not verified
     is kept (possibly the only copy). Returns the deleted directories.
     """
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is never deleted), got {keep_last}")
-    ckpts = sorted(
-        (p for p in Path(ckpt_root).iterdir() if p.is_dir() and step_of(p.name) is not None),
-        key=lambda p: step_of(p.name),
-    )
+    names = [p.name for p in Path(ckpt_root).iterdir() if p.is_dir() and step_of(p.name) is not None]
     deleted = []
-    for ckpt in ckpts[:-keep_last]:
+    for ckpt in (Path(ckpt_root) / name for name in retired(names, keep_last)):
         if not is_safe_to_delete(ckpt):
             continue
         # Rename first: a crash mid-rmtree must not leave a half-deleted dir under a complete name.
@@ -129,13 +133,12 @@ def prune_local(
 def prune_remote(store: S3Store, keep_last: int) -> list[str]:
     """Keep the newest `keep_last` complete remote checkpoints; delete older complete ones (marker
     first) and leftovers of abandoned uploads older than the newest complete one."""
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is never deleted), got {keep_last}")
     complete, incomplete = store.list_checkpoints()
+    doomed = retired(complete, keep_last)
     if not complete:
         return []
-    newest = step_of(complete[-1])
-    doomed = complete[:-keep_last] + [n for n in incomplete if step_of(n) < newest]
+    newest = max(map(step_of, complete))
+    doomed += [n for n in incomplete if step_of(n) < newest]
     for name in doomed:
         store.delete_checkpoint(name)
     return doomed

@@ -144,7 +144,7 @@ def resume_step(run_dirs: list[str]) -> int | None:
     groups' saves of the same step); None when there is none."""
     common = None
     for run_dir in run_dirs:
-        steps = {int(p.name.split("_")[1]) for p in ckpt.list_checkpoints(run_dir)}
+        steps = {ckpt.step_of(p.name) for p in ckpt.list_checkpoints(run_dir)}
         common = steps if common is None else common & steps
     return max(common) if common else None
 
@@ -246,7 +246,7 @@ def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, devi
         path = args.resume
         if args.resume == "auto":
             step = resume_step([run_cfg.run_dir for _, run_cfg in runs])
-            path = step and ckpt.checkpoints_dir(drafter.run_dir) / f"step_{step:08d}"
+            path = step and ckpt.checkpoint_path(drafter.run_dir, step)
         elif args.resume and len(runs) > 1:
             raise ValueError("--resume PATH needs a single drafter; use --resume auto with several")
         if path:

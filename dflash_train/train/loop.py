@@ -165,7 +165,7 @@ class Trainer:
         self.checkpoint_writer.submit(lambda: self._write_checkpoint(step, snap))
         if wait or not self.cfg.checkpoint.background:
             self.checkpoint_writer.wait()
-        return ckpt.checkpoints_dir(self.run_dir) / f"step_{step:08d}"
+        return ckpt.checkpoint_path(self.run_dir, step)
 
     def _write_checkpoint(self, step: int, snap: dict) -> None:
         path = ckpt.write_checkpoint(self.run_dir, step, snap)
