@@ -19,6 +19,14 @@ from dflash_train.generate import config as gc
 from dflash_train.errors import UserError
 
 
+def _eval_defaults() -> str:
+    from dflash_train.eval.config import DecodeSettings, EvalJobConfig
+
+    fields = {"prompts": EvalJobConfig.model_fields["prompts"].default, "device": "auto",
+              **DecodeSettings().model_dump()}
+    return ", ".join(f"{k}={v}" for k, v in fields.items())
+
+
 def _config_args(p: argparse.ArgumentParser, required: bool = True, example: str = "train.lr=3e-4") -> None:
     p.add_argument("-c", "--config", required=required, help="YAML run config (e.g. configs/qwen3-8b.yaml)")
     p.add_argument("overrides", nargs="*", help=f"dotted overrides of the config, e.g. {example}")
@@ -139,14 +147,13 @@ def cmd_prompts(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from dflash_train.eval.config import build_eval_config
     from dflash_train.eval.report import format_table, run_eval
 
-    report = run_eval(
-        target=args.target, drafter=args.drafter, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, block_size=args.block_size, num_prompts=args.num_prompts, out=args.out,
-        device=args.device, seed=args.seed, batch_size=args.batch_size, speed_prompts=args.speed_prompts,
-        dtype=args.dtype, speed_engine=args.speed_engine,
-    )
+    if args.overrides and not args.config:
+        raise ConfigError(f"overrides {args.overrides} need -c: they change a run config")
+    run = load_config(args.config, args.overrides) if args.config else None
+    report = run_eval(build_eval_config(run, args))
     print(format_table(report))
     if args.out:
         print(f"report: {args.out}/eval.json, chart: {args.out}/eval.png")
@@ -308,25 +315,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_corpus)
 
     p = add("eval", "speculative-decoding evaluation: tau, histogram, speedup")
-    p.add_argument("--target", required=True, help="HF model dir/id or smollm2")
-    p.add_argument("--drafter", required=True, help="training checkpoint dir or export dir")
-    p.add_argument("--prompts", default="mt-bench", help="mt-bench, humaneval, sharegpt or a JSONL file")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per answer")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact lossless check)")
+    _config_args(p, required=False, example="eval.prompts=humaneval")
+    p.epilog = ("With -c the run's target, eval prompts and newest checkpoint are the defaults; flags override them. "
+                "Defaults without a run: " + _eval_defaults())
+    p.add_argument("--target", help="HF model dir/id or smollm2 (required without -c)")
+    p.add_argument("--drafter", help="training checkpoint dir or export dir (default with -c: the newest checkpoint)")
+    p.add_argument("--prompts", help="mt-bench, humaneval, sharegpt or a JSONL file")
+    p.add_argument("--max-new-tokens", type=int, help="new tokens per answer")
+    p.add_argument("--temperature", type=float, help="0 = greedy (exact lossless check)")
     p.add_argument("--block-size", type=int, help="tokens drafted per step; default: the drafter's")
     p.add_argument("--num-prompts", type=int, help="the first N prompts of the set; default: all")
     p.add_argument("--out", help="directory for eval.json and eval.png; default: print only")
-    p.add_argument("--device", default="auto", help="auto (cuda when visible), cpu or cuda")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="auto (cuda when visible), cpu or cuda")
+    p.add_argument("--seed", type=int, help="sampling seed (temperature > 0)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="target/drafter compute dtype (auto: bf16 on GPU); float32 for an exact lossless check")
-    p.add_argument("--batch-size", type=int, default=64, help="prompts decoded together for acceptance")
-    p.add_argument("--speed-prompts", type=int, default=8,
+    p.add_argument("--batch-size", type=int, help="prompts decoded together for acceptance")
+    p.add_argument("--speed-prompts", type=int,
                    help="first turns decoded one at a time, with caches, for the speedup (0: no speed figures)")
-    p.add_argument("--speed-engine", default="auto", choices=["auto", "static", "eager"],
+    p.add_argument("--speed-engine", choices=["auto", "static", "eager"],
                    help="speed decoder: static (static KV caches, CUDA graphs on a GPU: as a server runs it; "
                         "greedy, targets with full-attention layers, else eager with the reason logged) or eager "
-                        "(transformers' dynamic cache); default: auto = static on cuda, eager on cpu")
+                        "(transformers' dynamic cache); auto = static on cuda, eager on cpu")
     p.set_defaults(func=cmd_eval)
 
     p = add("curve", "chart of held-out acceptance against device-minutes for one or more runs (eval.heldout_files)")

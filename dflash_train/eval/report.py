@@ -22,12 +22,13 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash_train.atomic import write_atomic
-from dflash_train.config import EvalConfig, TargetConfig
+from dflash_train.config import EvalConfig
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.export import load_drafter
 from dflash_train.generate.backends import GenParams
 from dflash_train.generate.local_backend import generate_ids, pad_token_id
 from dflash_train.eval.batched import batched_speculative
+from dflash_train.eval.config import DecodeSettings, EvalJobConfig
 from dflash_train.eval.prompts import Prompt, load_prompts
 from dflash_train.eval.served_speed import first_difference, pick_speed_engine, served_speed
 from dflash_train.eval.spec_decode import speculative_generate, target_greedy
@@ -105,15 +106,15 @@ def decode_turns(
 
 
 @torch.no_grad()
-def measure_speed(
-    target: Target, drafter: DFlashDraftModel, prompts: list[Prompt], max_new_tokens: int, temperature: float,
-    block_size: int, generator: torch.Generator, engine: str = "auto",
-) -> dict:
+def measure_speed(target: Target, drafter: DFlashDraftModel, prompts: list[Prompt], settings: DecodeSettings,
+                  block_size: int, generator: torch.Generator) -> dict:
     """Decode tokens/s of batch-1 speculative decoding (KV caches, as a server runs it) and of the
-    target alone, on the first turns of `prompts`, after a warm-up; `engine` as pick_speed_engine."""
+    target alone, on the first turns of `prompts`, after a warm-up; `settings.speed_engine` as
+    pick_speed_engine."""
+    max_new_tokens, temperature = settings.max_new_tokens, settings.temperature
     stop_ids = stop_token_ids(target)
     ids = [encode(target, p.messages([])) for p in prompts]
-    engine, why_not_static = pick_speed_engine(engine, target, temperature)
+    engine, why_not_static = pick_speed_engine(settings.speed_engine, target, temperature)
     if engine == "static":
         served = served_speed(target, drafter, [i[0].tolist() for i in ids], max_new_tokens, stop_ids, 1, block_size)
         served["speed_tau"] = served.pop("tau")  # the report's tau is the acceptance set's
@@ -155,33 +156,22 @@ def summarize(decoded: dict, speed: dict, block_size: int, max_new_tokens: int, 
     }
 
 
-def evaluate(
-    target: Target,
-    drafter: DFlashDraftModel,
-    prompts: list[Prompt],
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    block_size: int | None = None,
-    seed: int = 0,
-    batch_size: int = 64,
-    speed_prompts: int = 8,
-    speed_engine: str = "auto",
-) -> dict:
+def evaluate(target: Target, drafter: DFlashDraftModel, prompts: list[Prompt],
+             settings: DecodeSettings = DecodeSettings()) -> dict:
     """A report dict: acceptance over every turn of `prompts` (decode_turns), speed on the first
-    turns of the first `speed_prompts` of them (measure_speed with `speed_engine`; 0 skips it)."""
+    turns of the first `settings.speed_prompts` of them (measure_speed; 0 skips it)."""
     if not prompts:
         raise ValueError("no prompts to evaluate")
-    if batch_size < 1 or speed_prompts < 0:
-        raise ValueError(f"batch_size must be >= 1 and speed_prompts >= 0, got {batch_size} and {speed_prompts}")
-    block_size = block_size or drafter.config.block_size
-    generator = torch.Generator(device=target.device).manual_seed(seed)
-    decoded = decode_turns(target, drafter, prompts, max_new_tokens, temperature, block_size, generator, batch_size)
+    s = settings
+    block_size = s.block_size or drafter.config.block_size
+    generator = torch.Generator(device=target.device).manual_seed(s.seed)
+    decoded = decode_turns(target, drafter, prompts, s.max_new_tokens, s.temperature, block_size, generator,
+                           s.batch_size)
     speed = {"speed_prompts": 0, "spec_tokens_per_s": None, "target_tokens_per_s": None, "speedup": None}
-    if speed_prompts:
-        speed = measure_speed(target, drafter, prompts[:speed_prompts], max_new_tokens, temperature, block_size,
-                              generator, speed_engine)
+    if s.speed_prompts:
+        speed = measure_speed(target, drafter, prompts[: s.speed_prompts], s, block_size, generator)
     return {"target": target.name, "device": str(target.device),
-            **summarize(decoded, speed, block_size, max_new_tokens, temperature)}
+            **summarize(decoded, speed, block_size, s.max_new_tokens, s.temperature)}
 
 
 def periodic_evaluator(prompts: str | list[Prompt], num_prompts: int | None, max_new_tokens: int):
@@ -191,7 +181,8 @@ def periodic_evaluator(prompts: str | list[Prompt], num_prompts: int | None, max
 
     def run(trainer) -> dict:
         # A few rows at a time: the trainer's target, drafter and optimizer stay resident meanwhile.
-        report = evaluate(trainer.target, trainer.drafter, held_out, max_new_tokens, batch_size=8, speed_prompts=0)
+        report = evaluate(trainer.target, trainer.drafter, held_out,
+                          DecodeSettings(max_new_tokens=max_new_tokens, batch_size=8, speed_prompts=0))
         keep = ("tau", "num_rounds", "position_acceptance", "lossless")
         return {k: report[k] for k in keep}
 
@@ -269,40 +260,20 @@ def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
     return json_path, png_path
 
 
-def run_eval(
-    target: str,
-    drafter: str,
-    prompts: str = "mt-bench",
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    block_size: int | None = None,
-    num_prompts: int | None = None,
-    out: str | None = None,
-    device: str = "auto",
-    seed: int = 0,
-    batch_size: int = 64,
-    speed_prompts: int = 8,
-    dtype: str = "auto",
-    speed_engine: str = "auto",
-) -> dict:
-    """`dflash-train eval`: load target, drafter and prompts, evaluate, write the report if `out`.
+def run_eval(cfg: EvalJobConfig) -> dict:
+    """`dflash-train eval`: load target, drafter and prompts, evaluate, write the report if `cfg.out`.
 
-    dtype: the target's (and drafter's) compute dtype; float32 makes the lossless check exact where
-    bf16 rounding can flip near-ties between a 16-token verification and a 1-token decode.
-    speed_engine: auto (static on CUDA, eager on CPU), static or eager; see measure_speed.
+    target.dtype: the target's (and drafter's) compute dtype; float32 makes the lossless check exact
+    where bf16 rounding can flip near-ties between a 16-token verification and a 1-token decode.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if block_size is not None and block_size < 2:
-        raise ValueError(f"block size must be >= 2 (one verified token + proposals), got {block_size}")
+    device = cfg.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    chosen = load_prompts(prompts, num_prompts)
+    chosen = load_prompts(cfg.prompts, cfg.num_prompts)
     dev = torch.device(device)
-    loaded = load_target(TargetConfig(path=target, dtype=dtype), dev)
-    report = evaluate(loaded, load_drafter(str(drafter), loaded, dev), chosen, max_new_tokens, temperature,
-                      block_size, seed, batch_size, speed_prompts, speed_engine)
-    report.update(drafter=str(drafter), prompts=prompts)
-    if out is not None:
-        write_report(report, out)
+    loaded = load_target(cfg.target, dev)
+    report = evaluate(loaded, load_drafter(cfg.drafter, loaded, dev), chosen, cfg.decode)
+    report.update(drafter=cfg.drafter, prompts=cfg.prompts)
+    if cfg.out is not None:
+        write_report(report, cfg.out)
     return report

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from dflash_train.eval.config import DecodeSettings, EvalJobConfig
 from dflash_train.eval.export import export_drafter
 from dflash_train.eval.prompts import load_prompts
 from dflash_train.eval.report import evaluate, format_table, run_eval, write_report
@@ -20,7 +21,8 @@ def chat_target(smollm2_tokenizer):
 
 def test_evaluate_multi_turn_report(chat_target, tmp_path):
     drafter = tiny_drafter(chat_target, block_size=4)
-    report = evaluate(chat_target, drafter, load_prompts("mt-bench", 2), max_new_tokens=6, block_size=3)
+    report = evaluate(chat_target, drafter, load_prompts("mt-bench", 2),
+                      DecodeSettings(max_new_tokens=6, block_size=3))
     assert report["num_prompts"] == 2 and report["num_turns"] == 4
     turns = report["turns"]
     # Turn 2 is asked after turn 1's answer, so its prompt holds everything before.
@@ -44,7 +46,8 @@ def test_evaluate_multi_turn_report(chat_target, tmp_path):
 
 def test_sampled_report_has_no_lossless_check(chat_target):
     drafter = tiny_drafter(chat_target, block_size=4)
-    report = evaluate(chat_target, drafter, load_prompts("humaneval", 1), max_new_tokens=5, temperature=0.7)
+    report = evaluate(chat_target, drafter, load_prompts("humaneval", 1),
+                      DecodeSettings(max_new_tokens=5, temperature=0.7))
     assert report["lossless"] is None and report["turns"][0]["new_tokens"] == 5
 
 
@@ -52,8 +55,9 @@ def test_sampled_report_has_no_lossless_check(chat_target):
 def test_run_eval_on_smollm2_with_an_exported_drafter(smollm2, tmp_path):
     drafter = tiny_drafter(smollm2, block_size=4, layer_ids=(1, 14, 27), num_layers=1)
     export = export_drafter(save_checkpoint(drafter, tmp_path / "ckpt"), tmp_path / "export")
-    report = run_eval("smollm2", str(export), prompts="humaneval", max_new_tokens=6, num_prompts=1,
-                      out=str(tmp_path / "eval"), device="cpu")
+    report = run_eval(EvalJobConfig(target={"path": "smollm2"}, drafter=str(export), prompts="humaneval",
+                                    num_prompts=1, out=str(tmp_path / "eval"), device="cpu",
+                                    decode={"max_new_tokens": 6}))
     assert report["lossless"] == {"matches": 1, "total": 1} and report["drafter"] == str(export)
     assert (tmp_path / "eval" / "eval.json").is_file()
 
@@ -62,7 +66,8 @@ def test_batch_size_changes_nothing_but_the_grouping(chat_target):
     """Prompts decoded 1, 2 or 3 at a time give one report (the batched decode keeps rows apart)."""
     drafter = tiny_drafter(chat_target, block_size=4)
     prompts = load_prompts("mt-bench", 3)
-    reports = [evaluate(chat_target, drafter, prompts, max_new_tokens=6, batch_size=b, speed_prompts=0) for b in (1, 2, 3)]
+    reports = [evaluate(chat_target, drafter, prompts, DecodeSettings(max_new_tokens=6, batch_size=b, speed_prompts=0))
+               for b in (1, 2, 3)]
     assert reports[0] == reports[1] == reports[2]
     assert [(t["id"], t["turn"]) for t in reports[0]["turns"]] == [(p.id, t) for p in prompts for t in (0, 1)]
     assert reports[0]["speedup"] is None and "speedup" not in format_table(reports[0])
@@ -82,7 +87,8 @@ def test_a_reference_that_differs_is_reported_with_where(chat_target, monkeypatc
 
     monkeypatch.setattr(report_module, "generate_ids", off_by_one_at_3)
     drafter = tiny_drafter(chat_target, block_size=4)
-    report = evaluate(chat_target, drafter, load_prompts("humaneval", 2), max_new_tokens=6, speed_prompts=0)
+    report = evaluate(chat_target, drafter, load_prompts("humaneval", 2),
+                      DecodeSettings(max_new_tokens=6, speed_prompts=0))
     assert report["lossless"] == {"matches": 1, "total": 2}
     assert report["turns"][0]["lossless"] is False and report["turns"][0]["first_difference"] == 3
     assert report["turns"][1]["lossless"] is True and "first_difference" not in report["turns"][1]
@@ -93,11 +99,35 @@ def test_static_speed_engine_on_cpu(chat_target):
     eval falls back to the eager engine, saying why."""
     drafter = tiny_drafter(chat_target, block_size=4)
     prompts = load_prompts("humaneval", 2)
-    report = evaluate(chat_target, drafter, prompts, max_new_tokens=6, speed_engine="static")
+    report = evaluate(chat_target, drafter, prompts, DecodeSettings(max_new_tokens=6, speed_engine="static"))
     assert report["speed_engine"] == "static" and report["graphs"] is False and report["speed_prompts"] == 2
     assert report["differences"]["differ"] == 0 and report["spec_tokens_per_s"] > 0 and report["speed_tau"] >= 1
     assert set(report["ms_per_round"]) == {"draft", "verify", "bookkeeping"}
     assert "draft / verify" in format_table(report)
-    sampled = evaluate(chat_target, drafter, prompts, max_new_tokens=4, temperature=0.7, speed_engine="static")
+    sampled = evaluate(chat_target, drafter, prompts,
+                       DecodeSettings(max_new_tokens=4, temperature=0.7, speed_engine="static"))
     assert sampled["speed_engine"] == "eager" and "greedily" in sampled["static_unavailable"]
-    assert evaluate(chat_target, drafter, prompts, max_new_tokens=4, speed_prompts=1)["speed_engine"] == "eager"
+    settings = DecodeSettings(max_new_tokens=4, speed_prompts=1)
+    assert evaluate(chat_target, drafter, prompts, settings)["speed_engine"] == "eager"
+
+
+def test_eval_settings_come_from_the_run_config_then_the_flags(tmp_path, make_run_config):
+    """`dflash-train eval -c run.yaml`: the run's target, eval prompts and newest checkpoint are the
+    defaults; a flag given overrides its field; without a run, --target and --drafter are required."""
+    from dflash_train.checkpoint.local import checkpoint_path
+    from dflash_train.config import ConfigError
+    from dflash_train.eval.config import build_eval_config
+
+    run = make_run_config(overrides=["eval.prompts=humaneval", "eval.num_prompts=3", "eval.max_new_tokens=9"])
+    for step in (2, 10):
+        checkpoint_path(run.run_dir, step).mkdir(parents=True)
+    cfg = build_eval_config(run, {"max_new_tokens": None, "batch_size": 5, "dtype": "float32"})
+    assert cfg.target.path == run.target.path and cfg.target.dtype == "float32"
+    assert (cfg.prompts, cfg.num_prompts, cfg.decode.max_new_tokens) == ("humaneval", 3, 9)
+    assert cfg.drafter == str(checkpoint_path(run.run_dir, 10)) and cfg.decode.batch_size == 5
+    flags = build_eval_config(None, {"target": "smollm2", "drafter": "x", "temperature": 0.5})
+    assert flags.decode.temperature == 0.5 and flags.prompts == "mt-bench" and flags.decode.max_new_tokens == 256
+    with pytest.raises(ConfigError, match="--drafter"):
+        build_eval_config(None, {"target": "smollm2"})
+    with pytest.raises(ConfigError, match="decode.block_size"):
+        build_eval_config(None, {"target": "smollm2", "drafter": "x", "block_size": 1})

@@ -1,0 +1,88 @@
+"""`dflash-train eval`'s typed settings, in the run config's style: flags map onto these fields.
+
+With `-c run.yaml` the run's own settings come first: its target (path, dtype), its `eval` prompts,
+number of prompts and answer length, and its newest checkpoint as the drafter; flags override them.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+from typing import Literal
+
+from pydantic import Field, ValidationError
+
+from dflash_train.config import ConfigError, RunConfig, TargetConfig, _Section, format_validation_errors, set_dotted
+
+
+class DecodeSettings(_Section):
+    """How every prompt is decoded and timed."""
+
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    """0 = greedy: the lossless check is exact."""
+    block_size: int | None = Field(None, ge=2)
+    """Tokens drafted per round (one verified + proposals); default: the drafter's."""
+    seed: int = 0
+    """Sampling seed (temperature > 0)."""
+    batch_size: int = Field(64, ge=1)
+    """Prompts decoded together for acceptance."""
+    speed_prompts: int = Field(8, ge=0)
+    """First turns decoded one at a time, with caches, for the speedup (0: no speed figures)."""
+    speed_engine: Literal["auto", "static", "eager"] = "auto"
+    """static: static KV caches, CUDA graphs on a GPU (as a server runs it; greedy, full-attention
+    targets, else eager with the reason logged); eager: transformers' dynamic cache; auto = static on
+    cuda, eager on cpu."""
+
+
+class EvalJobConfig(_Section):
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    drafter: str
+    """A training checkpoint dir or an export dir."""
+    prompts: str = "mt-bench"
+    """mt-bench, humaneval, sharegpt or a JSONL file."""
+    num_prompts: int | None = Field(None, ge=1)
+    """The first N prompts of the set; default: all."""
+    out: str | None = None
+    """Directory for eval.json and eval.png; default: print only."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    decode: DecodeSettings = Field(default_factory=DecodeSettings)
+
+
+FLAG_KEYS = {
+    "target": "target.path",
+    "dtype": "target.dtype",
+    "drafter": "drafter",
+    "prompts": "prompts",
+    "num_prompts": "num_prompts",
+    "out": "out",
+    "device": "device",
+    **{name: f"decode.{name}" for name in DecodeSettings.model_fields},
+}
+"""`dflash-train eval` flag -> field."""
+
+
+def build_eval_config(run: RunConfig | None, flags: Namespace | dict, source: str = "<flags>") -> EvalJobConfig:
+    """The run's settings (when there is a run config), then every flag given (None = not given)."""
+    tree: dict = {}
+    if run is not None:
+        from dflash_train.checkpoint.local import latest_checkpoint
+
+        tree = {"target": {"path": run.target.path, "dtype": run.target.dtype},
+                "num_prompts": run.eval.num_prompts, "decode": {"max_new_tokens": run.eval.max_new_tokens}}
+        if run.eval.prompts:
+            tree["prompts"] = run.eval.prompts
+        newest = latest_checkpoint(run.run_dir)
+        if newest is not None:
+            tree["drafter"] = str(newest)
+    items = vars(flags) if isinstance(flags, Namespace) else flags
+    for name, value in items.items():
+        if name in FLAG_KEYS and value is not None:
+            set_dotted(tree, FLAG_KEYS[name], value, f"--{name.replace('_', '-')}")
+    if "path" not in tree.get("target", {}):
+        raise ConfigError("eval needs --target (an HF model dir/id or smollm2), or -c with a run config")
+    if "drafter" not in tree:
+        raise ConfigError("eval needs --drafter (a checkpoint or export dir), or -c with a run that has a checkpoint")
+    try:
+        return EvalJobConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(format_validation_errors(err, source)) from None
