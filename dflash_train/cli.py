@@ -27,6 +27,13 @@ def _eval_defaults() -> str:
     return ", ".join(f"{k}={v}" for k, v in fields.items())
 
 
+def _positional_command(p: argparse.ArgumentParser, func, **arguments: str) -> None:
+    """A subcommand of positional arguments only (name=help, in order)."""
+    for name, help_text in arguments.items():
+        p.add_argument(name, help=help_text)
+    p.set_defaults(func=func)
+
+
 def _config_args(p: argparse.ArgumentParser, required: bool = True, example: str = "train.lr=3e-4") -> None:
     p.add_argument("-c", "--config", required=required, help="YAML run config (e.g. configs/qwen3-8b.yaml)")
     p.add_argument("overrides", nargs="*", help=f"dotted overrides of the config, e.g. {example}")
@@ -344,20 +351,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="curve.png", help="PNG file to write")
     p.set_defaults(func=cmd_curve)
 
-    p = add("export", "checkpoint -> folder SGLang, vLLM and z-lab load")
-    p.add_argument("checkpoint", help="training checkpoint dir (runs/<name>/checkpoints/step_...)")
-    p.add_argument("out_dir", help="new export directory")
-    p.set_defaults(func=cmd_export)
+    _positional_command(add("export", "checkpoint -> folder SGLang, vLLM and z-lab load"), cmd_export,
+                        checkpoint="training checkpoint dir (runs/<name>/checkpoints/step_...)",
+                        out_dir="new export directory")
 
     p = add("doctor", "check the environment, code and compile cache before a run")
     _config_args(p, required=False)
     p.add_argument("--json", action="store_true", help="machine-readable report")
     p.set_defaults(func=cmd_doctor)
 
-    p = add("diff-runs", "what differs between two runs' manifests")
-    p.add_argument("run_a", help="run directory (holds manifest.json)")
-    p.add_argument("run_b", help="run directory to compare with")
-    p.set_defaults(func=cmd_diff_runs)
+    _positional_command(add("diff-runs", "what differs between two runs' manifests"), cmd_diff_runs,
+                        run_a="run directory (holds manifest.json)", run_b="run directory to compare with")
     return parser
 
 
