@@ -152,6 +152,13 @@ class TargetFeeder:
                 self.link.send_features(dst, lambda g=group, f=feats: self._select(f(), g))
 
 
+def check_single_process_keys(cfg: RunConfig) -> None:
+    """Keys `dflash-train train` honours that a launch cannot: refused by name, never ignored."""
+    if cfg.data.cache_features:
+        raise ValueError("data.cache_features keeps the features in the memory of the one process that trains "
+                         "(`dflash-train train`); under launch the target ranks stream them every epoch: remove it")
+
+
 def check_lead_rank_evals(cfg: RunConfig, layout: Layout) -> None:
     """`eval.every` (real speculative decoding) and `eval.heldout_files` (teacher-forced scoring) run
     on a drafter group's lead rank and need the whole target there: colocated only, since in a split

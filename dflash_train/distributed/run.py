@@ -33,7 +33,8 @@ from dflash_train.target import load_target
 from dflash_train.checkpoint import local as ckpt
 from dflash_train.distributed.layout import Layout
 from dflash_train.train.build import resolve_device, stream_layer_ids
-from dflash_train.distributed.roles import Link, TargetFeeder, check_lead_rank_evals, drafter_rank, run_drafter
+from dflash_train.distributed.roles import (Link, TargetFeeder, check_lead_rank_evals, check_single_process_keys,
+                                            drafter_rank, run_drafter)
 
 log = logging.getLogger("dflash_train")
 
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     check_wall_clock_stops(runs, world)
     for _, run_cfg in runs:  # every rank refuses alike, before any target loads
         check_lead_rank_evals(run_cfg, layout)
+        check_single_process_keys(run_cfg)
     groups = [dist.new_group(layout.group_ranks(g)) for g in range(len(runs))]  # every rank creates every group
     mesh = None
     if layout.tensor_parallel > 1:

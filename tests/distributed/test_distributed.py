@@ -82,6 +82,14 @@ def test_split_layout_refuses_lead_rank_evals(assets, tmp_path, capfd, key):
     assert not (tmp_path / "run").exists()
 
 
+def test_launch_refuses_the_single_process_feature_cache(assets, tmp_path, capfd):
+    """data.cache_features works in `dflash-train train`; a launch must not silently drop it."""
+    config = write_config(assets, tmp_path / "run")
+    assert 0 not in spawn(2, ["-c", str(config), "--colocated", "data.cache_features=true"])
+    assert "data.cache_features keeps the features in the memory of the one process" in capfd.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_killed_rank_stops_everyone_then_resume_with_another_split(assets, tmp_path):
     config = write_config(assets, tmp_path / "run")
     steps = ["train.max_steps=60", "train.grad_accum=2"]
