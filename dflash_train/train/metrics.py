@@ -12,12 +12,13 @@ class MetricsFile:
     def __init__(self, run_dir: str | Path, resume_step: int = 0):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step and self.path.exists():
+        if self.path.exists():  # step 0 too: a run that crashed before its first checkpoint starts over
             self._truncate_after(resume_step)
         self._f = self.path.open("a")
 
     def _truncate_after(self, step: int) -> None:
-        """A resumed run rewrites the steps after its checkpoint: drop the old lines for them."""
+        """A (re)started run rewrites the steps after its checkpoint (all of them from step 0): drop
+        the old lines for them, so no step is recorded twice."""
         kept = [
             line for line in self.path.read_text().splitlines()
             if line.strip() and json.loads(line).get("step", 0) <= step

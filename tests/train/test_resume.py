@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +54,18 @@ def test_resume_from_periodic_checkpoint_rewrites_later_metrics(make_run_config,
     again = read_metrics(copy.run_dir)
     assert [r["step"] for r in again] == list(range(1, 2 * N + 1))
     assert [r["loss"] for r in again] == [r["loss"] for r in reference]
+
+
+def test_a_restart_without_a_checkpoint_records_each_step_once(make_run_config, shared_tiny_target):
+    """A run that crashed before its first checkpoint and starts again (`--resume auto` finds
+    nothing) must not append its steps after the crashed run's: metrics.jsonl holds each step once."""
+    cfg = make_run_config("a", [f"train.max_steps={N}", "checkpoint.every=1000"])
+    crashed = Trainer(cfg, target=shared_tiny_target)
+    crashed.fit(progress=False)
+    for path in (Path(cfg.run_dir) / "checkpoints").iterdir():  # as if it died before saving
+        shutil.rmtree(path)
+    Trainer(cfg, target=shared_tiny_target).fit(progress=False)
+    assert [r["step"] for r in read_metrics(cfg.run_dir)] == list(range(1, N + 1))
 
 
 @pytest.mark.parametrize(
