@@ -20,18 +20,17 @@ from tqdm import tqdm
 
 from dflash_train.config import RunConfig, dump_config
 from dflash_train.data.batching import bucket_shape
-from dflash_train.data.dataset import TokenizedDataset, check_training_files, load_training_data
-from dflash_train.draft.loss import LossMix, LossTally, acceptance_metrics
+from dflash_train.data.dataset import TokenizedDataset
+from dflash_train.draft.loss import LossTally, acceptance_metrics
 from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.ops import compile_cache
 from dflash_train.ops.guard import ThroughputGuard
 from dflash_train.ops.manifest import build_manifest, write_manifest
 from dflash_train.ops.recompiles import RecompileWatch
-from dflash_train.target import Target, load_target
+from dflash_train.target import Target
 from dflash_train.checkpoint import local as ckpt
-from dflash_train.train.batches import anchor_seed, batch_shape, collate, epoch_plan, locate
-from dflash_train.train.build import autocast_for, compile_layers, resolve_device, stream_layer_ids
-from dflash_train.train.drafter_init import build_drafter
+from dflash_train.train.batches import anchor_seed, batch_shape, collate, locate
+from dflash_train.train.build import autocast_for, compile_layers
 from dflash_train.train.accumulate import LocalSource, NoReduction, Reduction, Source, accumulate
 from dflash_train.train.feature_cache import FeatureCache
 from dflash_train.train.heldout import HeldoutProbe, score_heldout
@@ -39,7 +38,8 @@ from dflash_train.train.metrics import MetricsFile
 from dflash_train.checkpoint.storage import prune_local, resolve_resume
 from dflash_train.train.tracking import Tracker
 from dflash_train.train.budget import Deadline, TimeBudget
-from dflash_train.train.optim import build_optimizer, build_scheduler, retarget_scheduler
+from dflash_train.train.optim import retarget_scheduler
+from dflash_train.train.parts import build
 
 log = logging.getLogger("dflash_train")
 
@@ -58,25 +58,12 @@ class Trainer:
         self.source = source or LocalSource()
         self.reduction = reduction or NoReduction()
         self.devices_held = devices_held  # for device-seconds (distributed ranks: the world size)
-        self.device = resolve_device(cfg.device)
         self.run_dir = Path(cfg.run_dir)
-        if dataset is None:
-            check_training_files(cfg.data)  # a typo in a data path fails now, not after the target loads
-        self.target = target or load_target(cfg.target, self.device)
-        self.drafter = build_drafter(cfg, self.target, self.device)  # seeded there, after the target's load
-        self.loss_mix = LossMix.from_weights(cfg.objective.loss, cfg.objective.kd_temperature)
-        self.stream_layers = stream_layer_ids(cfg, self.target)  # captured per micro-batch
-        self.dataset = dataset or load_training_data(
-            cfg.data, self.target.tokenizer, self.target.identity["tokenizer"]
-        )
-        if cfg.draft.attention == "flex" and self.device.type != "cuda":
-            raise ValueError("draft.attention: flex has no backward on CPU; use 'sdpa' or 'auto' there")
-        self.use_flex = cfg.draft.attention == "flex" or (cfg.draft.attention == "auto" and self.device.type == "cuda")
-        self.epoch_batches = epoch_plan(cfg, self.dataset.lengths)
-        micro_total = sum(len(b) for b in self.epoch_batches)
-        self.total_steps = cfg.train.max_steps or max(micro_total // cfg.train.grad_accum, 1)
-        self.optimizer = build_optimizer(self.drafter.parameters(), cfg.train, self.device)
-        self.scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps)
+        parts = build(cfg, target, dataset)  # data -> target -> drafter -> objective -> plan -> optimizer
+        self.device, self.target, self.dataset, self.drafter = parts.device, parts.target, parts.dataset, parts.drafter
+        self.loss_mix, self.stream_layers, self.use_flex = parts.loss_mix, parts.stream_layers, parts.use_flex
+        self.epoch_batches, self.total_steps = parts.epoch_batches, parts.total_steps
+        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.step = 0
         self.manifest: dict | None = None  # written at the start of fit(); checkpoints carry it
         self.cursor = (0, 0)  # (epoch, batch index) of the next micro-batch

@@ -1,0 +1,64 @@
+"""`build(cfg)`: a run's components, constructed in the order the data flows through them.
+
+data files (checked first: a typo fails before a big target loads) -> target -> tokenized data ->
+drafter -> objective (loss mix, captured layers) -> epoch plan -> optimizer and schedule. The
+Trainer (train/loop.py) adds the loop, records and checkpoints around these; the warm-up, the
+benchmarks and the distributed ranks get the same parts from the same function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash_train.config import RunConfig
+from dflash_train.data.dataset import TokenizedDataset, check_training_files, load_training_data
+from dflash_train.draft.loss import LossMix
+from dflash_train.draft.model import DFlashDraftModel
+from dflash_train.target import Target, load_target
+from dflash_train.train.batches import epoch_plan
+from dflash_train.train.build import resolve_device, stream_layer_ids
+from dflash_train.train.drafter_init import build_drafter
+from dflash_train.train.optim import build_optimizer, build_scheduler
+
+
+@dataclass
+class RunParts:
+    device: torch.device
+    target: Target
+    dataset: TokenizedDataset
+    drafter: DFlashDraftModel
+    loss_mix: LossMix
+    stream_layers: list[int]
+    """Target layers captured per micro-batch (the drafter's, plus the last when the loss distils)."""
+    use_flex: bool
+    epoch_batches: list[list[np.ndarray]]
+    total_steps: int
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+def build(cfg: RunConfig, target: Target | None = None, dataset: TokenizedDataset | None = None) -> RunParts:
+    """The parts of `cfg`'s run; `target` and `dataset` when the caller already holds them."""
+    device = resolve_device(cfg.device)
+    if cfg.draft.attention == "flex" and device.type != "cuda":
+        raise ValueError("draft.attention: flex has no backward on CPU; use 'sdpa' or 'auto' there")
+    if dataset is None:
+        check_training_files(cfg.data)
+    target = target or load_target(cfg.target, device)
+    dataset = dataset or load_training_data(cfg.data, target.tokenizer, target.identity["tokenizer"])
+    drafter = build_drafter(cfg, target, device)  # seeds the RNG itself, right before its weights
+    epoch_batches = epoch_plan(cfg, dataset.lengths)
+    micro_total = sum(len(b) for b in epoch_batches)
+    total_steps = cfg.train.max_steps or max(micro_total // cfg.train.grad_accum, 1)
+    optimizer = build_optimizer(drafter.parameters(), cfg.train, device)
+    return RunParts(
+        device=device, target=target, dataset=dataset, drafter=drafter,
+        loss_mix=LossMix.from_weights(cfg.objective.loss, cfg.objective.kd_temperature),
+        stream_layers=stream_layer_ids(cfg, target),
+        use_flex=cfg.draft.attention == "flex" or (cfg.draft.attention == "auto" and device.type == "cuda"),
+        epoch_batches=epoch_batches, total_steps=total_steps, optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg.train, total_steps),
+    )
