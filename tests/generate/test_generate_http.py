@@ -58,7 +58,7 @@ def test_failures_drops_and_stalls_are_retried_and_nothing_is_lost(tmp_path, sta
     inputs = write_jsonl(tmp_path / "in.jsonl", [conversation(i, turns=2) for i in range(60)])
     summary = run(
         tmp_path, [inputs], [server.url], concurrency=8, shard_size=16,
-        **{"http.request_timeout": 0.5, "http.backoff_s": 0.01, "http.max_retries": 10},
+        **{"http.request_timeout": 1.0, "http.backoff_s": 0.01, "http.max_retries": 20},  # slack for a loaded CI box
     )
     stats = server.stats()
     assert stats["failed"] > 10 and stats["dropped"] > 5 and stats["stalled"] > 5
