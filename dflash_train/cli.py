@@ -49,6 +49,14 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_capture(args) -> int:
+    from dflash_train.capture import capture
+
+    manifest = capture(load_config(args.config, args.overrides), args.out, args.rows_per_shard)
+    print(json.dumps({"out": args.out, **manifest["fingerprint"], "shards": len(manifest["shards"])}, indent=2))
+    return 0
+
+
 def cmd_warmup(args) -> int:
     from dflash_train.train.warmup import warmup
 
@@ -185,6 +193,7 @@ Your own target, in this order:
   prompts    first user turns of a prompt set -> train / held-out prompt files
   generate   the target answers them (SGLang/vLLM server or in process; resumable)
   prepare    (optional) tokenise the answers into shards once
+  capture    (optional) the target's features to disk once: later runs skip the target
   doctor     check the environment; warmup precompiles (GPU)
   train      train the drafter (launch: several GPUs)
   eval       speculative decoding on held-out prompts: acceptance length tau, speedup
@@ -320,6 +329,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop once this many characters are written (default: all)")
     p.add_argument("--out", required=True, help="JSONL file of {id, messages} rows")
     p.set_defaults(func=cmd_corpus)
+
+    p = add("capture", "run the target once over the training data and write its features to disk "
+                       "(train then reads them with data.captured_features=DIR)")
+    _config_args(p)
+    p.add_argument("--out", required=True, help="capture directory (resumable: run again to finish it)")
+    p.add_argument("--rows-per-shard", type=int, default=1024, help="rows per safetensors shard (default: 1024)")
+    p.set_defaults(func=cmd_capture)
 
     p = add("eval", "speculative-decoding evaluation: tau, histogram, speedup")
     _config_args(p, required=False, example="eval.prompts=humaneval")

@@ -86,6 +86,9 @@ class DataConfig(_Section):
     """Keep the target's captured features in the device's memory across epochs: the target runs once
     per answer (first epoch), later epochs skip it. Size: tokens x captured layers x hidden x 2 bytes
     in bf16 (13.5K SmolLM2 answers, 6M tokens, 5 layers: ~35 GB on an H200)."""
+    captured_features: str | None = None
+    """A `dflash-train capture` directory of this run's data, target and layers: features are read
+    from it instead of running the target (every epoch, every ablation); its fingerprint is checked."""
     length_bucket: int = Field(0, ge=0)
     """Pad each batch's length up to a multiple of this (GPU: a few shapes, so no recompiles); 0 = off."""
 
@@ -96,6 +99,9 @@ class DataConfig(_Section):
                 f"data.token_budget ({self.token_budget}) < data.max_length ({self.max_length}): "
                 "a full-length sequence could never be batched"
             )
+        if self.cache_features and self.captured_features:
+            raise ValueError("data.cache_features and data.captured_features both set: captured features are "
+                             "already read from disk; set one")
         return self
 
 

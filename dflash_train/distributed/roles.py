@@ -157,6 +157,9 @@ def check_single_process_keys(cfg: RunConfig) -> None:
     if cfg.data.cache_features:
         raise ValueError("data.cache_features keeps the features in the memory of the one process that trains "
                          "(`dflash-train train`); under launch the target ranks stream them every epoch: remove it")
+    if cfg.data.captured_features:
+        raise ValueError("data.captured_features is read by `dflash-train train` (one process); under launch "
+                         "the target ranks compute the features: remove it, or train with `dflash-train train`")
 
 
 def check_lead_rank_evals(cfg: RunConfig, layout: Layout) -> None:

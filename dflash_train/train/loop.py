@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from dflash_train.capture import CapturedFeatures, fingerprint
 from dflash_train.config import RunConfig, dump_config
 from dflash_train.data.batching import bucket_shape
 from dflash_train.data.dataset import TokenizedDataset
@@ -64,6 +65,10 @@ class Trainer:
         self.loss_mix, self.stream_layers, self.use_flex = parts.loss_mix, parts.stream_layers, parts.use_flex
         self.epoch_batches, self.total_steps = parts.epoch_batches, parts.total_steps
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
+        self.captured = None  # data.captured_features: the target's features read from disk
+        if cfg.data.captured_features:
+            self.captured = CapturedFeatures(cfg.data.captured_features,
+                                             fingerprint(self.target, self.stream_layers, self.dataset))
         self.step = 0
         self.manifest: dict | None = None  # written at the start of fit(); checkpoints carry it
         self.cursor = (0, 0)  # (epoch, batch index) of the next micro-batch
@@ -195,6 +200,8 @@ class Trainer:
         return len(shapes)
 
     def features(self, batch: dict) -> torch.Tensor:
+        if self.captured is not None:
+            return self.captured.batch(batch, self.device)
         compute = lambda ids: self.target.features(ids, self.stream_layers)  # noqa: E731
         if self.feature_cache is None:
             return compute(batch["input_ids"])
