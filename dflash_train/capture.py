@@ -23,10 +23,12 @@ from safetensors.torch import save
 
 from dflash_train.atomic import write_atomic
 from dflash_train.config import RunConfig
-from dflash_train.data.dataset import TokenizedDataset, check_training_files, load_training_data
-from dflash_train.target import Target, load_target
+from dflash_train.data.dataset import TokenizedDataset
+from dflash_train.target import Target
 from dflash_train.train.batches import collate
-from dflash_train.train.build import resolve_device, stream_layer_ids
+from dflash_train.train.build import stream_layer_ids
+from dflash_train.train.feature_cache import padded
+from dflash_train.train.parts import load_inputs
 
 log = logging.getLogger("dflash_train")
 
@@ -61,10 +63,7 @@ def _groups(dataset: TokenizedDataset, first: int, last: int, token_budget: int)
 def capture(cfg: RunConfig, out: str | Path, rows_per_shard: int = 1024) -> dict:
     """Runs `cfg`'s target once over `cfg`'s training data and writes its features to `out`."""
     out = Path(out)
-    device = resolve_device(cfg.device)
-    check_training_files(cfg.data)
-    target = load_target(cfg.target, device)
-    dataset = load_training_data(cfg.data, target.tokenizer, target.identity["tokenizer"])
+    device, target, dataset = load_inputs(cfg)
     layer_ids = stream_layer_ids(cfg, target)
     width, dtype = len(layer_ids) * target.hidden_size, target.embed_weight.dtype
     tokens = int(dataset.lengths.sum())
@@ -121,7 +120,6 @@ class CapturedFeatures:
         self.shards = [(s["first"], s["rows"], safe_open(str(path / s["file"]), framework="pt"))
                        for s in manifest["shards"]]
         self.offsets = [f.get_tensor("offsets").tolist() for _, _, f in self.shards]
-        self.width = manifest["width"]
 
     def row(self, index: int) -> torch.Tensor:
         for k, (first, rows, f) in enumerate(self.shards):
@@ -132,9 +130,4 @@ class CapturedFeatures:
 
     def batch(self, batch: dict, device: torch.device) -> torch.Tensor:
         """Features [rows, T, K*H] of a collated batch, zeros in its padding."""
-        rows, t = batch["input_ids"].shape
-        per_row = [self.row(i) for i in batch["indices"]]
-        out = torch.zeros(rows, t, self.width, dtype=per_row[0].dtype)
-        for r, f in enumerate(per_row):
-            out[r, : f.shape[0]] = f
-        return out.to(device, non_blocking=True)
+        return padded([self.row(i) for i in batch["indices"]], batch["input_ids"].shape).to(device, non_blocking=True)

@@ -14,7 +14,7 @@ def test_training_from_captured_features_equals_training_online(make_run_config,
                                                                 monkeypatch):
     over = ["train.epochs=2"]
     plain = Trainer(make_run_config("plain", over), target=shared_tiny_target)
-    monkeypatch.setattr("dflash_train.capture.load_target", lambda *a, **k: shared_tiny_target)
+    monkeypatch.setattr("dflash_train.train.parts.load_target", lambda *a, **k: shared_tiny_target)
     manifest = capture(make_run_config("c", over), tmp_path / "cap", rows_per_shard=5)
     assert len(manifest["shards"]) > 2 and manifest["fingerprint"]["rows"] == len(plain.dataset)
 
@@ -29,7 +29,7 @@ def test_training_from_captured_features_equals_training_online(make_run_config,
 
 def test_an_interrupted_capture_resumes_and_a_foreign_one_is_refused(make_run_config, shared_tiny_target,
                                                                       tmp_path, monkeypatch):
-    monkeypatch.setattr("dflash_train.capture.load_target", lambda *a, **k: shared_tiny_target)
+    monkeypatch.setattr("dflash_train.train.parts.load_target", lambda *a, **k: shared_tiny_target)
     cfg = make_run_config("c")
     out = tmp_path / "cap"
     full = capture(cfg, out, rows_per_shard=5)

@@ -114,8 +114,8 @@ def snapshot(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
 def write_checkpoint(run_dir: str | Path, step: int, snap: dict) -> Path:
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(step)
-    tmp = root / f".tmp_{step_dir_name(step)}"
+    final = checkpoint_path(run_dir, step)
+    tmp = root / f".tmp_{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_file(snap["weights"], tmp / "model.safetensors", metadata={"format": "pt"})

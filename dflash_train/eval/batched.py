@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from dflash_train.draft.model import DFlashDraftModel
-from dflash_train.eval.spec_decode import SpecResult, accept_sampled, check_budget, emit_tokens, sample_tokens
+from dflash_train.eval.spec_decode import SpecResult, accept_sampled, check_budget, sample_tokens
+from dflash_train.generate.backends import emit_tokens
 from dflash_train.target import Target
 
 

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationError
 
+from dflash_train.checkpoint.local import latest_checkpoint
 from dflash_train.config import ConfigError, RunConfig, TargetConfig, _Section, format_validation_errors, set_dotted
 
 
@@ -65,8 +66,6 @@ def build_eval_config(run: RunConfig | None, flags: Namespace | dict, source: st
     """The run's settings (when there is a run config), then every flag given (None = not given)."""
     tree: dict = {}
     if run is not None:
-        from dflash_train.checkpoint.local import latest_checkpoint
-
         tree = {"target": {"path": run.target.path, "dtype": run.target.dtype},
                 "num_prompts": run.eval.num_prompts, "decode": {"max_new_tokens": run.eval.max_new_tokens}}
         if run.eval.prompts:

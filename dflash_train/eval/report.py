@@ -33,6 +33,7 @@ from dflash_train.eval.prompts import Prompt, load_prompts
 from dflash_train.eval.served_speed import first_difference, pick_speed_engine, served_speed
 from dflash_train.eval.spec_decode import speculative_generate, target_greedy
 from dflash_train.target import Target, load_target
+from dflash_train.train.build import resolve_device
 
 log = logging.getLogger("dflash_train")
 
@@ -266,11 +267,8 @@ def run_eval(cfg: EvalJobConfig) -> dict:
     target.dtype: the target's (and drafter's) compute dtype; float32 makes the lossless check exact
     where bf16 rounding can flip near-ties between a 16-token verification and a 1-token decode.
     """
-    device = cfg.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     chosen = load_prompts(cfg.prompts, cfg.num_prompts)
-    dev = torch.device(device)
+    dev = resolve_device(cfg.device)
     loaded = load_target(cfg.target, dev)
     report = evaluate(loaded, load_drafter(cfg.drafter, loaded, dev), chosen, cfg.decode)
     report.update(drafter=cfg.drafter, prompts=cfg.prompts)

@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from dflash_train.draft.model import DFlashDraftModel, DraftKVCache
+from dflash_train.generate.backends import emit_tokens
 from dflash_train.target import Target
 
 
@@ -61,15 +62,6 @@ def synced_time(device: torch.device) -> float:
 def check_budget(max_new_tokens: int) -> None:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-
-
-def emit_tokens(out: list[int], new: list[int], max_new_tokens: int, stop_ids: set[int]) -> bool:
-    """Append tokens one by one, exactly as a token-at-a-time decode would; True when finished."""
-    for t in new:
-        out.append(t)
-        if t in stop_ids or len(out) >= max_new_tokens:
-            return True
-    return False
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 from dflash_train.draft.model import DFlashDraftModel
-from dflash_train.eval.spec_decode import DecodeResult, SpecResult, check_budget, emit_tokens, synced_time
+from dflash_train.eval.spec_decode import DecodeResult, SpecResult, check_budget, synced_time
+from dflash_train.generate.backends import emit_tokens
 from dflash_train.static_cache import ALIGN, forward_at, graphed, positioned_cache, static_cache_problem
 from dflash_train.target import Target
 

@@ -11,6 +11,17 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
+def emit_tokens(out: list[int], new: list[int], max_new_tokens: int, stop_ids: set[int]) -> bool:
+    """Append tokens one by one, exactly as a token-at-a-time decode would; True when finished (a
+    stop token appended, or `max_new_tokens` reached). The rule of every decoder here, in generate
+    and in eval."""
+    for t in new:
+        out.append(t)
+        if t in stop_ids or len(out) >= max_new_tokens:
+            return True
+    return False
+
+
 class GenerationError(Exception):
     """A request that failed for good (after retries, or a 4xx that retrying cannot fix)."""
 

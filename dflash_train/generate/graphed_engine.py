@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_train.generate.backends import emit_tokens
 from dflash_train.static_cache import ALIGN, forward_at, graphed, positioned_cache, static_cache_problem
 
 log = logging.getLogger("dflash_train")
@@ -38,7 +39,9 @@ class Job:
     tag: object = None
     """The caller's handle (a request), given back with the answer."""
     tokens: list[int] = field(default_factory=list)
+    finished: bool = False
     stopped: bool = False
+    """Finished by a stop token (else by max_tokens)."""
 
     def positions_needed(self) -> int:
         return len(self.prompt) + self.max_tokens + 1  # a finished row idles at prompt + max_tokens
@@ -146,21 +149,20 @@ class GraphedEngine:
         self.cap[index] = lengths + torch.tensor([j.max_tokens for j in jobs], device=self.device)
         self.temperature[index] = temperature
         for job, token in zip(jobs, first.tolist()):
-            self._emit(job, token)
+            self._emit(job, [token])
 
-    def _emit(self, job: Job, token: int) -> bool:
-        """Appends `token` to an unfinished job; whether the job is finished now."""
-        job.tokens.append(token)
-        job.stopped = token in self.stops
-        return job.stopped or len(job.tokens) >= job.max_tokens
+    def _emit(self, job: Job, tokens: list[int]) -> None:
+        """Appends an unfinished job's new tokens up to its stop token or budget."""
+        job.finished = emit_tokens(job.tokens, tokens, job.max_tokens, self.stops)
+        job.stopped = job.finished and job.tokens[-1] in self.stops
 
     # --------------------------------------------------------------- serving
 
     @torch.no_grad()
     def serve(self, take: Callable[[int], list[Job]], give: Callable[[Job], None]) -> None:
-        """Decodes until `take` has nothing more: `take(n)` returns up to n waiting jobs (raising
-        ValueError for one this engine cannot run is the caller's business), `give(job)` receives
-        each finished one (tokens cut after the first stop token, `stopped` set)."""
+        """Decodes until `take` has nothing more: `take(n)` returns up to n waiting jobs (ones this
+        engine cannot run, e.g. top-p, are the caller's to refuse), `give(job)` receives each
+        finished one (tokens cut after the first stop token, `stopped` set)."""
         occupant: list[Job | None] = [None] * self.rows
         refill_at = max(1, self.rows // 8)  # a prefill costs about as much as a few steps: batch them
         while True:
@@ -181,17 +183,13 @@ class GraphedEngine:
                 continue
             for _ in range(self.chunk):
                 self.step()
-            for r, tokens in enumerate(self.history.tolist()):
-                job = occupant[r]
-                if job is None or job.stopped or len(job.tokens) >= job.max_tokens:
-                    continue
-                for token in tokens:
-                    if self._emit(job, token):
-                        break
+            for job, tokens in zip(occupant, self.history.tolist()):
+                if job is not None and not job.finished:
+                    self._emit(job, tokens)
             self._release(occupant, give)
 
     def _release(self, occupant: list[Job | None], give) -> None:
         for r, job in enumerate(occupant):
-            if job is not None and (job.stopped or len(job.tokens) >= job.max_tokens):
+            if job is not None and job.finished:
                 occupant[r] = None
                 give(job)

@@ -257,12 +257,10 @@ class LocalBackend:
                         self._model_thread, self._generate_fitting, prompts, batch[0].params)
                 except Exception as err:  # noqa: BLE001 -- a bug or OOM must reach the callers, not kill the worker
                     for r in batch:
-                        if not r.future.done():
-                            r.future.set_exception(err)
+                        _fail(r.future, err)
                     continue
                 for r, result in zip(batch, results):
-                    if not r.future.done():
-                        r.future.set_result(result)
+                    _resolve(r.future, result)
 
     def _serve_graphed(self, loop: asyncio.AbstractEventLoop) -> None:
         """Runs the graphed engine (in the model thread) until the queue is empty; answers reach
@@ -294,9 +292,9 @@ class LocalBackend:
                 self._graphed = GraphedEngine(self.model, self.batch_size, stops, pad_token_id(self.tokenizer, stops))
             self._graphed.serve(take, give)
             return
-        except torch.OutOfMemoryError:
+        except torch.OutOfMemoryError as err:
             if self.batch_size == 1:
-                self._fail_all(loop, inflight, "out of GPU memory with one row")
+                self._fail_all(loop, inflight, err)
                 return
         except Exception as err:  # noqa: BLE001 -- a bug must reach the callers, not kill the worker
             self._fail_all(loop, inflight, err)
@@ -311,10 +309,9 @@ class LocalBackend:
         loop.call_soon_threadsafe(self._wake.set)
 
     @staticmethod
-    def _fail_all(loop, inflight: dict, err) -> None:
-        error = err if isinstance(err, Exception) else RuntimeError(err)
+    def _fail_all(loop, inflight: dict, err: Exception) -> None:
         for r in inflight.values():
-            loop.call_soon_threadsafe(_fail, r.future, error)
+            loop.call_soon_threadsafe(_fail, r.future, err)
         inflight.clear()
 
     def _generate_fitting(self, prompts: list[list[int]], params: GenParams) -> list[Completion]:

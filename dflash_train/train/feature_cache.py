@@ -20,6 +20,16 @@ RESERVE_GIB = 16
 """GPU memory the cache leaves free for the training step itself."""
 
 
+def padded(per_row: list[torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+    """Rows' features [T_i, K*H] -> [rows, T, K*H] of a collated batch's `shape`, zeros in its
+    padding, rows included: with length_bucket a batch is padded beyond its real sequences."""
+    rows, t = shape
+    out = per_row[0].new_zeros(rows, t, per_row[0].shape[-1])
+    for row, f in enumerate(per_row):
+        out[row, : f.shape[0]] = f
+    return out
+
+
 class FeatureCache:
     def __init__(self, dataset, device: torch.device):
         self.dataset, self.device = dataset, device
@@ -39,14 +49,7 @@ class FeatureCache:
             if self.has_room(feats.nbytes):
                 # Copies: a view would keep the whole padded batch tensor alive.
                 self.rows.update({i: f.clone() for i, f in fresh.items()})
-        # Zeros in the padding, rows included: with length_bucket the batch is padded to a static
-        # (rows, length) shape beyond its real sequences.
-        rows, t = batch["input_ids"].shape
-        per_row = [fresh[i] if i in fresh else self.rows[i] for i in batch["indices"]]
-        out = per_row[0].new_zeros(rows, t, per_row[0].shape[-1])
-        for row, f in enumerate(per_row):
-            out[row, : f.shape[0]] = f
-        return out
+        return padded([fresh[i] if i in fresh else self.rows[i] for i in batch["indices"]], batch["input_ids"].shape)
 
     def has_room(self, nbytes: int) -> bool:
         """Whether the cache may grow by `nbytes` and leave RESERVE_GIB free."""

@@ -40,15 +40,23 @@ class RunParts:
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
 
-def build(cfg: RunConfig, target: Target | None = None, dataset: TokenizedDataset | None = None) -> RunParts:
-    """The parts of `cfg`'s run; `target` and `dataset` when the caller already holds them."""
+def load_inputs(cfg: RunConfig, target: Target | None = None, dataset: TokenizedDataset | None = None
+                ) -> tuple[torch.device, Target, TokenizedDataset]:
+    """The run's device, target and tokenized data (`target`, `dataset` when the caller holds them):
+    the data files are checked before the target loads, then tokenized with its tokenizer."""
     device = resolve_device(cfg.device)
-    if cfg.draft.attention == "flex" and device.type != "cuda":
-        raise ValueError("draft.attention: flex has no backward on CPU; use 'sdpa' or 'auto' there")
     if dataset is None:
         check_training_files(cfg.data)
     target = target or load_target(cfg.target, device)
     dataset = dataset or load_training_data(cfg.data, target.tokenizer, target.identity["tokenizer"])
+    return device, target, dataset
+
+
+def build(cfg: RunConfig, target: Target | None = None, dataset: TokenizedDataset | None = None) -> RunParts:
+    """The parts of `cfg`'s run; `target` and `dataset` when the caller already holds them."""
+    if cfg.draft.attention == "flex" and resolve_device(cfg.device).type != "cuda":
+        raise ValueError("draft.attention: flex has no backward on CPU; use 'sdpa' or 'auto' there")
+    device, target, dataset = load_inputs(cfg, target, dataset)
     drafter = build_drafter(cfg, target, device)  # seeds the RNG itself, right before its weights
     epoch_batches = epoch_plan(cfg, dataset.lengths)
     micro_total = sum(len(b) for b in epoch_batches)
