@@ -9,8 +9,14 @@ shapes never change, so a decode step over all rows can be captured once as a CU
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, StaticLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ALIGN = 16
 """Cache lengths are rounded up to this: SDPA's memory-efficient kernel wants aligned mask rows."""
@@ -59,14 +65,54 @@ def causal_bias(positions: torch.Tensor, length: int, dtype: torch.dtype) -> tor
     return torch.zeros((), dtype=dtype, device=positions.device).masked_fill(~visible, torch.finfo(dtype).min)
 
 
+PACKED_GQA = "dflash_packed_gqa"
+PACK_MAX_QUERIES = 64
+"""Decode steps and verification blocks are packed; a prefill is bound by compute, not by reading
+the cache, and keeps transformers' SDPA path."""
+
+
+def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """SDPA that reads each K/V head once. Given a mask, transformers' SDPA path (up to 5.17) repeats
+    every K/V head for each query head of its group, which for SmolLM2 (9 query, 3 K/V heads)
+    triples the cache traffic of a decode step, the step's main cost at large batches, and lands in
+    SDPA's math kernel. Here the group's query heads become extra query rows of their K/V head, with
+    the mask repeated for them: the same attention, one read of the cache by the efficient kernel."""
+    rows, heads, queries, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    if group == 1 or queries > PACK_MAX_QUERIES or attention_mask is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    query = query.reshape(rows, kv_heads, group * queries, dim)  # head h = kv * group + g: rows (g, q)
+    mask = attention_mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(attention_mask.shape[0], 1, group * queries, -1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(rows, heads, queries, dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PACKED_GQA, packed_gqa_attention)
+AttentionMaskInterface.register(PACKED_GQA, sdpa_mask)  # masks come built (causal_bias); never called
+
+
+@contextmanager
+def packed_gqa(model):
+    """The model's attention is `packed_gqa_attention` inside the block (and in graphs captured there)."""
+    config = model.config.get_text_config(decoder=True)
+    before = config._attn_implementation
+    config._attn_implementation = PACKED_GQA
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
 def forward_at(model, cache: Cache, ids: torch.Tensor, positions: torch.Tensor, **kwargs):
     """The HF model's output for `ids` [R, Q] at `positions` [R, Q], their K/V written into `cache`."""
     for layer in cache.layers:
         layer.positions = positions
     length = cache.layers[0].max_cache_len
     dtype = model.get_input_embeddings().weight.dtype
-    return model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                 attention_mask=causal_bias(positions, length, dtype), **kwargs)
+    with packed_gqa(model):
+        return model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                     attention_mask=causal_bias(positions, length, dtype), **kwargs)
 
 
 def graphed(step, device: torch.device):
