@@ -131,9 +131,9 @@ def cmd_generate(args) -> int:
 
 def cmd_corpus(args) -> int:
     from dflash_train.data.corpus import build_corpus, sharegpt_conversations, write_corpus
-    from dflash_train.eval.prompts import load_prompts
+    from dflash_train.eval.prompts import turns_of
 
-    heldout = [turn for f in args.exclude for p in load_prompts(f) for turn in p.turns]
+    heldout = turns_of(args.exclude)
     rows, stats = build_corpus(sharegpt_conversations(), heldout, args.max_chars, args.max_total_chars)
     write_corpus(args.out, rows)
     print(json.dumps({"out": args.out, "excluded_prompts": len(heldout), **stats.__dict__}, indent=2))
@@ -152,12 +152,12 @@ def cmd_curve(args) -> int:
 
 
 def cmd_prompts(args) -> int:
-    from dflash_train.eval.prompts import first_turns, prompt_source, split_prompt_files
+    from dflash_train.eval.prompts import first_turns, prompt_source, split_prompt_files, turns_of
 
-    prompts = first_turns(prompt_source(args.source), args.num, args.max_chars)
+    prompts = first_turns(prompt_source(args.source), args.num, args.max_chars, turns_of(args.exclude))
     train, heldout = split_prompt_files(prompts, args.out, args.heldout)
     print(json.dumps({"train": str(train), "train_prompts": len(prompts) - args.heldout,
-                      "heldout": str(heldout), "heldout_prompts": args.heldout}, indent=2))
+                      "heldout": heldout and str(heldout), "heldout_prompts": args.heldout}, indent=2))
     return 0
 
 
@@ -312,9 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = add("prompts", "first user turns of a prompt set -> train / held-out prompt files for generate")
-    p.add_argument("--source", default="sharegpt", help="sharegpt, mt-bench, humaneval or a JSONL file")
+    p.add_argument("--source", default="sharegpt", help="sharegpt, mt-bench, humaneval, python-stubs (code "
+                   "requests from the standard library's functions) or a JSONL file")
     p.add_argument("--num", type=int, required=True, help="distinct prompts in all (held-out ones included)")
-    p.add_argument("--heldout", type=int, required=True, help="the last N go to heldout_prompts.jsonl")
+    p.add_argument("--heldout", type=int, required=True, help="the last N go to heldout_prompts.jsonl "
+                   "(0: a training-only set)")
+    p.add_argument("--exclude", nargs="*", default=[], help="prompt sets or files (e.g. humaneval, "
+                   "heldout_prompts.jsonl) whose turns must not be chosen (case and whitespace ignored)")
     p.add_argument("--max-chars", dest="max_chars", type=int, default=2000, help="skip longer first turns")
     p.add_argument("--out", required=True, help="directory for train_prompts.jsonl and heldout_prompts.jsonl")
     p.set_defaults(func=cmd_prompts)

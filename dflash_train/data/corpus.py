@@ -15,12 +15,8 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from dflash_train.atomic import write_atomic
-from dflash_train.data.formats import DataError, normalise_messages
+from dflash_train.data.formats import DataError, normalise_messages, normalise_text
 from dflash_train.eval.prompts import sharegpt_rows
-
-
-def normalise_text(text: str) -> str:
-    return " ".join(text.lower().split())
 
 
 @dataclass

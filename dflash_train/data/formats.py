@@ -95,6 +95,11 @@ def normalise_messages(row: dict, where: str) -> list[dict]:
     return messages
 
 
+def normalise_text(text: str) -> str:
+    """Case and whitespace ignored: how a held-out prompt is recognised in training text."""
+    return " ".join(text.lower().split())
+
+
 def row_id(row, fallback: str) -> str:
     if isinstance(row, dict):
         for key in ("id", "conversation_id", "uuid"):

@@ -6,15 +6,17 @@ answer to turn 1, as a user would; the evaluator generates each answer and appen
 
 from __future__ import annotations
 
+import ast
 import gzip
 import importlib.util
 import json
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from dflash_train.atomic import write_atomic
-from dflash_train.data.formats import DataError, iter_rows, normalise_messages
+from dflash_train.data.formats import DataError, iter_rows, normalise_messages, normalise_text
 from dflash_train.package_data import MT_BENCH_QUESTIONS, packaged_file
 
 
@@ -63,6 +65,34 @@ def humaneval() -> Iterator[Prompt]:
                 p = json.loads(line)
                 request = f"Complete the following Python function.\n\n```python\n{p['prompt']}```"
                 yield Prompt(id=p["task_id"], turns=[request])
+
+
+STUB_SKIPPED_DIRS = {"test", "tests", "idlelib", "turtledemo", "site-packages", "dist-packages", "lib2to3"}
+
+
+def python_stubs() -> Iterator[Prompt]:
+    """Code prompts in HumanEval's form from this Python's standard library (PSF licence): every
+    public function and method with a docstring and a body, as its signature and docstring, asked
+    to be completed. For training only: HumanEval's 164 stubs are a different set and stay held out."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if STUB_SKIPPED_DIRS & set(relative.parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):  # a few stdlib files are deliberately broken
+            continue
+        module = ".".join(relative.with_suffix("").parts)
+        public_classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and not n.name.startswith("_")]
+        for owner, node in [(None, n) for n in tree.body] + [(c.name, n) for c in public_classes for n in c.body]:
+            doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+            if doc is None or node.name.startswith("_") or len(doc) < 40 or len(node.body) < 2:
+                continue
+            node.body, node.decorator_list = node.body[:1], []
+            name = f"{module}.{owner}.{node.name}" if owner else f"{module}.{node.name}"
+            request = f"Complete the following Python {'method' if owner else 'function'}.\n\n```python\n{ast.unparse(node)}\n```"
+            yield Prompt(id=f"python-stubs/{name}", turns=[request])
 
 
 def _json_array_items(path: Path, chunk_chars: int = 1 << 20) -> Iterator[dict]:
@@ -125,11 +155,11 @@ def jsonl(path: str | Path) -> Iterator[Prompt]:
         yield Prompt(id=str(row.get("id", where)), turns=turns, system=system)
 
 
-PROMPT_SETS = {"mt-bench": mt_bench, "humaneval": humaneval, "sharegpt": sharegpt}
+PROMPT_SETS = {"mt-bench": mt_bench, "humaneval": humaneval, "sharegpt": sharegpt, "python-stubs": python_stubs}
 
 
 def prompt_source(name_or_path: str) -> Iterator[Prompt]:
-    """A named set (mt-bench, humaneval, sharegpt) or a JSONL file, streamed."""
+    """A named set (mt-bench, humaneval, sharegpt, python-stubs) or a JSONL file, streamed."""
     if name_or_path in PROMPT_SETS:
         return PROMPT_SETS[name_or_path]()
     if Path(name_or_path).is_file():
@@ -147,14 +177,20 @@ def load_prompts(name_or_path: str, num_prompts: int | None = None) -> list[Prom
     return prompts
 
 
-def first_turns(source: Iterable[Prompt], n: int, max_chars: int) -> list[Prompt]:
-    """The first `n` distinct single-turn prompts of at most `max_chars` characters (ShareGPT repeats
-    some first turns: a duplicate would leak a training prompt into the held-out set)."""
-    out, seen = [], set()
+def turns_of(sources: Iterable[str]) -> list[str]:
+    """Every user turn of these prompt sets or files (what training must not contain)."""
+    return [turn for source in sources for prompt in prompt_source(source) for turn in prompt.turns]
+
+
+def first_turns(source: Iterable[Prompt], n: int, max_chars: int, exclude: Iterable[str] = ()) -> list[Prompt]:
+    """The first `n` distinct single-turn prompts of at most `max_chars` characters, none of them in
+    `exclude` (case and whitespace ignored). ShareGPT repeats some first turns: a duplicate would leak
+    a training prompt into the held-out set."""
+    out, seen = [], {normalise_text(text) for text in exclude}
     for prompt in source:
-        text = prompt.turns[0]
-        if len(text) <= max_chars and text not in seen:
-            seen.add(text)
+        key = normalise_text(prompt.turns[0])
+        if len(prompt.turns[0]) <= max_chars and key not in seen:
+            seen.add(key)
             out.append(prompt)
             if len(out) == n:
                 return out
@@ -170,11 +206,12 @@ def write_prompts(path: str | Path, prompts: Iterable[Prompt]) -> Path:
     return Path(path)
 
 
-def split_prompt_files(prompts: list[Prompt], out_dir: str | Path, heldout: int) -> tuple[Path, Path]:
-    """train_prompts.jsonl (all but the last `heldout`) and heldout_prompts.jsonl in `out_dir`."""
-    if not 0 < heldout < len(prompts):
+def split_prompt_files(prompts: list[Prompt], out_dir: str | Path, heldout: int) -> tuple[Path, Path | None]:
+    """train_prompts.jsonl (all but the last `heldout`) and heldout_prompts.jsonl in `out_dir`
+    (none when `heldout` is 0: a training-only set)."""
+    if not 0 <= heldout < len(prompts):
         raise ValueError(f"cannot hold out {heldout} of {len(prompts)} prompts")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return (write_prompts(out_dir / "train_prompts.jsonl", prompts[:-heldout]),
-            write_prompts(out_dir / "heldout_prompts.jsonl", prompts[-heldout:]))
+    train = write_prompts(out_dir / "train_prompts.jsonl", prompts[: len(prompts) - heldout])
+    return train, write_prompts(out_dir / "heldout_prompts.jsonl", prompts[-heldout:]) if heldout else None

@@ -1,5 +1,6 @@
 """Offline prompt sets: counts and shapes against the packaged files, JSONL rows, multi-turn messages."""
 
+import itertools
 import json
 
 import pytest
@@ -78,3 +79,31 @@ def test_prompts_command_splits_distinct_short_first_turns(tmp_path):
     assert [(p.id, p.turns) for p in train] == [("r0", ["a"]), ("r1", ["b"]), ("r4", ["c"])]
     assert [(p.id, p.turns) for p in heldout] == [("r5", ["d"])]
     assert main(["prompts", "--source", str(source), "--num", "9", "--heldout", "1", "--out", str(tmp_path)]) == 2
+
+
+def test_prompts_command_excludes_held_out_turns_and_may_hold_out_none(tmp_path):
+    from dflash_train.cli import main
+
+    source, heldout = tmp_path / "src.jsonl", tmp_path / "heldout.jsonl"
+    texts = ["Keep me", "  WRITE a   poem ", "b", "c"]
+    source.write_text("".join(json.dumps({"id": f"r{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    heldout.write_text(json.dumps({"id": "h", "prompt": "write a poem"}) + "\n")  # case and spaces differ
+    assert main(["prompts", "--source", str(source), "--num", "3", "--heldout", "0", "--exclude", str(heldout),
+                 "--out", str(tmp_path / "out")]) == 0
+    assert [p.id for p in load_prompts(str(tmp_path / "out" / "train_prompts.jsonl"))] == ["r0", "r2", "r3"]
+    assert not (tmp_path / "out" / "heldout_prompts.jsonl").exists()
+
+
+def test_python_stubs_are_humaneval_shaped_requests_of_documented_functions():
+    import ast
+
+    from dflash_train.eval.prompts import python_stubs
+
+    stubs = list(itertools.islice(python_stubs(), 200))
+    assert len(stubs) == 200 and len({p.id for p in stubs}) == 200
+    for prompt in stubs:
+        head, code = prompt.turns[0].split("```python\n")
+        assert head.startswith("Complete the following Python ") and code.endswith("\n```")
+        (function,) = ast.parse(code[: -len("```")]).body  # one definition: its signature and docstring only
+        assert isinstance(function, ast.FunctionDef) and not function.name.startswith("_")
+        assert ast.get_docstring(function) and len(function.body) == 1
