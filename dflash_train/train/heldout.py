@@ -2,7 +2,7 @@
 
 Every `eval.heldout_every` steps (and at the end) the drafter is scored on held-out answers of the
 target (`eval.heldout_files`, e.g. its regenerated answers to held-out prompts): loss, per-slot
-accuracy and tau_hat, teacher-forced, no update. Each record carries `device_seconds`: the run's
+accuracy, tau_hat and tau_accept, teacher-forced, no update. Each record carries `device_seconds`: the run's
 wall-clock since `fit` started times the devices it holds, less the probe's own time (the
 measurement is not part of the recipe). Two recipes are compared at equal device-seconds, never at
 equal steps. Records go to <run_dir>/heldout.jsonl and the tracker under `heldout/`.
@@ -44,7 +44,7 @@ def score_heldout(trainer, dataset: TokenizedDataset) -> dict:
 
     tally = accumulate(trainer.draft_forward, micro_batches(), LossTally(trainer.drafter.config.block_size, device))
     loss = float(tally.loss_sum / weight_sum.clamp(min=1e-12))
-    return {"loss": loss, **acceptance_metrics(tally.correct, tally.counted)}
+    return {"loss": loss, **acceptance_metrics(tally.correct, tally.counted, tally.accepted)}
 
 
 class HeldoutProbe:

@@ -217,10 +217,10 @@ class Trainer:
         denominator = self.reduction.sum(weights).clamp(min=1e-12)
         tally = accumulate(self.draft_forward, micro, LossTally(self.drafter.config.block_size, self.device),
                            denominator)
-        stats = torch.cat([tally.loss_sum.view(1), tally.correct, tally.counted])
+        stats = torch.cat([tally.loss_sum.view(1), tally.correct, tally.counted, tally.accepted])
         stats, tokens = self.reduction.finish(self.drafter.parameters(), stats, sum(mb.tokens for mb in micro))
-        b = self.drafter.config.block_size
-        return {"loss": stats[0] / denominator, "correct": stats[1:1 + b], "counted": stats[1 + b:],
+        correct, counted, accepted = stats[1:].view(3, -1)
+        return {"loss": stats[0] / denominator, "correct": correct, "counted": counted, "accepted": accepted,
                 **self.optimizer_step(), "tokens": tokens}
 
     def optimizer_step(self) -> dict:
@@ -290,7 +290,8 @@ class Trainer:
             if probe is not None and probe.due(self.step, self.step == self.total_steps or at_deadline):
                 heldout = probe.run(self.step)
                 tqdm.write(f"held-out at step {self.step} ({heldout['device_seconds']:.0f} device-s): "
-                           f"tau_hat {heldout['tau_hat']:.3f}, loss {heldout['loss']:.3f}")
+                           f"tau_hat {heldout['tau_hat']:.3f}, tau_accept {heldout['tau_accept']:.3f}, "
+                           f"loss {heldout['loss']:.3f}")
             if at_deadline:  # the final save below holds this step; the schedule is left as it is
                 stopped = "deadline"
                 log.info("deadline: stopping at step %d of %d; --resume auto continues the same schedule",
@@ -335,6 +336,7 @@ class Trainer:
         large drafter's optimizer state) or an eval would otherwise read as a throughput drop."""
         correct = sum(w["correct"] for w in window)
         counted = sum(w["counted"] for w in window)
+        accepted = sum(w["accepted"] for w in window)
         record = {
             "step": self.step,
             "epoch": self.cursor[0],
@@ -346,7 +348,7 @@ class Trainer:
             "attention_backend": self.attention_backend,
             "compiled_graphs": self.recompiles.graphs,
             "recompiles_since_warmup": self.recompiles.since_warm,
-            **acceptance_metrics(correct, counted),
+            **acceptance_metrics(correct, counted, accepted),
         }
         for reason in self.recompiles.new_reasons():
             tqdm.write(f"WARNING: recompiled after warm-up (step {self.step}): {reason}")

@@ -41,6 +41,15 @@ def test_block_loss_equals_float64_reference(chunk_size):
     correct = (logits.argmax(-1) == labels.reshape(-1)).double() * counted
     torch.testing.assert_close(out.counted_per_slot.double(), counted.view(-1, B).sum(0))
     torch.testing.assert_close(out.correct_per_slot.double(), correct.view(-1, B).sum(0))
+    accepted = torch.zeros(B, dtype=torch.float64)  # brute force: walk each block until its first miss
+    for block_correct, block_counted in zip(correct.view(-1, B).tolist(), counted.view(-1, B).tolist()):
+        if block_counted[1]:
+            accepted[0] += 1
+            for k in range(1, B):
+                if not block_correct[k]:
+                    break
+                accepted[k] += 1
+    torch.testing.assert_close(out.accepted_per_slot.double(), accepted)
 
 
 def test_block_loss_gradients_match_across_chunk_sizes():
@@ -66,11 +75,13 @@ def test_zero_weight_tokens_get_no_gradient():
 def test_acceptance_metrics_by_hand():
     correct = torch.tensor([0.0, 8, 6, 3, 0])
     counted = torch.tensor([0.0, 10, 10, 6, 0])
-    m = acceptance_metrics(correct, counted)
+    accepted = torch.tensor([10.0, 8, 6, 3, 0])  # errors together: each block that hits slot 2 hit slot 1
+    m = acceptance_metrics(correct, counted, accepted)
     assert m["acc"] == pytest.approx([0.8, 0.6, 0.5, 0.0])
     assert m["tau_hat"] == pytest.approx(1 + 0.8 + 0.8 * 0.6 + 0.8 * 0.6 * 0.5)
-    perfect = acceptance_metrics(torch.tensor([0.0, 4, 4, 4]), torch.tensor([0.0, 4, 4, 4]))
-    assert perfect["tau_hat"] == pytest.approx(4.0)
+    assert m["tau_accept"] == pytest.approx(1 + (8 + 6 + 3) / 10)  # above tau_hat: correlated slots
+    perfect = acceptance_metrics(torch.tensor([0.0, 4, 4, 4]), torch.tensor([0.0, 4, 4, 4]), torch.tensor([4.0, 4, 4, 4]))
+    assert perfect["tau_hat"] == pytest.approx(4.0) and perfect["tau_accept"] == pytest.approx(4.0)
 
 
 def test_split_micro_batches_equal_one_merged_padded_batch():
