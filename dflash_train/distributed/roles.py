@@ -26,7 +26,7 @@ from dflash_train.draft.objective import make_task
 from dflash_train.eval.report import check_periodic_eval, periodic_eval_for
 from dflash_train.target import Target
 from dflash_train.distributed.layout import Layout
-from dflash_train.train.batches import anchor_seed, batch_shape, collate, epoch_plan, locate
+from dflash_train.train.batches import anchor_seed, batch_shape, collate, epoch_plan, take
 from dflash_train.train.accumulate import MicroBatch
 from dflash_train.train.loop import Trainer
 
@@ -131,10 +131,8 @@ class TargetFeeder:
     def feed_step(self) -> None:
         batches = []
         for m in range(self.cfg.train.grad_accum):
-            epoch, index = locate(self.epoch_batches, self.cursor)
-            self.cursor = (epoch, index + 1)
+            (epoch, index), indices, self.cursor = take(self.epoch_batches, self.cursor)
             if self.layout.target_of(m) == self.layout.target_lead(self.rank):
-                indices = self.epoch_batches[epoch % len(self.epoch_batches)][index]
                 shape = batch_shape(self.dataset, indices, self.cfg.data)
                 batches.append((m, collate(self.dataset, indices, self.target.device, shape),
                                 anchor_seed(self.cfg.seed, epoch, index)))
@@ -190,8 +188,7 @@ class LinkSource:
         if self.feeder is not None:
             self.feeder.feed_step()
         for _ in range(trainer.cfg.train.grad_accum):  # the global cursor moves past every micro-batch
-            epoch, index = locate(trainer.epoch_batches, trainer.cursor)
-            trainer.cursor = (epoch, index + 1)
+            trainer.cursor = take(trainer.epoch_batches, trainer.cursor)[2]
         sources = [self.layout.target_of(m) for m in self.mine]
         headers = [self.link.recv_header(src) for src in sources]
         width = len(trainer.stream_layers) * trainer.target.hidden_size

@@ -30,12 +30,13 @@ def epoch_plan(cfg: RunConfig, lengths: np.ndarray) -> list[list[np.ndarray]]:
     ]
 
 
-def locate(epoch_batches: list[list[np.ndarray]], cursor: tuple[int, int]) -> tuple[int, int]:
-    """(epoch, batch index) of the micro-batch the cursor points at, past finished epochs."""
+def take(epoch_batches: list[list[np.ndarray]], cursor: tuple[int, int]):
+    """The micro-batch the cursor points at, past finished epochs: ((epoch, batch index), its row
+    indices, the cursor after it). Every rank moves the same global cursor this way."""
     epoch, index = cursor
     while index >= len(epoch_batches[epoch % len(epoch_batches)]):
         epoch, index = epoch + 1, 0
-    return epoch, index
+    return (epoch, index), epoch_batches[epoch % len(epoch_batches)][index], (epoch, index + 1)
 
 
 def batch_shape(ds: TokenizedDataset, indices, data: DataConfig) -> tuple[int, int] | None:

@@ -30,7 +30,7 @@ from dflash_train.ops.manifest import build_manifest, write_manifest
 from dflash_train.ops.recompiles import RecompileWatch
 from dflash_train.target import Target
 from dflash_train.checkpoint import local as ckpt
-from dflash_train.train.batches import anchor_seed, batch_shape, collate, locate
+from dflash_train.train.batches import anchor_seed, batch_shape, collate, take
 from dflash_train.train.build import autocast_for, compile_layers
 from dflash_train.train.accumulate import LocalSource, NoReduction, Reduction, Source, accumulate
 from dflash_train.train.feature_cache import FeatureCache
@@ -168,10 +168,7 @@ class Trainer:
 
     # ---- data -------------------------------------------------------------------------------
     def next_micro_batch(self) -> tuple[dict, int]:
-        epoch, index = locate(self.epoch_batches, self.cursor)
-        batches = self.epoch_batches[epoch % len(self.epoch_batches)]
-        self.cursor = (epoch, index + 1)
-        indices = batches[index]
+        (epoch, index), indices, self.cursor = take(self.epoch_batches, self.cursor)
         shape = batch_shape(self.dataset, indices, self.cfg.data)
         return collate(self.dataset, indices, self.device, shape), anchor_seed(self.cfg.seed, epoch, index)
 
