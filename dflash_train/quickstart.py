@@ -26,8 +26,7 @@ from dflash_train.generate.config import build_generate_config
 from dflash_train.eval.prompts import Prompt, first_turns, load_prompts, sharegpt, split_prompt_files
 from dflash_train.eval.report import encode, stop_token_ids
 from dflash_train.eval.spec_decode import speculative_generate, target_greedy
-from dflash_train.target import load_target
-from dflash_train.train.build import resolve_device
+from dflash_train.target import load_target, resolve_device
 from dflash_train.train.loop import Trainer
 
 # Shipped inside the package (an installed copy has no repo configs/; configs/quickstart.yaml links here).

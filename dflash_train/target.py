@@ -29,6 +29,16 @@ from dflash_train.package_data import SMOLLM2_GGUF, cache_home, packaged_file
 
 log = logging.getLogger("dflash_train")
 
+
+def resolve_device(name: str) -> torch.device:
+    """`auto`: a GPU when one is visible; `cuda` without one is refused by name."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda requested but no CUDA GPU is visible")
+    return torch.device(name)
+
+
 EMBEDDED_TARGETS = {
     "smollm2": (SMOLLM2_GGUF, "SmolLM2-135M-Instruct"),
 }

@@ -32,8 +32,7 @@ from dflash_train.eval.config import DecodeSettings, EvalJobConfig
 from dflash_train.eval.prompts import Prompt, load_prompts
 from dflash_train.eval.served_speed import first_difference, pick_speed_engine, served_speed
 from dflash_train.eval.spec_decode import speculative_generate, target_greedy
-from dflash_train.target import Target, load_target
-from dflash_train.train.build import resolve_device
+from dflash_train.target import Target, load_target, resolve_device
 
 log = logging.getLogger("dflash_train")
 

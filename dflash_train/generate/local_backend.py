@@ -27,7 +27,7 @@ from dflash_train.config import TargetConfig
 from dflash_train.generate.backends import Completion, GenParams
 from dflash_train.generate.config import LocalConfig
 from dflash_train.generate.graphed_engine import GraphedEngine, Job
-from dflash_train.target import load_target
+from dflash_train.target import load_target, resolve_device
 
 log = logging.getLogger("dflash_train")
 
@@ -207,9 +207,7 @@ class LocalBackend:
 
     @classmethod
     def load(cls, path: str, cfg: LocalConfig) -> LocalBackend:
-        auto = "cuda" if torch.cuda.is_available() else "cpu"
-        device = torch.device(auto if cfg.device == "auto" else cfg.device)
-        target = load_target(TargetConfig(path=path, dtype=cfg.dtype), device)
+        target = load_target(TargetConfig(path=path, dtype=cfg.dtype), resolve_device(cfg.device))
         return cls(target.model, target.tokenizer, name=path, batch_size=cfg.batch_size, identity=target.identity,
                    engine=cfg.engine)
 

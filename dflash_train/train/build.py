@@ -11,14 +11,6 @@ from dflash_train.draft.model import DraftModelConfig, default_target_layer_ids
 from dflash_train.target import Target, resolve_mask_token_id
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: cuda requested but no CUDA GPU is visible")
-    return torch.device(name)
-
-
 def target_layer_ids(draft: DraftConfig, num_target_layers: int) -> list[int]:
     """The captured target layers: `draft.target_layer_ids` as listed, else `draft.num_target_features`
     (default: the drafter's depth) evenly spaced layers."""

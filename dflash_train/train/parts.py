@@ -17,9 +17,9 @@ from dflash_train.config import RunConfig
 from dflash_train.data.dataset import TokenizedDataset, check_training_files, load_training_data
 from dflash_train.draft.loss import LossMix
 from dflash_train.draft.model import DFlashDraftModel
-from dflash_train.target import Target, load_target
+from dflash_train.target import Target, load_target, resolve_device
 from dflash_train.train.batches import epoch_plan
-from dflash_train.train.build import resolve_device, stream_layer_ids
+from dflash_train.train.build import stream_layer_ids
 from dflash_train.train.drafter_init import build_drafter
 from dflash_train.train.optim import build_optimizer, build_scheduler
 
