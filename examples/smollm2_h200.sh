@@ -4,13 +4,15 @@
 #               characters)
 #   generate -> SmolLM2 answers them itself, greedy, <= 512 new tokens (in-process, resumable)
 #   generate-sampled -> optional: a second, sampled answer per prompt (TEMPERATURE) in $DATA/train_sampled
+#   generate-code -> optional: answers to CODE_PROMPTS HumanEval-shaped requests built from the standard
+#               library's documented functions (HumanEval's own excluded) in $DATA/code
 #   generate-heldout -> SmolLM2's answers to the held-out prompts: `train` then scores tau_hat on them
 #               every PROBE_EVERY steps against device-seconds (heldout.jsonl; `dflash-train curve`)
 #   train    -> configs/smollm2-h200.yaml on TRAIN_FILES, then export the last checkpoint
 #   eval     -> greedy speculative decoding on HumanEval (164), MT-Bench (80 x 2 turns) and the 200
 #               held-out prompts: tau, histogram, lossless check (fp32, prompts decoded in batches),
 #               then speedup (bf16, batch 1, KV caches: as served)
-# Usage: bash examples/smollm2_h200.sh [prompts|generate|generate-sampled|train|eval|all]   (default: all;
+# Usage: bash examples/smollm2_h200.sh [prompts|generate|generate-sampled|generate-code|train|eval|all]   (default: all;
 #        eval = eval-sets, eval-curve (tau at 1/3 and 2/3 of training), then speedup)
 # Each stage reads what the one before wrote under $RUN; each can be rerun (generate resumes).
 # The eval stages are independent: on two GPUs, run them side by side with CUDA_VISIBLE_DEVICES
@@ -27,6 +29,7 @@ ANSWER_TOKENS=${ANSWER_TOKENS:-512}
 BATCH=${BATCH:-1024}               # generation batch (one `generate` / `generate_batch` call each)
 ENGINE=${ENGINE:-graphed}          # in-process generation engine: graphed (31K tokens/s on an H200, 5.5-7x padded), static, padded
 TEMPERATURE=${TEMPERATURE:-0.7}    # generate-sampled only
+CODE_PROMPTS=${CODE_PROMPTS:-3561} # generate-code only (all the stubs of <= 1,500 characters)
 TRAIN_FILES=${TRAIN_FILES:-$DATA/train}  # comma-separated answer directories
 TRAIN_ARGS=${TRAIN_ARGS:-}         # extra dotted overrides of $CONFIG
 EVAL_BATCH=${EVAL_BATCH:-256}      # prompts decoded together for acceptance
@@ -96,6 +99,9 @@ case "${1:-all}" in
   prompts) prompts ;;
   generate) generate "$DATA/train" "$DATA/train_prompts.jsonl" ;;
   generate-sampled) generate "$DATA/train_sampled" "$DATA/train_prompts.jsonl" --temperature "$TEMPERATURE" --seed 0 ;;
+  generate-code) "${DT[@]}" prompts --source python-stubs --num "$CODE_PROMPTS" --heldout 0 --max-chars 1500 \
+                   --exclude humaneval --out "$DATA/code_prompts"
+                 generate "$DATA/code" "$DATA/code_prompts/train_prompts.jsonl" ;;
   generate-heldout) generate "$DATA/heldout" "$DATA/heldout_prompts.jsonl" ;;
   train) train ;;
   eval) eval_sets; eval_curve; speedup ;;
@@ -104,6 +110,6 @@ case "${1:-all}" in
   speedup) speedup ;;
   all) prompts; generate "$DATA/train" "$DATA/train_prompts.jsonl"; generate "$DATA/heldout" "$DATA/heldout_prompts.jsonl"; train
        eval_sets; eval_curve; speedup ;;
-  *) echo "usage: $0 [prompts|generate|generate-sampled|generate-heldout|train|eval|eval-sets|eval-curve|speedup|all]" >&2
+  *) echo "usage: $0 [prompts|generate|generate-sampled|generate-code|generate-heldout|train|eval|eval-sets|eval-curve|speedup|all]" >&2
      exit 2 ;;
 esac

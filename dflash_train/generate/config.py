@@ -61,7 +61,8 @@ class LocalConfig(_Section):
     engine: Literal["padded", "static", "continuous", "graphed"] = "padded"
     """padded: one left-padded `generate` per batch (every row runs until the longest ends);
     static: the same with a preallocated KV cache, decode steps compiled into CUDA graphs on a GPU;
-    continuous: transformers' continuous batching (paged KV cache, finished rows replaced at once);
+    continuous: transformers' continuous batching (paged KV cache, finished rows replaced at once; it sizes
+    the cache from free memory: 14 GB resident on a CPU for two ~300-token prompts);
     graphed: ours (generate/graphed_engine.py): `batch_size` rows on a static per-row cache, finished rows
     refilled, the decode step one CUDA graph on a GPU; greedy or temperature sampling, no top-p. The
     fastest on a GPU (docs/benchmarks/generate_local.md)."""
