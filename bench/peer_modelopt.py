@@ -49,7 +49,7 @@ from dflash_train.data.dataset import load_training_data
 from dflash_train.draft.model import DraftModelConfig
 from dflash_train.eval.export import CHECKPOINT_CONFIG, WEIGHTS, check_state_dict
 from dflash_train.target import load_target, resolve_device
-from dflash_train.train.batches import batch_shape, collate, epoch_plan, locate
+from dflash_train.train.batches import batch_shape, collate, epoch_plan, take
 from dflash_train.train.budget import TimeBudget
 from dflash_train.train.build import autocast_for
 from dflash_train.train.heldout import HeldoutProbe
@@ -156,9 +156,8 @@ def consumed_tokens(epoch_batches, input_ids, micro_batches: int) -> int:
     """Real (unpadded) tokens of the first `micro_batches` micro-batches of the plan."""
     total, cursor = 0, (0, 0)
     for _ in range(micro_batches):
-        epoch, index = locate(epoch_batches, cursor)
-        total += sum(len(input_ids[i]) for i in epoch_batches[epoch % len(epoch_batches)][index])
-        cursor = (epoch, index + 1)
+        _, indices, cursor = take(epoch_batches, cursor)
+        total += sum(len(input_ids[i]) for i in indices)
     return total
 
 
@@ -236,9 +235,7 @@ def train_modelopt(cfg: RunConfig, out: Path, loss: str, weights: str) -> dict:
     while step < total:
         losses, accs, tokens = [], [], 0
         for _ in range(tc.grad_accum):
-            epoch, index = locate(plan, cursor)
-            indices = plan[epoch % len(plan)][index]
-            cursor = (epoch, index + 1)
+            _, indices, cursor = take(plan, cursor)
             batch = collate(dataset, indices, device, batch_shape(dataset, indices, cfg.data))
             with autocast:
                 outputs = model(**padded_batch(batch, d.block_size))
