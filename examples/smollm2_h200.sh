@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct end to end on one GPU, the way a user runs it:
-#   prompts  -> 13,541 + 200 held-out distinct ShareGPT first turns (all the package has of <= 1,500
-#               characters)
+#   prompts  -> 13,504 + 200 held-out distinct ShareGPT first turns (all the package has of <= 1,500
+#               characters, case and spaces ignored)
 #   generate -> SmolLM2 answers them itself, greedy, <= 512 new tokens (in-process, resumable)
 #   generate-sampled -> optional: a second, sampled answer per prompt (TEMPERATURE) in $DATA/train_sampled
 #   generate-code -> optional: answers to CODE_PROMPTS HumanEval-shaped requests built from the standard
@@ -23,7 +23,7 @@ RUN=${RUN:-runs/smollm2-h200}
 CONFIG=${CONFIG:-configs/smollm2-h200.yaml}
 DEVICE=${DEVICE:-cuda}
 DATA=${DATA:-$RUN/data}            # prompts and answers (another run can train on the same data)
-NUM_PROMPTS=${NUM_PROMPTS:-13741}  # held-out ones included
+NUM_PROMPTS=${NUM_PROMPTS:-13704}  # held-out ones included; all the package has (distinct ignoring case and spaces)
 HELDOUT=${HELDOUT:-200}
 ANSWER_TOKENS=${ANSWER_TOKENS:-512}
 BATCH=${BATCH:-1024}               # generation batch (one `generate` / `generate_batch` call each)

@@ -107,3 +107,12 @@ def test_python_stubs_are_humaneval_shaped_requests_of_documented_functions():
         (function,) = ast.parse(code[: -len("```")]).body  # one definition: its signature and docstring only
         assert isinstance(function, ast.FunctionDef) and not function.name.startswith("_")
         assert ast.get_docstring(function) and len(function.body) == 1
+
+
+def test_first_turns_are_distinct_ignoring_case_and_spaces():
+    """A ShareGPT first turn repeated with other capitals or spacing would otherwise land in training
+    and in the held-out set (one of the 200 held-out prompts of the SmolLM2 runs did)."""
+    from dflash_train.eval.prompts import first_turns
+
+    source = [Prompt(id=str(i), turns=[t]) for i, t in enumerate(["Hello there", "hello  THERE ", "other"])]
+    assert [p.id for p in first_turns(iter(source), 2, 100)] == ["0", "2"]
