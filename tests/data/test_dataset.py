@@ -49,7 +49,8 @@ def test_prepare_load_round_trip(tmp_path):
     assert len(back) == 7
     for a, b in zip(ds.input_ids + ds.loss_mask, back.input_ids + back.loss_mask):
         np.testing.assert_array_equal(a, b)
-    cfg = SimpleNamespace(train_files=[str(out), src], max_length=256, skip_invalid=False, chat_template_kwargs={})
+    cfg = SimpleNamespace(train_files=[str(out), src], max_length=256, skip_invalid=False, chat_template_kwargs={},
+                          tokenize_workers=0)
     both = load_training_data(cfg, tok, fp)
     assert len(both) == 14
 
@@ -99,3 +100,23 @@ def test_skip_invalid_skips_rows_the_template_cannot_render(tmp_path):
         tokenize_files([src], tok, 256, skip_invalid=False)
     ds = tokenize_files([src], tok, 256, skip_invalid=True)
     assert len(ds) == ds.stats.ok == 3 and ds.stats.total == 4
+
+
+def test_worker_processes_tokenise_like_one_process(tmp_path, monkeypatch):
+    """Large inputs are tokenised by a pool of processes in chunks: same rows, same order, same
+    skipped-row accounting as in process; a bad row still fails the run when not skipped."""
+    import dflash_train.data.dataset as dataset
+
+    tok = tiny_tokenizer()
+    rows = conversations(23)
+    rows[5]["messages"][0]["content"] = "x" * 300  # no answer within max_length: skipped or an error
+    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    one = tokenize_files([src], tok, 128, skip_invalid=True, workers=1)
+    monkeypatch.setattr(dataset, "PARALLEL_MIN_ROWS", 0)
+    monkeypatch.setattr(dataset, "CHUNK_ROWS", 4)
+    pooled = tokenize_files([src], tok, 128, skip_invalid=True, workers=2)
+    assert len(pooled) == len(one) == 22 and pooled.stats.to_dict() == one.stats.to_dict()
+    for a, b in zip(one.input_ids + one.loss_mask, pooled.input_ids + pooled.loss_mask):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(DataError, match="c.jsonl:6.*max_length"):
+        tokenize_files([src], tok, 128, skip_invalid=False, workers=2)

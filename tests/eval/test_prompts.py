@@ -116,3 +116,34 @@ def test_first_turns_are_distinct_ignoring_case_and_spaces():
 
     source = [Prompt(id=str(i), turns=[t]) for i, t in enumerate(["Hello there", "hello  THERE ", "other"])]
     assert [p.id for p in first_turns(iter(source), 2, 100)] == ["0", "2"]
+
+
+def test_every_turn_prompts_drop_a_held_out_conversation_whole(tmp_path):
+    """Later turns become prompts of their own; a conversation that asks a held-out turn (any of its
+    turns, case and spaces ignored) gives none, since its other turns are about the same thing."""
+    from dflash_train.cli import main
+
+    source, heldout = tmp_path / "src.jsonl", tmp_path / "heldout.jsonl"
+    conversations = [["first a", "then b"], ["Held  OUT", "more on it"], ["first c", "then b", "then d"]]
+    source.write_text("".join(
+        json.dumps({"id": f"c{i}", "messages": [{"role": role, "content": text} for turn in turns
+                                                for role, text in (("user", turn), ("assistant", "x"))]}) + "\n"
+        for i, turns in enumerate(conversations)))
+    heldout.write_text(json.dumps({"id": "h", "prompt": "held out"}) + "\n")
+    args = ["prompts", "--source", str(source), "--heldout", "0", "--exclude", str(heldout),
+            "--out", str(tmp_path / "out")]
+    assert main([*args, "--num", "4", "--every-turn"]) == 0
+    prompts = load_prompts(str(tmp_path / "out" / "train_prompts.jsonl"))
+    assert [(p.id, p.turns) for p in prompts] == [
+        ("c0", ["first a"]), ("c0/turn2", ["then b"]), ("c2", ["first c"]), ("c2/turn3", ["then d"])]
+    assert main([*args, "--num", "2"]) == 0  # without --every-turn: first turns only
+    assert [p.id for p in load_prompts(str(tmp_path / "out" / "train_prompts.jsonl"))] == ["c0", "c2"]
+
+
+def test_sharegpt_conversations_keep_every_user_turn():
+    from dflash_train.eval.prompts import sharegpt, sharegpt_conversations
+
+    conversations = list(itertools.islice(sharegpt_conversations(), 50))
+    firsts = list(itertools.islice(sharegpt(), 50))
+    assert [c.turns[0] for c in conversations] == [p.turns[0] for p in firsts]
+    assert any(len(c.turns) > 1 for c in conversations)
