@@ -16,28 +16,17 @@ import json
 import torch
 
 from dflash_train.config import TargetConfig
-from dflash_train.draft import masks
-from dflash_train.draft.objective import BlockTask, draft_hidden
 from dflash_train.eval.export import load_drafter
 from dflash_train.eval.prompts import load_prompts
+from dflash_train.eval.replay import accepted_prefixes
 from dflash_train.eval.report import encode, stop_token_ids
 from dflash_train.eval.spec_decode import speculative_generate
 from dflash_train.target import load_target
 
 
-@torch.no_grad()
 def slot1_hits(target, drafter, seq: torch.Tensor, first: int) -> torch.Tensor:
     """Teacher-forced: does slot 1 of the block anchored at a (a = first .. T-2) predict seq[a+1]?"""
-    block = drafter.config.block_size
-    anchors = torch.arange(first, seq.shape[1] - 1)[None]
-    loss_mask = torch.zeros_like(seq)
-    loss_mask[:, first:] = 1
-    labels, weights = masks.block_labels(seq, loss_mask, anchors, torch.ones_like(anchors, dtype=torch.bool), block, 7.0)
-    task = BlockTask(seq, anchors, torch.ones_like(anchors, dtype=torch.bool), labels, weights)
-    features = target.features(seq, drafter.config.target_layer_ids)
-    hidden = draft_hidden(drafter, task, features, target.embed_weight, use_flex=False)[0]
-    slot1 = hidden.view(anchors.shape[1], block, -1)[:, 1] @ target.lm_head_weight.T
-    return slot1.argmax(-1) == seq[0, first + 1 :]
+    return accepted_prefixes(target, drafter, seq, first, seq.shape[1] - 1) >= 1
 
 
 def main(argv=None) -> dict:

@@ -217,6 +217,10 @@ class EvalConfig(_Section):
     teacher-forced, against device-seconds (<run_dir>/heldout.jsonl); empty = off."""
     heldout_every: int = Field(0, ge=0)
     """Score `heldout_files` every N steps (0 = only at the end of the run)."""
+    heldout_decode_tokens: int = Field(256, ge=0)
+    """With `heldout_files`: also replay greedy speculative decoding over each held-out answer's first
+    N tokens, teacher-forced (`tau_decode`: real tau when the answers are the target's greedy ones;
+    eval/replay.py); 0 = off."""
 
 
 class DrafterSpec(_Section):

@@ -2,7 +2,9 @@
 
 Every `eval.heldout_every` steps (and at the end) the drafter is scored on held-out answers of the
 target (`eval.heldout_files`, e.g. its regenerated answers to held-out prompts): loss, per-slot
-accuracy, tau_hat and tau_accept, teacher-forced, no update. Each record carries `device_seconds`: the run's
+accuracy, tau_hat and tau_accept over random anchors, and tau_decode, greedy speculative decoding
+replayed over the answers (real tau when they are the target's greedy ones), all teacher-forced,
+no update. Each record carries `device_seconds`: the run's
 wall-clock since `fit` started times the devices it holds, less the probe's own time (the
 measurement is not part of the recipe). Two recipes are compared at equal device-seconds, never at
 equal steps. Records go to <run_dir>/heldout.jsonl and the tracker under `heldout/`.
@@ -20,6 +22,7 @@ from dflash_train.data.batching import make_batches
 from dflash_train.data.dataset import TokenizedDataset, tokenize_files
 from dflash_train.draft.loss import LossTally, acceptance_metrics
 from dflash_train.draft.objective import make_task
+from dflash_train.eval.replay import replayed_rounds
 from dflash_train.train.accumulate import MicroBatch, accumulate
 from dflash_train.train.batches import HELDOUT_SALT, anchor_seed, collate
 
@@ -47,9 +50,23 @@ def score_heldout(trainer, dataset: TokenizedDataset) -> dict:
     return {"loss": loss, **acceptance_metrics(tally.correct, tally.counted, tally.accepted)}
 
 
+@torch.no_grad()
+def replay_heldout(trainer, dataset: TokenizedDataset, new_tokens: int) -> dict:
+    """Real greedy tau over the held-out answers' first `new_tokens` tokens, replayed teacher-forced
+    (eval/replay.py): what `dflash-train eval` would measure on these prompts if the answers are the
+    target's greedy decodes. Eager: the compiled draft layers must not recompile for these shapes."""
+    lengths = []
+    with torch.compiler.set_stance("force_eager"):
+        for ids, mask in zip(dataset.input_ids, dataset.loss_mask):
+            lengths += replayed_rounds(trainer.target, trainer.drafter, torch.as_tensor(ids, device=trainer.device).long(),
+                                       torch.as_tensor(mask, device=trainer.device), new_tokens)
+    return {"tau_decode": sum(lengths) / max(len(lengths), 1), "decode_rounds": len(lengths)}
+
+
 class HeldoutProbe:
     def __init__(self, trainer, dataset: TokenizedDataset, every: int, devices: int):
         self.trainer, self.dataset, self.every, self.devices = trainer, dataset, every, max(devices, 1)
+        self.decode_tokens = trainer.cfg.eval.heldout_decode_tokens
         self.path = Path(trainer.run_dir) / "heldout.jsonl"
         self.start = time.perf_counter()
         self.own_seconds = 0.0
@@ -81,6 +98,8 @@ class HeldoutProbe:
         t0 = time.perf_counter()
         device_seconds = self.offset + (t0 - self.start - self.own_seconds) * self.devices
         metrics = self.trainer.run_eval(lambda tr: tr.evaluate(self.dataset))
+        if self.decode_tokens:
+            metrics.update(self.trainer.run_eval(lambda tr: replay_heldout(tr, self.dataset, self.decode_tokens)))
         record = {"step": step, "device_seconds": round(device_seconds, 2), **metrics,
                   "rows": len(self.dataset)}
         with open(self.path, "a") as f:

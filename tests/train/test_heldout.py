@@ -9,6 +9,7 @@ import pytest
 
 from dflash_train.data.dataset import tokenize_files
 from dflash_train.checkpoint.local import latest_checkpoint
+from dflash_train.train.heldout import replay_heldout
 from dflash_train.train.loop import Trainer
 
 
@@ -32,11 +33,17 @@ def test_probe_scores_heldout_every_n_steps_and_at_the_end(make_run_config, shar
     assert got[-1]["tau_hat"] == pytest.approx(direct["tau_hat"])
     assert got[-1]["loss"] == pytest.approx(direct["loss"])
     assert got[-1]["acc"] == direct["acc"] and len(direct["acc"]) == cfg.objective.block_size - 1
+    # tau_decode: greedy decoding replayed over the answers' first 256 tokens (eval/replay.py, tested
+    # there against real speculative decoding), the same figure when recomputed.
+    replayed = trainer.run_eval(lambda tr: replay_heldout(tr, dataset, cfg.eval.heldout_decode_tokens))
+    assert got[-1]["decode_rounds"] == replayed["decode_rounds"] > 0
+    assert got[-1]["tau_decode"] == pytest.approx(replayed["tau_decode"]) and got[-1]["tau_decode"] >= 1.0
 
 
 def test_resumed_run_continues_the_device_seconds(make_run_config, shared_tiny_target):
     heldout = make_run_config().data.train_files[0]
-    over = [f"eval.heldout_files=[{heldout}]", "eval.heldout_every=2", "checkpoint.every=2"]
+    over = [f"eval.heldout_files=[{heldout}]", "eval.heldout_every=2", "checkpoint.every=2",
+            "eval.heldout_decode_tokens=0"]
     first = make_run_config(overrides=["train.max_steps=2", *over])
     Trainer(first, target=shared_tiny_target).fit(progress=False)
     # Pretend the first run held its devices for 1000 s: the resumed run's clock must count on from there.
@@ -47,5 +54,5 @@ def test_resumed_run_continues_the_device_seconds(make_run_config, shared_tiny_t
     trainer.resume(latest_checkpoint(longer.run_dir))
     trainer.fit(progress=False)
     got = records(longer.run_dir)
-    assert [r["step"] for r in got] == [2, 4]
+    assert [r["step"] for r in got] == [2, 4] and "tau_decode" not in got[1]  # replay off
     assert 1000.0 < got[1]["device_seconds"] < 1000.0 + 60  # counted on from the first run, not from zero

@@ -1,0 +1,41 @@
+"""On CUDA, the held-out probe with the training recipe's settings (compiled draft layers and loss,
+flex attention, length buckets, a bf16 target): its decode replay runs eagerly beside the compiled
+layers and must not recompile them. Run: `python -m pytest tests/gpu -m gpu`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.train.loop import Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny import tiny_target  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def test_probe_replays_decoding_without_recompiling(make_run_config):
+    target = tiny_target(num_layers=4, hidden=64)
+    target.model.to("cuda", torch.bfloat16)
+    target.device = torch.device("cuda")
+    target.__post_init__()  # the weight handles of the moved model
+    heldout = make_run_config().data.train_files[0]
+    cfg = make_run_config(overrides=[
+        "device=cuda", "target.dtype=bfloat16", "draft.attention=flex", "train.compile=true",
+        "train.compile_loss=true", "data.length_bucket=32", "train.max_steps=12", "train.log_every=2",
+        f"eval.heldout_files=[{heldout}]", "eval.heldout_every=4", "eval.heldout_decode_tokens=64"])
+    trainer = Trainer(cfg, target=target)
+    trainer.fit(progress=False)
+    probes = [json.loads(x) for x in (Path(cfg.run_dir) / "heldout.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in probes] == [4, 8, 12]
+    assert all(p["decode_rounds"] > 0 and p["tau_decode"] >= 1.0 for p in probes)
+    metrics = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["recompiles_since_warmup"] == metrics[2]["recompiles_since_warmup"]
