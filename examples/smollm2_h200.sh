@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# SmolLM2-135M-Instruct end to end on one GPU, the way a user runs it:
+# SmolLM2-135M-Instruct end to end on one GPU, the way a user runs it (the recipe of the 2026-12-01
+# quality run: real held-out tau 2.94 ShareGPT, 2.78 HumanEval, 2.68 MT-Bench from ~20 device-minutes):
 #   prompts  -> 13,504 + 200 held-out distinct ShareGPT first turns (all the package has of <= 1,500
-#               characters, case and spaces ignored)
+#               characters, case and spaces ignored); then the training prompts: the first EVERY_PROMPTS
+#               distinct user turns of every conversation, each asked alone (a conversation that asks a
+#               held-out prompt dropped whole; HumanEval and MT-Bench excluded)
 #   generate -> SmolLM2 answers them itself, greedy, <= 512 new tokens (in-process, resumable)
-#   generate-sampled -> optional: a second, sampled answer per prompt (TEMPERATURE) in $DATA/train_sampled
-#   generate-code -> optional: answers to CODE_PROMPTS HumanEval-shaped requests built from the standard
+#   generate-code -> answers to CODE_PROMPTS HumanEval-shaped requests built from the standard
 #               library's documented functions (HumanEval's own excluded) in $DATA/code
-#   generate-heldout -> SmolLM2's answers to the held-out prompts: `train` then scores tau_hat on them
-#               every PROBE_EVERY steps against device-seconds (heldout.jsonl; `dflash-train curve`)
+#   generate-sampled -> optional: a second, sampled answer per first turn (TEMPERATURE) in $DATA/train_sampled
+#   generate-heldout -> SmolLM2's answers to the held-out prompts: `train` then scores tau_hat and
+#               tau_decode (decoding replayed) on them every PROBE_EVERY steps against device-seconds
+#               (heldout.jsonl; `dflash-train curve`)
 #   train    -> configs/smollm2-h200.yaml on TRAIN_FILES, then export the last checkpoint
 #   eval     -> greedy speculative decoding on HumanEval (164), MT-Bench (80 x 2 turns) and the 200
 #               held-out prompts: tau, histogram, lossless check (fp32, prompts decoded in batches),
 #               then speedup (bf16, batch 1, KV caches: as served)
-# Usage: bash examples/smollm2_h200.sh [prompts|generate|generate-sampled|generate-code|train|eval|all]   (default: all;
-#        eval = eval-sets, eval-curve (tau at 1/3 and 2/3 of training), then speedup)
+# Usage: bash examples/smollm2_h200.sh [prompts|generate|generate-code|generate-sampled|generate-heldout|train|eval|all]
+#        (default: all; eval = eval-sets, eval-curve (tau at 1/3 and 2/3 of training), then speedup)
 # Each stage reads what the one before wrote under $RUN; each can be rerun (generate resumes).
 # The eval stages are independent: on two GPUs, run them side by side with CUDA_VISIBLE_DEVICES
 # (EVAL_SETS picks the sets of eval-sets).
@@ -29,8 +33,9 @@ ANSWER_TOKENS=${ANSWER_TOKENS:-512}
 BATCH=${BATCH:-1024}               # generation batch (one `generate` / `generate_batch` call each)
 ENGINE=${ENGINE:-graphed}          # in-process generation engine: graphed (31K tokens/s on an H200, 5.5-7x padded), static, padded
 TEMPERATURE=${TEMPERATURE:-0.7}    # generate-sampled only
-CODE_PROMPTS=${CODE_PROMPTS:-3561} # generate-code only (all the stubs of <= 1,500 characters)
-TRAIN_FILES=${TRAIN_FILES:-$DATA/train}  # comma-separated answer directories
+EVERY_PROMPTS=${EVERY_PROMPTS:-32000}  # training prompts: distinct user turns of every conversation (50,364 exist)
+CODE_PROMPTS=${CODE_PROMPTS:-3561} # all the stubs of <= 1,500 characters
+TRAIN_FILES=${TRAIN_FILES:-$DATA/train,$DATA/code}  # comma-separated answer directories
 TRAIN_ARGS=${TRAIN_ARGS:-}         # extra dotted overrides of $CONFIG
 EVAL_BATCH=${EVAL_BATCH:-256}      # prompts decoded together for acceptance
 NEW_TOKENS=${NEW_TOKENS:-256}      # eval answer length
@@ -42,8 +47,16 @@ DT=(python3 -m dflash_train)
 
 last_checkpoint() { ls -d "$RUN"/checkpoints/step_* | sort | tail -1; }
 
-prompts() {
+prompts() {  # held-out first turns, then the training prompts: every turn of the other conversations
   "${DT[@]}" prompts --source sharegpt --num "$NUM_PROMPTS" --heldout "$HELDOUT" --max-chars 1500 --out "$DATA"
+  "${DT[@]}" prompts --source sharegpt-conversations --every-turn --num "$EVERY_PROMPTS" --heldout 0 --max-chars 1500 \
+    --exclude "$DATA/heldout_prompts.jsonl" humaneval mt-bench --out "$DATA/every"
+}
+
+generate_code() {
+  "${DT[@]}" prompts --source python-stubs --num "$CODE_PROMPTS" --heldout 0 --max-chars 1500 \
+    --exclude humaneval --out "$DATA/code_prompts"
+  generate "$DATA/code" "$DATA/code_prompts/train_prompts.jsonl"
 }
 
 generate() {  # $1: output directory, $2: prompt file; extra generate flags follow
@@ -97,19 +110,17 @@ speedup() {  # speed as served: bf16 (the target's dtype), one prompt at a time,
 
 case "${1:-all}" in
   prompts) prompts ;;
-  generate) generate "$DATA/train" "$DATA/train_prompts.jsonl" ;;
+  generate) generate "$DATA/train" "$DATA/every/train_prompts.jsonl" ;;
+  generate-code) generate_code ;;
   generate-sampled) generate "$DATA/train_sampled" "$DATA/train_prompts.jsonl" --temperature "$TEMPERATURE" --seed 0 ;;
-  generate-code) "${DT[@]}" prompts --source python-stubs --num "$CODE_PROMPTS" --heldout 0 --max-chars 1500 \
-                   --exclude humaneval --out "$DATA/code_prompts"
-                 generate "$DATA/code" "$DATA/code_prompts/train_prompts.jsonl" ;;
   generate-heldout) generate "$DATA/heldout" "$DATA/heldout_prompts.jsonl" ;;
   train) train ;;
   eval) eval_sets; eval_curve; speedup ;;
   eval-sets) eval_sets ;;
   eval-curve) eval_curve ;;
   speedup) speedup ;;
-  all) prompts; generate "$DATA/train" "$DATA/train_prompts.jsonl"; generate "$DATA/heldout" "$DATA/heldout_prompts.jsonl"; train
-       eval_sets; eval_curve; speedup ;;
-  *) echo "usage: $0 [prompts|generate|generate-sampled|generate-code|generate-heldout|train|eval|eval-sets|eval-curve|speedup|all]" >&2
+  all) prompts; generate "$DATA/train" "$DATA/every/train_prompts.jsonl"; generate_code
+       generate "$DATA/heldout" "$DATA/heldout_prompts.jsonl"; train; eval_sets; eval_curve; speedup ;;
+  *) echo "usage: $0 [prompts|generate|generate-code|generate-sampled|generate-heldout|train|eval|eval-sets|eval-curve|speedup|all]" >&2
      exit 2 ;;
 esac

@@ -61,3 +61,17 @@ def test_spec_speed_cpu_mode(tmp_path):
     for run, rows in zip(result["runs"], (1, 2)):
         assert run["rows"] == rows and run["graphs"] is False and run["differences"]["differ"] == 0
         assert run["spec_tokens_per_s"] > 0 and run["tau"] >= 1
+
+
+def test_speedup_vs_tau_reads_reports_and_fits_one_slope_per_batch(tmp_path):
+    import speedup_vs_tau
+
+    runs = {"a": [(1, 1.0, 0.7), (8, 1.0, 0.6)], "b": [(1, 3.0, 2.1), (8, 3.0, 1.5)]}
+    files = []
+    for name, rows in runs.items():
+        report = {"runs": [{"rows": r, "tau": t, "speedup": s} for r, t, s in rows] + [{"rows": 4, "error": "x"}]}
+        (tmp_path / f"{name}.json").write_text(json.dumps(report))
+        files.append(f"{name}={tmp_path / name}.json")
+    pts = speedup_vs_tau.main([*files, "--out", str(tmp_path / "s.png")])
+    assert len(pts) == 4 and (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"  # the failed run is left out
+    assert speedup_vs_tau.slope(pts, 1) == pytest.approx((0.7 + 3 * 2.1) / 10)  # sum(t*s) / sum(t*t)

@@ -1,7 +1,7 @@
 """Held-out acceptance against device-minutes, one line per run: the chart recipes are compared on.
 
 Reads each run's heldout.jsonl (the training-time probe: teacher-forced tau_hat on held-out answers,
-with the device-seconds spent so far) and, when a run has one, eval.jsonl (real speculative decoding
+and tau_decode, decoding replayed over them, with the device-seconds spent so far) and, when a run has one, eval.jsonl (real speculative decoding
 every eval.every steps, placed at the device-seconds of the probe record of the same step).
 """
 
@@ -18,14 +18,17 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def run_curve(run_dir: str | Path) -> dict:
-    """{name, heldout: [(device_minutes, tau_hat)], real: [(device_minutes, tau)]} of one run."""
+    """{name, heldout: [(device_minutes, tau_hat)], decode: [(device_minutes, tau_decode)], real:
+    [(device_minutes, tau)]} of one run."""
     run_dir = Path(run_dir)
     probe = read_jsonl(run_dir / "heldout.jsonl")
     if not probe:
         raise FileNotFoundError(f"{run_dir}/heldout.jsonl: no held-out records (set eval.heldout_files)")
     minutes = {r["step"]: r["device_seconds"] / 60 for r in probe}
     real = [(minutes[r["step"]], r["tau"]) for r in read_jsonl(run_dir / "eval.jsonl") if r["step"] in minutes]
-    return {"name": run_dir.name, "heldout": [(minutes[r["step"]], r["tau_hat"]) for r in probe], "real": real}
+    decode = [(minutes[r["step"]], r["tau_decode"]) for r in probe if "tau_decode" in r]
+    return {"name": run_dir.name, "heldout": [(minutes[r["step"]], r["tau_hat"]) for r in probe],
+            "decode": decode, "real": real}
 
 
 def write_chart(curves: list[dict], out: str | Path, title: str = "held-out acceptance per device-minute") -> Path:
@@ -38,6 +41,10 @@ def write_chart(curves: list[dict], out: str | Path, title: str = "held-out acce
     for curve in curves:
         xs, ys = zip(*curve["heldout"])
         line, = ax.plot(xs, ys, marker="o", ms=3, label=f"{curve['name']} (tau_hat, teacher-forced)")
+        if curve["decode"]:
+            dx, dy = zip(*curve["decode"])
+            ax.plot(dx, dy, marker="^", ls=":", color=line.get_color(),
+                    label=f"{curve['name']} (tau_decode, decoding replayed)")
         if curve["real"]:
             rx, ry = zip(*curve["real"])
             ax.plot(rx, ry, marker="s", ls="--", color=line.get_color(), label=f"{curve['name']} (real tau)")
