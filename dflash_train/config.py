@@ -83,7 +83,7 @@ class DataConfig(_Section):
     """Skip malformed rows (counted in the run summary) instead of failing on the first one."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     tokenize_workers: int = Field(0, ge=0)
-    """Processes that tokenise conversation files (0: one per core, at most 16; inputs under 2,000
+    """Processes that tokenise conversation files (0: one per core, at most 16; inputs under 10,000
     rows are tokenised in process)."""
     cache_features: bool = False
     """Keep the target's captured features in the device's memory across epochs: the target runs once
