@@ -67,8 +67,8 @@ generate() {  # $1: output directory, $2: prompt file; extra generate flags foll
 }
 
 train() {
-  local probe=()  # held-out tau_hat against device-seconds, when the held-out answers exist (generate-heldout)
-  [ -d "$DATA/heldout" ] && probe=("eval.heldout_files=[$DATA/heldout]" "eval.heldout_every=${PROBE_EVERY:-250}")
+  local probe=()  # held-out tau_hat and tau_decode against device-seconds, when the held-out answers exist (generate-heldout)
+  [ -d "$DATA/heldout" ] && probe=("eval.heldout_files=[$DATA/heldout]" "eval.heldout_every=${PROBE_EVERY:-1000}")
   # shellcheck disable=SC2086  # TRAIN_ARGS is a list of overrides
   "${DT[@]}" train -c "$CONFIG" run_dir="$RUN" device="$DEVICE" "data.train_files=[$TRAIN_FILES]" "${probe[@]}" \
     $TRAIN_ARGS --resume auto
