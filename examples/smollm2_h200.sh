@@ -8,7 +8,6 @@
 #   generate -> SmolLM2 answers them itself, greedy, <= 512 new tokens (in-process, resumable)
 #   generate-code -> answers to CODE_PROMPTS HumanEval-shaped requests built from the standard
 #               library's documented functions (HumanEval's own excluded) in $DATA/code
-#   generate-sampled -> optional: a second, sampled answer per first turn (TEMPERATURE) in $DATA/train_sampled
 #   generate-heldout -> SmolLM2's answers to the held-out prompts: `train` then scores tau_hat and
 #               tau_decode (decoding replayed) on them every PROBE_EVERY steps against device-seconds
 #               (heldout.jsonl; `dflash-train curve`)
@@ -16,7 +15,7 @@
 #   eval     -> greedy speculative decoding on HumanEval (164), MT-Bench (80 x 2 turns) and the 200
 #               held-out prompts: tau, histogram, lossless check (fp32, prompts decoded in batches),
 #               then speedup (bf16, batch 1, KV caches: as served)
-# Usage: bash examples/smollm2_h200.sh [prompts|generate|generate-code|generate-sampled|generate-heldout|train|eval|all]
+# Usage: bash examples/smollm2_h200.sh [prompts|generate|generate-code|generate-heldout|train|eval|all]
 #        (default: all; eval = eval-sets, eval-curve (tau at 1/3 and 2/3 of training), then speedup)
 # Each stage reads what the one before wrote under $RUN; each can be rerun (generate resumes).
 # The eval stages are independent: on two GPUs, run them side by side with CUDA_VISIBLE_DEVICES
@@ -32,7 +31,6 @@ HELDOUT=${HELDOUT:-200}
 ANSWER_TOKENS=${ANSWER_TOKENS:-512}
 BATCH=${BATCH:-1024}               # generation batch (one `generate` / `generate_batch` call each)
 ENGINE=${ENGINE:-graphed}          # in-process generation engine: graphed (31K tokens/s on an H200, 5.5-7x padded), static, padded
-TEMPERATURE=${TEMPERATURE:-0.7}    # generate-sampled only
 EVERY_PROMPTS=${EVERY_PROMPTS:-32000}  # training prompts: distinct user turns of every conversation (50,364 exist)
 CODE_PROMPTS=${CODE_PROMPTS:-3561} # all the stubs of <= 1,500 characters
 TRAIN_FILES=${TRAIN_FILES:-$DATA/train,$DATA/code}  # comma-separated answer directories
@@ -112,7 +110,6 @@ case "${1:-all}" in
   prompts) prompts ;;
   generate) generate "$DATA/train" "$DATA/every/train_prompts.jsonl" ;;
   generate-code) generate_code ;;
-  generate-sampled) generate "$DATA/train_sampled" "$DATA/train_prompts.jsonl" --temperature "$TEMPERATURE" --seed 0 ;;
   generate-heldout) generate "$DATA/heldout" "$DATA/heldout_prompts.jsonl" ;;
   train) train ;;
   eval) eval_sets; eval_curve; speedup ;;
@@ -121,6 +118,6 @@ case "${1:-all}" in
   speedup) speedup ;;
   all) prompts; generate "$DATA/train" "$DATA/every/train_prompts.jsonl"; generate_code
        generate "$DATA/heldout" "$DATA/heldout_prompts.jsonl"; train; eval_sets; eval_curve; speedup ;;
-  *) echo "usage: $0 [prompts|generate|generate-code|generate-sampled|generate-heldout|train|eval|eval-sets|eval-curve|speedup|all]" >&2
+  *) echo "usage: $0 [prompts|generate|generate-code|generate-heldout|train|eval|eval-sets|eval-curve|speedup|all]" >&2
      exit 2 ;;
 esac

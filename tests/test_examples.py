@@ -1,5 +1,5 @@
 """examples/smollm2_h200.sh, the real-data chain of the SmolLM2 benchmark, keeps working: the same
-script on CPU with a dozen prompts, a few answer tokens and two training steps."""
+script on CPU with a dozen prompts, a few answer tokens and three training steps."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_smollm2_example_runs_end_to_end_on_cpu(tmp_path):
         # prompts of ~300 tokens): the static engine here
         "ENGINE": "static",
         "TRAIN_ARGS": "target.dtype=auto train.time_budget_minutes=null train.max_steps=3 objective.num_anchors=4 data.length_bucket=0 "
-                      "data.max_length=256 data.token_budget=512 checkpoint.every=1 train.compile=false train.compile_loss=false",
+                      "data.max_length=256 data.token_budget=512 checkpoint.every=2 train.compile=false train.compile_loss=false",
     }
     done = subprocess.run(["bash", str(ROOT / "examples" / "smollm2_h200.sh"), "all"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
@@ -38,8 +38,8 @@ def test_smollm2_example_runs_end_to_end_on_cpu(tmp_path):
     assert (run / "export" / "config.json").is_file()
     probe = [json.loads(line) for line in (run / "heldout.jsonl").read_text().splitlines()]
     assert [r["step"] for r in probe] == [3] and probe[0]["rows"] == 2  # the held-out answers, scored at the end
-    expected = {"humaneval": 3, "sharegpt": 2, "mt-bench": 6, "humaneval_step_00000001": 2,
-                "humaneval_step_00000002": 2, "humaneval_speedup": 1}
+    # checkpoints at steps 2 and 3: eval-curve scores the earlier one (1/3 and 2/3 of the way both fall on it)
+    expected = {"humaneval": 3, "sharegpt": 2, "mt-bench": 6, "humaneval_step_00000002": 2, "humaneval_speedup": 1}
     for name, turns in expected.items():
         report = json.loads((run / "eval" / name / "eval.json").read_text())
         assert report["num_turns"] == turns and report["lossless"] == {"matches": turns, "total": turns}, name
@@ -56,15 +56,3 @@ def test_smollm2_example_runs_end_to_end_on_cpu(tmp_path):
     # every row read: 12 turns + 2 code answers (a code request may not fit the test's 256-token
     # max_length: skipped, counted)
     assert greedy["data_rows"]["rows"] == 14, greedy
-
-    # A second, sampled answer per first turn beside them, and a run that trains on all three.
-    env.update(RUN=str(tmp_path / "mix"), DATA=str(run / "data"), TEMPERATURE="1.0",
-               TRAIN_FILES=f"{run / 'data' / 'train'},{run / 'data' / 'train_sampled'},{run / 'data' / 'code'}")
-    for stage in ("generate-sampled", "train"):
-        done = subprocess.run(["bash", str(ROOT / "examples" / "smollm2_h200.sh"), stage], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, stage + done.stdout[-3000:] + done.stderr[-3000:]
-    meta = json.loads((run / "data" / "train_sampled" / "meta.json").read_text())
-    assert meta["settings"]["sampling"]["temperature"] == 1.0
-    summary = json.loads((tmp_path / "mix" / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["data_rows"]["rows"] == 14 + 8, summary  # + 8 sampled first turns
