@@ -21,7 +21,7 @@ from dflash_train.draft import masks
 from dflash_train.draft.objective import BlockTask, draft_hidden
 
 ANCHOR_CHUNK = 64
-"""Anchors per drafter forward: 64 blocks x 15 slots of vocabulary logits at a time."""
+"""Anchors per drafter forward (64 blocks of hidden states at a time)."""
 
 
 @torch.no_grad()
@@ -29,18 +29,19 @@ def accepted_prefixes(target, drafter, seq: torch.Tensor, first: int, last: int)
     """For the anchors a = first .. last-1 of `seq` [1, T]: how many of the block's drafted slots
     match seq[a+1], seq[a+2], ... in a row (a slot past the end of `seq` matches nothing). Greedy:
     each slot's argmax over the target's LM head, as `speculative_generate` drafts."""
-    block, t = drafter.config.block_size, seq.shape[1]
+    block = drafter.config.block_size
     features = target.features(seq, drafter.config.target_layer_ids)
     out = []
     for start in range(first, last, ANCHOR_CHUNK):
         anchors = torch.arange(start, min(start + ANCHOR_CHUNK, last), device=seq.device)[None]
         valid = torch.ones_like(anchors, dtype=torch.bool)
-        labels, _ = masks.block_labels(seq, torch.ones_like(seq), anchors, valid, block, 1.0)
-        task = BlockTask(seq, anchors, valid, labels, torch.zeros_like(labels, dtype=torch.float32))
+        # Every token counts as a label here: a slot's weight is then nonzero exactly when it lies
+        # inside `seq` (slot 0, the anchor, never counts).
+        labels, weights = masks.block_labels(seq, torch.ones_like(seq), anchors, valid, block, 1.0)
+        task = BlockTask(seq, anchors, valid, labels, weights)
         hidden = draft_hidden(drafter, task, features, target.embed_weight, use_flex=False)[0]
         slots = hidden.view(anchors.shape[1], block, -1).to(target.lm_head_weight.dtype)
-        labels = labels.view(-1, block)
-        inside = masks.block_positions(anchors, block).view(-1, block) < t
+        labels, inside = labels.view(-1, block), weights.view(-1, block) > 0
         accepted = torch.zeros(anchors.shape[1], dtype=torch.long, device=seq.device)
         alive = torch.arange(anchors.shape[1], device=seq.device)
         for k in range(1, block):  # the LM head only for blocks still accepting: ~tau_hat, not 15, per anchor

@@ -286,7 +286,8 @@ class Trainer:
                 self._run_periodic_eval()
             if probe is not None and probe.due(self.step, self.step == self.total_steps or at_deadline):
                 heldout = probe.run(self.step)
-                tqdm.write(f"held-out at step {self.step} ({heldout['device_seconds']:.0f} device-s): "
+                decode = f"tau_decode {heldout['tau_decode']:.3f}, " if "tau_decode" in heldout else ""
+                tqdm.write(f"held-out at step {self.step} ({heldout['device_seconds']:.0f} device-s): {decode}"
                            f"tau_hat {heldout['tau_hat']:.3f}, tau_accept {heldout['tau_accept']:.3f}, "
                            f"loss {heldout['loss']:.3f}")
             if at_deadline:  # the final save below holds this step; the schedule is left as it is
