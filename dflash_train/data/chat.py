@@ -52,7 +52,8 @@ def tokenize_conversation(
         if message["role"] != "assistant" or i == 0:
             continue
         before = _render(tokenizer, messages[:i], True, kwargs, where)
-        through = _render(tokenizer, messages[: i + 1], False, kwargs, where)
+        # The last turn's prefix is the whole conversation: one encode less for most rows.
+        through = full if i == len(messages) - 1 else _render(tokenizer, messages[: i + 1], False, kwargs, where)
         if full[: len(before)] != before or full[: len(through)] != through:
             raise DataError(
                 f"{where}: the chat template does not render conversation prefixes as prefixes "

@@ -104,7 +104,8 @@ def tokenize_files(
     files, tokenizer, max_length: int, skip_invalid: bool, template_kwargs=None, workers: int = 0
 ) -> TokenizedDataset:
     """Conversation files -> token ids and loss masks, in file order. The chat template is rendered
-    three times per answer (2-4 ms a row): 35K rows take minutes in one process, so large inputs are
+    and encoded twice per single-turn answer (prompt, whole conversation; 2-4 ms a row): 35K rows
+    take minutes in one process, so large inputs are
     cut into chunks for a pool of `workers` processes (0: one per core)."""
     ds, convs, unreadable = TokenizedDataset(), [], None
     try:
