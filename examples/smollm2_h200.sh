@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct end to end on one GPU, the way a user runs it (the recipe of the 2026-12-01
-# quality run: real held-out tau 2.94 ShareGPT, 2.78 HumanEval, 2.68 MT-Bench from ~20 device-minutes):
+# quality run: real held-out tau 3.02 ShareGPT, 2.85 HumanEval, 2.76 MT-Bench from ~20 device-minutes):
 #   prompts  -> 13,504 + 200 held-out distinct ShareGPT first turns (all the package has of <= 1,500
 #               characters, case and spaces ignored); then the training prompts: the first EVERY_PROMPTS
 #               distinct user turns of every conversation, each asked alone (a conversation that asks a
@@ -31,7 +31,7 @@ HELDOUT=${HELDOUT:-200}
 ANSWER_TOKENS=${ANSWER_TOKENS:-512}
 BATCH=${BATCH:-1024}               # generation batch (one `generate` / `generate_batch` call each)
 ENGINE=${ENGINE:-graphed}          # in-process generation engine: graphed (31K tokens/s on an H200, 5.5-7x padded), static, padded
-EVERY_PROMPTS=${EVERY_PROMPTS:-32000}  # training prompts: distinct user turns of every conversation (50,364 exist)
+EVERY_PROMPTS=${EVERY_PROMPTS:-37000}  # training prompts: distinct user turns of every conversation (50,364 exist)
 CODE_PROMPTS=${CODE_PROMPTS:-3561} # all the stubs of <= 1,500 characters
 TRAIN_FILES=${TRAIN_FILES:-$DATA/train,$DATA/code}  # comma-separated answer directories
 TRAIN_ARGS=${TRAIN_ARGS:-}         # extra dotted overrides of $CONFIG
@@ -66,7 +66,7 @@ generate() {  # $1: output directory, $2: prompt file; extra generate flags foll
 
 train() {
   local probe=()  # held-out tau_hat and tau_decode against device-seconds, when the held-out answers exist (generate-heldout)
-  [ -d "$DATA/heldout" ] && probe=("eval.heldout_files=[$DATA/heldout]" "eval.heldout_every=${PROBE_EVERY:-1000}")
+  [ -d "$DATA/heldout" ] && probe=("eval.heldout_files=[$DATA/heldout]" "eval.heldout_every=${PROBE_EVERY:-1500}")
   # shellcheck disable=SC2086  # TRAIN_ARGS is a list of overrides
   "${DT[@]}" train -c "$CONFIG" run_dir="$RUN" device="$DEVICE" "data.train_files=[$TRAIN_FILES]" "${probe[@]}" \
     $TRAIN_ARGS --resume auto
