@@ -7,9 +7,12 @@ Training refuses a dataset prepared for another tokenizer: the token ids would b
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import multiprocessing
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +23,8 @@ import pyarrow.parquet as pq
 from dflash_train.atomic import write_atomic, write_json_atomic
 from dflash_train.data.chat import tokenize_conversation
 from dflash_train.data.formats import DataError, RowStats, expand_paths, iter_conversations, iter_rows, normalise_messages
+
+log = logging.getLogger("dflash_train")
 
 SHARD_ROWS = 50_000
 
@@ -113,6 +118,7 @@ def tokenize_files(
     except DataError as err:  # raised after the rows before it: one of those may fail first
         unreadable = err
     processes = tokenize_workers(workers, len(convs))
+    start = time.perf_counter()
     if processes == 1:
         _collect(ds, (_tokenize_one(tokenizer, c, max_length, template_kwargs) for c in convs), skip_invalid)
     else:
@@ -120,7 +126,12 @@ def tokenize_files(
         # spawn, not fork: the caller may hold CUDA state or threads that a forked child must not inherit.
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(processes, initializer=_init_worker, initargs=(tokenizer, max_length, template_kwargs)) as pool:
-            _collect(ds, (r for chunk in pool.imap(_tokenize_chunk, chunks) for r in chunk), skip_invalid)
+            results = pool.imap(_tokenize_chunk, chunks)
+            first = next(results, [])  # the pool's start (imports in every worker) is most of a small input's time
+            log.info("tokeniser pool of %d: first chunk after %.1f s", processes, time.perf_counter() - start)
+            _collect(ds, (r for chunk in itertools.chain([first], results) for r in chunk), skip_invalid)
+    log.info("tokenised %d rows in %.1f s (%d process%s)", len(convs), time.perf_counter() - start, processes,
+             "es" if processes > 1 else "")
     if unreadable is not None:
         raise unreadable
     return ds
