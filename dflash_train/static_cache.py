@@ -37,18 +37,28 @@ def static_cache_problem(model) -> str | None:
     return None
 
 
+def write_at(buffer: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, states: torch.Tensor) -> None:
+    """buffer[r, :, positions[r, q]] = states[r, :, q] for buffer [R, heads, L, D], states [R, heads,
+    Q, D], rows = arange(R)[:, None]. An index_put, not a scatter: a compiled step (inductor) updates
+    its input in place under index_put, but a scattered one it copies whole, the entire cache, every step."""
+    buffer[rows, :, positions] = states.transpose(1, 2)
+
+
 class PositionedLayer(StaticLayer):
     """A StaticLayer that writes at `positions` [R, Q] (set before each forward) instead of its
     running length: per-row positions, rewritable."""
 
     positions: torch.Tensor
 
+    def lazy_initialization(self, key_states, value_states) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.rows = torch.arange(key_states.shape[0], device=key_states.device)[:, None]
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        index = self.positions[:, None, :, None]
-        self.keys.scatter_(2, index.expand_as(key_states), key_states)
-        self.values.scatter_(2, index.expand_as(value_states), value_states)
+        write_at(self.keys, self.rows, self.positions, key_states)
+        write_at(self.values, self.rows, self.positions, value_states)
         return self.keys, self.values
 
 

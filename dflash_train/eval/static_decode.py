@@ -30,7 +30,7 @@ import torch
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.spec_decode import DecodeResult, SpecResult, check_budget, synced_time
 from dflash_train.generate.backends import emit_tokens
-from dflash_train.static_cache import ALIGN, forward_at, graphed, positioned_cache, static_cache_problem
+from dflash_train.static_cache import ALIGN, forward_at, graphed, positioned_cache, static_cache_problem, write_at
 from dflash_train.target import Target
 
 log = logging.getLogger("dflash_train")
@@ -42,12 +42,12 @@ class DraftStaticCache:
         shape = (rows, cfg.num_key_value_heads, length, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.rows = torch.arange(rows, device=device)[:, None]
         self.positions: torch.Tensor | None = None
 
     def extend(self, layer: int, k_ctx: torch.Tensor, v_ctx: torch.Tensor):
-        index = self.positions[:, None, :, None].expand_as(k_ctx)
-        self.k[layer].scatter_(2, index, k_ctx)
-        self.v[layer].scatter_(2, index, v_ctx)
+        write_at(self.k[layer], self.rows, self.positions, k_ctx)
+        write_at(self.v[layer], self.rows, self.positions, v_ctx)
         return self.k[layer], self.v[layer]
 
 
