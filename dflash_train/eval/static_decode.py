@@ -121,9 +121,10 @@ class StaticDecoder:
         of `layer_ids` [R, Q, K*H] (None without)."""
         if not layer_ids:
             return forward_at(self.target.model, self.cache, ids, positions).logits, None
-        with self.target.capture(layer_ids) as store:
-            logits = forward_at(self.target.model, self.cache, ids, positions).logits
-        return logits, torch.cat([store[i] for i in layer_ids], dim=-1)
+        # transformers' own selection, not capture's hooks: a compiled step traces it in one graph
+        indices = self.target.hidden_state_indices(layer_ids)
+        out = forward_at(self.target.model, self.cache, ids, positions, output_hidden_states=indices)
+        return out.logits, torch.cat([out.hidden_states[i] for i in indices], dim=-1)
 
     def _draft(self, feats, ctx_pos):
         """Proposals for slots 1..B-1 into verify_ids; `feats` at `ctx_pos` join the drafter's cache."""
