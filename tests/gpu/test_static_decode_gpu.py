@@ -1,5 +1,6 @@
 """On CUDA: the static decoder's compiled steps, captured as CUDA graphs, decide exactly as its
-eager twin and as the plain greedy decode in fp32; in bf16 the differences are reported (not asserted: near-ties may flip).
+eager twin and as the plain greedy decode in fp32; in bf16 the differences are reported (not
+asserted: near-ties may flip).
 Run: `python -m pytest tests/gpu -m gpu -s`."""
 
 from __future__ import annotations
