@@ -5,7 +5,7 @@ prompts) with M new tokens each and no stop token, so every engine does the same
   padded       one left-padded `generate` per batch of B prompts (the backend's default)
   static       the same on transformers' static cache (decode step compiled on a GPU)
   continuous   transformers' continuous batching over all N at once (paged KV cache, CUDA graphs)
-  graphed      ours: B rows on a static per-row cache, finished rows refilled, one CUDA graph per step
+  graphed      ours: B rows on a static per-row cache, finished rows refilled, one compiled CUDA graph per step
 Real answers end at different lengths, which costs the padded engines more (finished rows keep
 running until the batch's longest ends) and the refilling ones nothing: this bench is their lower bound.
 

@@ -5,8 +5,12 @@ from the target-only ones (each first difference with the target's top-2 logit g
     python bench/spec_speed.py --target smollm2 --drafter EXPORT_DIR --out spec_speed.json   # GPU
     python bench/spec_speed.py --target smollm2 --random-drafter --out spec_speed.json       # tau ~1
     python bench/spec_speed.py --tiny                                                        # CPU smoke (CI)
-A graph capture that fails falls back to eager decoding (`graphs: false`, `graph_error` says why);
-a batch size that fails is recorded with its error and the others still run.
+On a GPU the steps are compiled (torch.compile) and then captured; a step that does not compile runs
+uncompiled (`compiled` lists those that did, `compile_error` says why), a graph capture that fails
+falls back to eager decoding (`graphs: false`, `graph_error` says why); a batch size that fails is
+recorded with its error and the others still run. Target-only batch 1, compiled against not:
+    python bench/spec_speed.py --random-drafter --batch 1 --out compiled.json
+    python bench/spec_speed.py --random-drafter --batch 1 --no-compile --out uncompiled.json
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per answer (default: 256)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="rows decoded together (default: 1 8)")
     ap.add_argument("--dtype", default="bfloat16", help="target and drafter dtype (default: bfloat16)")
-    ap.add_argument("--no-graphs", action="store_true", help="decode eagerly even on a GPU")
+    ap.add_argument("--no-graphs", action="store_true", help="decode eagerly even on a GPU (and uncompiled)")
+    ap.add_argument("--no-compile", action="store_true", help="capture the uncompiled steps (eager kernels)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: tiny random models and prompts")
     ap.add_argument("--out", help="JSON file to write")
     args = ap.parse_args(argv)
@@ -101,7 +106,7 @@ def main(argv=None):
         t = time.perf_counter()
         try:
             run = served_speed(target, drafter, prompts, new_tokens, stop_ids, rows,
-                               graphs=False if args.no_graphs else None)
+                               graphs=False if args.no_graphs else None, compile=False if args.no_compile else None)
         except Exception as e:  # one batch size failing must not lose the others' figures
             log.exception("batch %d failed", rows)
             run = {"rows": rows, "error": f"{type(e).__name__}: {e}"}

@@ -9,7 +9,10 @@ shapes never change, so a decode step over all rows can be captured once as a CU
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +20,8 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+log = logging.getLogger("dflash_train")
 
 ALIGN = 16
 """Cache lengths are rounded up to this: SDPA's memory-efficient kernel wants aligned mask rows."""
@@ -37,18 +42,28 @@ def static_cache_problem(model) -> str | None:
     return None
 
 
+def write_at(buffer: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, states: torch.Tensor) -> None:
+    """buffer[r, :, positions[r, q]] = states[r, :, q] for buffer [R, heads, L, D], states [R, heads,
+    Q, D], rows = arange(R)[:, None]. An index_put, not a scatter: a compiled step (inductor) updates
+    its input in place under index_put, but a scattered one it copies whole, the entire cache, every step."""
+    buffer[rows, :, positions] = states.transpose(1, 2)
+
+
 class PositionedLayer(StaticLayer):
     """A StaticLayer that writes at `positions` [R, Q] (set before each forward) instead of its
     running length: per-row positions, rewritable."""
 
     positions: torch.Tensor
 
+    def lazy_initialization(self, key_states, value_states) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.rows = torch.arange(key_states.shape[0], device=key_states.device)[:, None]
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        index = self.positions[:, None, :, None]
-        self.keys.scatter_(2, index.expand_as(key_states), key_states)
-        self.values.scatter_(2, index.expand_as(value_states), value_states)
+        write_at(self.keys, self.rows, self.positions, key_states)
+        write_at(self.values, self.rows, self.positions, value_states)
         return self.keys, self.values
 
 
@@ -127,3 +142,81 @@ def graphed(step, device: torch.device):
     with torch.cuda.graph(graph):
         step()
     return graph.replay
+
+
+RECOMPILE_LIMIT = 64
+"""Compiled versions of one step's code: its code object is shared by every decoder of a process
+(each a few shapes; an engine adds one each time its cache grows), past dynamo's default of 8."""
+
+
+def compiled(step: Callable[[], object]) -> Callable[[], object]:
+    """`step` through torch.compile: inductor fuses the eager forward's ~35 small kernels a layer
+    (RMSNorm, rotary, SiLU * mul, residual adds, casts, the mask) into a few, which is what a CUDA
+    graph of the step then replays. Default mode, not reduce-overhead: `graphed` captures the graph.
+    One graph or an error (fullgraph), fixed shapes. Past the recompile limit dynamo would quietly
+    run the step eagerly: here it raises instead. Random ops keep eager's generator (fallback_random),
+    so a compiled step samples as the plain one does."""
+    fn = torch.compile(step, fullgraph=True, dynamic=False, options={"fallback_random": True})
+
+    def run():
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            return fn()
+
+    return run
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+@dataclass
+class Steps:
+    """Fixed-shape steps as they run: `run[name]()`, compiled and/or replayed as CUDA graphs."""
+
+    run: dict[str, Callable[[], object]]
+    compiled: list[str] = field(default_factory=list)
+    """The steps that run compiled."""
+    graphed: bool = False
+    compile_error: str | None = None
+    graph_error: str | None = None
+
+
+def prepare_steps(steps: dict[str, Callable[[], object]], device: torch.device, graphs: bool,
+                  compile: bool) -> Steps:
+    """Each step compiled (run once here, so a failure falls back now, not mid-decode: that step
+    stays plain, the error logged) and then all captured as CUDA graphs; a capture that fails is
+    tried again with the plain steps, then they run eagerly. The steps run a few times here: they
+    must only touch state that decoding resets."""
+    out = Steps(dict(steps))
+    errors = []
+    for name, step in steps.items() if compile else ():
+        try:
+            fn = compiled(step)
+            fn()
+            out.run[name] = fn
+            out.compiled.append(name)
+        except Exception as e:  # a model dynamo or inductor cannot handle still decodes, uncompiled
+            errors.append(f"{name}: {_error(e)}")
+            log.error("compiling the %s step failed (%s); it runs uncompiled", name, errors[-1])
+    out.compile_error = "; ".join(errors) or None
+    if graphs:
+        _capture(out, steps, device)
+    return out
+
+
+def _capture(out: Steps, plain: dict, device: torch.device) -> None:
+    """`out.run` captured as CUDA graphs; else `plain` captured; else `plain` eagerly."""
+    for run in [out.run, plain] if out.compiled else [plain]:
+        try:
+            out.run = {name: graphed(step, device) for name, step in run.items()}
+            out.graphed = True
+            return
+        except Exception as e:  # a model whose forward cannot be captured still decodes, eagerly
+            if run is plain:
+                out.graph_error = _error(e)
+                log.error("CUDA graph capture failed (%s); decoding eagerly", out.graph_error)
+            else:
+                out.compile_error = f"CUDA graph capture of the compiled steps: {_error(e)}"
+                log.error("%s; capturing the uncompiled steps", out.compile_error)
+                out.compiled = []
+    out.run = dict(plain)

@@ -201,6 +201,14 @@ class Target:
             for h in handles:
                 h.remove()
 
+    def hidden_state_indices(self, layer_ids: list[int]) -> list[int]:
+        """The `output_hidden_states` selection that gives what `capture(layer_ids)` records:
+        hidden_states[i + 1] is layer i's output, the last layer's final-normed. A forward asked for
+        these (transformers keeps only the selected ones) traces into one torch.compile graph, which
+        hooks added per call do not."""
+        self.check_layer_ids(layer_ids)
+        return [i + 1 for i in layer_ids]
+
     @torch.no_grad()
     def features(self, input_ids, layer_ids: list[int]) -> torch.Tensor:
         """Concatenated outputs of `layer_ids`: [b, T, K*H] in the target's dtype.

@@ -221,6 +221,8 @@ def format_table(report: dict) -> str:
             split = report["ms_per_round"]
             table.add_row("ms per round: draft / verify / rest", f"{split['draft']:.2f} / {split['verify']:.2f} / "
                                                                   f"{split['bookkeeping']:.2f}")
+            table.add_row("steps compiled / CUDA graphs", f"{', '.join(report.get('compiled') or []) or 'none'} / "
+                                                           f"{'yes' if report['graphs'] else 'no'}")
             diff = report["differences"]
             table.add_row("speed answers != target-only (near ties)", f"{diff['differ']} ({diff['near_ties']})")
     if report["lossless"] is not None:

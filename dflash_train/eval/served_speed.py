@@ -80,10 +80,13 @@ def _mean_ms(seconds: list[float]) -> float:
 
 
 def served_speed(target: Target, drafter: DFlashDraftModel, prompts: list[list[int]], max_new_tokens: int,
-                 stop_ids=(), rows: int = 1, block_size: int | None = None, graphs: bool | None = None) -> dict:
+                 stop_ids=(), rows: int = 1, block_size: int | None = None, graphs: bool | None = None,
+                 compile: bool | None = None) -> dict:
     """Decode tokens/s of speculative and target-only decoding of `prompts`, `rows` at a time, after a
-    short untimed warm-up; tau, per-round time split, and the answers' differences."""
-    decoder = StaticDecoder(target, drafter, rows, max(map(len, prompts)) + max_new_tokens, block_size, graphs)
+    short untimed warm-up; tau, per-round time split, and the answers' differences. `graphs` and
+    `compile` as StaticDecoder's."""
+    decoder = StaticDecoder(target, drafter, rows, max(map(len, prompts)) + max_new_tokens, block_size, graphs,
+                            compile)
     groups = [prompts[i : i + rows] for i in range(0, len(prompts), rows)]
     warm = min(8, max_new_tokens)
     decoder.speculative(groups[0], warm, stop_ids)
@@ -97,7 +100,8 @@ def served_speed(target: Target, drafter: DFlashDraftModel, prompts: list[list[i
     base_rate = sum(len(a) - 1 for a in references) / max(1e-9, sum(d.decode_seconds for d in base))
     lengths = [n for d in spec for r in d.results for n in r.acceptance_lengths]
     return {
-        "rows": rows, "graphs": decoder.graphed, "graph_error": decoder.graph_error, "speed_prompts": len(prompts),
+        "rows": rows, "graphs": decoder.steps.graphed, "graph_error": decoder.steps.graph_error,
+        "compiled": decoder.steps.compiled, "compile_error": decoder.steps.compile_error, "speed_prompts": len(prompts),
         "spec_tokens_per_s": spec_rate, "target_tokens_per_s": base_rate,
         "speedup": spec_rate / base_rate if base_rate > 0 else 0.0,
         "tau": sum(lengths) / max(1, len(lengths)),

@@ -13,8 +13,9 @@ a serving engine's machinery, so its tokens/s predict what SGLang or vLLM would 
              visible iff j < the block's start), its block [token, MASK x (B-1)]
     verify   the target's forward over [token, proposals], capturing the drafter's layers
     advance  acceptance (longest agreeing prefix + the target's token) and the next round's inputs
-  and the target-only baseline is one step: one token per row. On a GPU each step is captured once
-  as a CUDA graph over static buffers and replayed; on CPU (tests) the same functions run eagerly.
+  and the target-only baseline is one step: one token per row. On a GPU each step is compiled
+  (torch.compile: fused kernels), captured once as a CUDA graph over static buffers and replayed; on
+  CPU (tests) the same functions run eagerly, or compiled when asked (static_cache.prepare_steps).
 - Prefills (variable length: the prompts, and the drafter's pass over the prompt's features) run
   eagerly. The drafter's prompt pass also drafts round 1 and is timed as its drafter step.
 Greedy only: sampling keeps to `spec_decode`. Shape names: R rows, B block slots, L cache positions.
@@ -22,7 +23,6 @@ Greedy only: sampling keeps to `spec_decode`. Shape names: R rows, B block slots
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -30,10 +30,9 @@ import torch
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.spec_decode import DecodeResult, SpecResult, check_budget, synced_time
 from dflash_train.generate.backends import emit_tokens
-from dflash_train.static_cache import ALIGN, forward_at, graphed, positioned_cache, static_cache_problem
+from dflash_train.static_cache import (ALIGN, forward_at, positioned_cache, prepare_steps, static_cache_problem,
+                                       write_at)
 from dflash_train.target import Target
-
-log = logging.getLogger("dflash_train")
 
 class DraftStaticCache:
     """DraftKVCache's interface over preallocated [R, kv_heads, L, D] buffers written at `positions`."""
@@ -42,12 +41,12 @@ class DraftStaticCache:
         shape = (rows, cfg.num_key_value_heads, length, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.rows = torch.arange(rows, device=device)[:, None]
         self.positions: torch.Tensor | None = None
 
     def extend(self, layer: int, k_ctx: torch.Tensor, v_ctx: torch.Tensor):
-        index = self.positions[:, None, :, None].expand_as(k_ctx)
-        self.k[layer].scatter_(2, index, k_ctx)
-        self.v[layer].scatter_(2, index, v_ctx)
+        write_at(self.k[layer], self.rows, self.positions, k_ctx)
+        write_at(self.v[layer], self.rows, self.positions, v_ctx)
         return self.k[layer], self.v[layer]
 
 
@@ -83,10 +82,11 @@ class Decoded:
 
 class StaticDecoder:
     """Greedy decoding of `rows` prompts at a time, speculative (`speculative`) or by the target
-    alone (`greedy`), on caches for `max_len` positions (prompt + new tokens)."""
+    alone (`greedy`), on caches for `max_len` positions (prompt + new tokens). `graphs` (default: on
+    a GPU) captures the steps as CUDA graphs, `compile` (default: as graphs) compiles them first."""
 
     def __init__(self, target: Target, drafter: DFlashDraftModel | None, rows: int, max_len: int,
-                 block_size: int | None = None, graphs: bool | None = None):
+                 block_size: int | None = None, graphs: bool | None = None, compile: bool | None = None):
         problem = static_cache_problem(target.model)
         if problem:
             raise ValueError(f"no static decoding for {target.name}: {problem}")
@@ -110,9 +110,8 @@ class StaticDecoder:
             self.verify_ids, self.choice = torch.zeros_like(self.draft_ids), torch.zeros_like(self.draft_ids)
             self.feats = torch.zeros(rows, b, len(self.layer_ids) * target.hidden_size, dtype=self.dtype, device=device)
             self.accepted = torch.zeros(rows, b + 1, dtype=torch.long, device=device)
-        self.graph_error: str | None = None
-        self.graphed = False
-        self._capture(device.type == "cuda" if graphs is None else graphs)
+        graphs = device.type == "cuda" if graphs is None else graphs
+        self._capture(graphs, graphs if compile is None else compile)
 
     # --------------------------------------------------------------- the fixed-shape steps
 
@@ -121,9 +120,10 @@ class StaticDecoder:
         of `layer_ids` [R, Q, K*H] (None without)."""
         if not layer_ids:
             return forward_at(self.target.model, self.cache, ids, positions).logits, None
-        with self.target.capture(layer_ids) as store:
-            logits = forward_at(self.target.model, self.cache, ids, positions).logits
-        return logits, torch.cat([store[i] for i in layer_ids], dim=-1)
+        # transformers' own selection, not capture's hooks: a compiled step traces it in one graph
+        indices = self.target.hidden_state_indices(layer_ids)
+        out = forward_at(self.target.model, self.cache, ids, positions, output_hidden_states=indices)
+        return out.logits, torch.cat([out.hidden_states[i] for i in indices], dim=-1)
 
     def _draft(self, feats, ctx_pos):
         """Proposals for slots 1..B-1 into verify_ids; `feats` at `ctx_pos` join the drafter's cache."""
@@ -159,22 +159,16 @@ class StaticDecoder:
         self.step_ids.copy_(logits[:, -1:].argmax(-1))
         self.step_pos.copy_(torch.minimum(self.step_pos + 1, self.cap[:, None]))
 
-    def _capture(self, graphs: bool):
+    def _capture(self, graphs: bool, compile: bool):
         steps = {"target": self._target_step}
         if self.drafter is not None:
             steps |= {"draft": self._draft_step, "verify": self._verify_step, "advance": self._advance_step}
-        self.run = dict(steps)
         with torch.no_grad():
-            self._prefill([[0]], layer_ids=getattr(self, "layer_ids", ()))  # allocates the target cache
-            if not graphs:
-                return
-            try:
-                self.run = {name: graphed(step, self.target.device) for name, step in steps.items()}
-                self.graphed = True
-            except Exception as e:  # a model whose forward cannot be captured still decodes, eagerly
-                self.graph_error = f"{type(e).__name__}: {e}"
-                log.error("CUDA graph capture failed (%s); decoding eagerly", self.graph_error)
-                self.run = dict(steps)
+            # allocates the target cache (and, with features, installs transformers' recording hooks
+            # eagerly: a compiled step cannot)
+            self._prefill([[0]], layer_ids=getattr(self, "layer_ids", ()))
+            self.steps = prepare_steps(steps, self.target.device, graphs, compile)
+        self.run = self.steps.run
 
     # --------------------------------------------------------------- decoding
 

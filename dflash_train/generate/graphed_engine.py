@@ -2,7 +2,8 @@
 
 `rows` answers are decoded together, one token per row and step. The step (the target's forward
 over [rows, 1] at per-row positions, then the next token of every row) has fixed shapes, so on a GPU
-it is captured once as a CUDA graph and replayed; on CPU (tests) the same function runs eagerly.
+it is compiled (torch.compile: fused kernels), captured once as a CUDA graph and replayed; on CPU
+(tests) the same function runs eagerly, or compiled when asked (static_cache.prepare_steps).
 A finished row is refilled with a waiting prompt: the new prompts are prefilled together in one
 eager forward and their K/V copied into the free rows (static_cache.py says why stale K/V there is
 harmless). The host reads the new tokens once every `chunk` steps, so it seldom waits on the GPU.
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_train.generate.backends import emit_tokens
-from dflash_train.static_cache import ALIGN, forward_at, graphed, positioned_cache, static_cache_problem
+from dflash_train.static_cache import ALIGN, Steps, forward_at, positioned_cache, prepare_steps, static_cache_problem
 
 log = logging.getLogger("dflash_train")
 
@@ -57,7 +58,11 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
 
 
 class GraphedEngine:
-    def __init__(self, model, rows: int, stops: set[int], pad_id: int, chunk: int = 8, graphs: bool | None = None):
+    """`graphs` (default: on a GPU) captures the step as a CUDA graph, `compile` (default: as graphs)
+    compiles it first; `steps` says what happened (errors included)."""
+
+    def __init__(self, model, rows: int, stops: set[int], pad_id: int, chunk: int = 8, graphs: bool | None = None,
+                 compile: bool | None = None):
         problem = static_cache_problem(model)
         if problem:
             raise ValueError(f"generate engine 'graphed' cannot run {type(model).__name__}: {problem} "
@@ -65,13 +70,14 @@ class GraphedEngine:
         self.model, self.rows, self.stops, self.pad_id, self.chunk = model, rows, stops, pad_id, chunk
         self.device = next(model.parameters()).device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.compile = self.graphs if compile is None else compile
         config = model.config.get_text_config(decoder=True)
         self.num_layers, self.kv_heads = config.num_hidden_layers, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.dtype = model.get_input_embeddings().weight.dtype
         self.length = 0
         self.cache = None
-        self.graph_error: str | None = None
+        self.steps: Steps | None = None
         r = rows
         self.ids = torch.zeros(r, 1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(r, 1, dtype=torch.long, device=self.device)
@@ -93,7 +99,7 @@ class GraphedEngine:
     def _build(self, positions: int):
         """Cache and step for `positions` per row; the step captured as a graph on a GPU. Growing,
         the rows' K/V move to the new cache and decoding goes on where it was."""
-        old, self.step = self.cache, None  # the old graph goes before the new one is captured
+        old, self.step, self.steps = self.cache, None, None  # the old graph goes before the new one is captured
         length = max(-(-positions // LENGTH_STEP) * LENGTH_STEP, self.length * 3 // 2)  # few regrowths
         length = -(-length // ALIGN) * ALIGN
         self.cache = positioned_cache(self.num_layers, length)
@@ -109,18 +115,13 @@ class GraphedEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         saved = self.ids.clone(), self.pos.clone()  # warm-up steps write only above each row's position
-        self.step = self._step
-        if self.graphs:
-            try:
-                self.step = graphed(self._step, self.device)
-            except Exception as e:  # a model whose forward cannot be captured still decodes, eagerly
-                self.graph_error = f"{type(e).__name__}: {e}"
-                log.error("CUDA graph capture failed (%s); generating eagerly", self.graph_error)
+        self.steps = prepare_steps({"step": self._step}, self.device, self.graphs, self.compile)
+        self.step = self.steps.run["step"]
         self.ids.copy_(saved[0])
         self.pos.copy_(saved[1])
         self.column.zero_()  # a chunk of steps fills history columns 0..chunk-1 in order
-        log.info("graphed engine: %d rows x %d positions%s", self.rows, self.length,
-                 " (CUDA graph)" if self.step is not self._step else "")
+        log.info("graphed engine: %d rows x %d positions%s%s", self.rows, self.length,
+                 " (compiled)" if self.steps.compiled else "", " (CUDA graph)" if self.steps.graphed else "")
 
     # --------------------------------------------------------------- admission
 

@@ -1,5 +1,6 @@
-"""On CUDA: the static decoder's CUDA graphs decide exactly as its eager twin and as the plain
-greedy decode in fp32; in bf16 the differences are reported (not asserted: near-ties may flip).
+"""On CUDA: the static decoder's compiled steps, captured as CUDA graphs, decide exactly as its
+eager twin and as the plain greedy decode in fp32; in bf16 the differences are reported (not
+asserted: near-ties may flip).
 Run: `python -m pytest tests/gpu -m gpu -s`."""
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def test_graphs_decide_as_the_eager_path_in_fp32(rows):
     kwargs = dict(rows=rows, max_len=30 + 40, block_size=8)
     graphed = StaticDecoder(target, drafter, graphs=True, **kwargs)
     eager = StaticDecoder(target, drafter, graphs=False, **kwargs)
-    assert graphed.graphed, graphed.graph_error
+    assert graphed.steps.graphed, graphed.steps.graph_error
+    assert graphed.steps.compiled == ["target", "draft", "verify", "advance"], graphed.steps.compile_error
+    assert eager.steps.compiled == []
     for i in range(0, len(prompts), rows):
         group = prompts[i : i + rows]
         spec, ref = graphed.speculative(group, 40), eager.speculative(group, 40)
@@ -62,7 +65,7 @@ def test_bf16_differences_are_reported():
     target, drafter = _models(torch.bfloat16)
     prompts = _prompts(target.vocab_size)
     decoder = StaticDecoder(target, drafter, rows=1, max_len=30 + 64, block_size=8)
-    assert decoder.graphed, decoder.graph_error
+    assert decoder.steps.graphed, decoder.steps.graph_error
     spec = [decoder.speculative([p], 64).results[0].tokens for p in prompts]
     base = [decoder.greedy([p], 64).results[0].tokens for p in prompts]
     report = answer_differences(target, prompts, spec, base)
