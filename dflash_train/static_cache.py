@@ -21,6 +21,8 @@ from transformers.cache_utils import Cache, StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from dflash_train.ops import compile_cache
+
 log = logging.getLogger("dflash_train")
 
 ALIGN = 16
@@ -189,6 +191,8 @@ def prepare_steps(steps: dict[str, Callable[[], object]], device: torch.device, 
     must only touch state that decoding resets."""
     out = Steps(dict(steps))
     errors = []
+    if compile:  # the keyed, durable compile cache the trainer uses: never inductor's /tmp default
+        compile_cache.activate(compile_cache.cache_key())
     for name, step in steps.items() if compile else ():
         try:
             fn = compiled(step)
