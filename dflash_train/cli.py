@@ -311,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"local backend: prompts per generate call ({_gen_default('local', 'batch_size')})")
     p.add_argument("--engine", choices=["padded", "static", "continuous", "graphed"],
                    help=f"local backend: generation engine ({_gen_default('local', 'engine')})")
+    p.add_argument("--compile-step", dest="compile_step", action="store_true", default=None,
+                   help="graphed engine: compile the decode step before capturing it (default: off)")
     p.set_defaults(func=cmd_generate)
 
     p = add("prompts", "first user turns of a prompt set -> train / held-out prompt files for generate")

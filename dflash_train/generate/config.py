@@ -66,6 +66,10 @@ class LocalConfig(_Section):
     graphed: ours (generate/graphed_engine.py): `batch_size` rows on a static per-row cache, finished rows
     refilled, the decode step one CUDA graph on a GPU; greedy or temperature sampling, no top-p. The
     fastest on a GPU (docs/benchmarks/generate_local.md)."""
+    compile_step: bool = False
+    """graphed engine: the decode step through torch.compile (fused kernels) before its CUDA graph is
+    captured. 1.9x for a one-row SmolLM2 step (docs/benchmarks/speed.md); at a thousand rows, where
+    reading the KV cache dominates, not measured yet, and every cache growth compiles again (~30 s)."""
 
 
 class GenerateConfig(_Section):
@@ -98,6 +102,9 @@ class GenerateConfig(_Section):
         if self.backend == "local" and self.local.engine == "graphed" and self.sampling.top_p < 1:
             raise ValueError(f"local.engine 'graphed' samples from the whole distribution: sampling.top_p "
                              f"{self.sampling.top_p} needs engine padded, static or continuous")
+        if self.local.compile_step and (self.backend != "local" or self.local.engine != "graphed"):
+            raise ValueError(f"local.compile_step compiles the graphed engine's step: it needs backend 'local' "
+                             f"and local.engine 'graphed' (got {self.backend}, {self.local.engine})")
         resolved = [str(Path(p).resolve()) for p in self.inputs]
         if len(set(resolved)) != len(resolved):
             raise ValueError(f"inputs lists a file twice: {self.inputs}")
@@ -133,6 +140,7 @@ FLAG_KEYS = {
     "dtype": "local.dtype",
     "batch_size": "local.batch_size",
     "engine": "local.engine",
+    "compile_step": "local.compile_step",
 }
 _LIST_KEYS = {"inputs", "http.server_urls"}
 

@@ -2,7 +2,7 @@
 
 `rows` answers are decoded together, one token per row and step. The step (the target's forward
 over [rows, 1] at per-row positions, then the next token of every row) has fixed shapes, so on a GPU
-it is compiled (torch.compile: fused kernels), captured once as a CUDA graph and replayed; on CPU
+it is captured once as a CUDA graph and replayed (compiled first when asked: `compile`); on CPU
 (tests) the same function runs eagerly, or compiled when asked (static_cache.prepare_steps).
 A finished row is refilled with a waiting prompt: the new prompts are prefilled together in one
 eager forward and their K/V copied into the free rows (static_cache.py says why stale K/V there is
@@ -58,11 +58,12 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
 
 
 class GraphedEngine:
-    """`graphs` (default: on a GPU) captures the step as a CUDA graph, `compile` (default: as graphs)
-    compiles it first; `steps` says what happened (errors included)."""
+    """`graphs` (default: on a GPU) captures the step as a CUDA graph, `compile` compiles it first
+    (opt-in, `local.compile_step`: its gain at a thousand rows, where the cache reads dominate, is
+    not measured yet; each cache growth compiles again); `steps` says what happened (errors included)."""
 
     def __init__(self, model, rows: int, stops: set[int], pad_id: int, chunk: int = 8, graphs: bool | None = None,
-                 compile: bool | None = None):
+                 compile: bool = False):
         problem = static_cache_problem(model)
         if problem:
             raise ValueError(f"generate engine 'graphed' cannot run {type(model).__name__}: {problem} "
@@ -70,7 +71,7 @@ class GraphedEngine:
         self.model, self.rows, self.stops, self.pad_id, self.chunk = model, rows, stops, pad_id, chunk
         self.device = next(model.parameters()).device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        self.compile = self.graphs if compile is None else compile
+        self.compile = compile
         config = model.config.get_text_config(decoder=True)
         self.num_layers, self.kv_heads = config.num_hidden_layers, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -190,12 +190,13 @@ class _Request:
 
 class LocalBackend:
     def __init__(self, model, tokenizer, *, name: str, batch_size: int, identity: dict | None = None,
-                 engine: str = "padded"):
+                 engine: str = "padded", compile_step: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.batch_size = batch_size
         self.engine = engine
+        self.compile_step = compile_step
         self._target_identity = identity or {}
         self._queue: deque[_Request] = deque()
         self._wake: asyncio.Event | None = None
@@ -209,7 +210,7 @@ class LocalBackend:
     def load(cls, path: str, cfg: LocalConfig) -> LocalBackend:
         target = load_target(TargetConfig(path=path, dtype=cfg.dtype), resolve_device(cfg.device))
         return cls(target.model, target.tokenizer, name=path, batch_size=cfg.batch_size, identity=target.identity,
-                   engine=cfg.engine)
+                   engine=cfg.engine, compile_step=cfg.compile_step)
 
     async def identity(self) -> dict:
         return {
@@ -287,7 +288,8 @@ class LocalBackend:
 
         try:
             if self._graphed is None:
-                self._graphed = GraphedEngine(self.model, self.batch_size, stops, pad_token_id(self.tokenizer, stops))
+                self._graphed = GraphedEngine(self.model, self.batch_size, stops, pad_token_id(self.tokenizer, stops),
+                                             compile=self.compile_step)
             self._graphed.serve(take, give)
             return
         except torch.OutOfMemoryError as err:

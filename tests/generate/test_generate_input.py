@@ -94,11 +94,24 @@ def test_config_from_yaml_with_cli_overrides(tmp_path):
         ({"inputs": ["a"], "output_dir": "o"}, "needs at least one server URL"),
         ({"inputs": ["a", "./a"], "output_dir": "o", "backend": "local"}, "lists a file twice"),
         ({"inputs": ["a"], "output_dir": "o", "backend": "local", "sampling": {"top_p": 0}}, "sampling.top_p"),
+        ({"inputs": ["a"], "output_dir": "o", "backend": "local", "local": {"compile_step": True}},
+         "compile_step compiles the graphed engine's step: it needs backend 'local' and local.engine 'graphed'"),
     ],
 )
 def test_config_errors_name_the_problem(tree, message):
     with pytest.raises(ConfigError, match=message):
         build_generate_config(tree)
+
+
+def test_compile_step_reaches_the_graphed_engine(tiny_target):
+    """`--compile-step` is read: the backend that `generate` loads from the config carries it to the
+    engine it builds (no silent key); off unless asked."""
+    from dflash_train.generate.local_backend import LocalBackend
+
+    for flag in (None, True):
+        cfg = build_generate_config({"inputs": ["a"], "output_dir": "o", "backend": "local"},
+                                    {"engine": "graphed", "compile_step": flag, "device": "cpu"})
+        assert LocalBackend.load(str(tiny_target), cfg.local).compile_step is bool(flag)
 
 
 def test_missing_input_file_is_an_error(tmp_path, start_server):

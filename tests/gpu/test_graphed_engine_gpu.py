@@ -34,7 +34,7 @@ def test_graphed_engine_on_cuda_equals_the_padded_generate_in_fp32():
     stops = {17}
     padded = [generate_ids(model, [p], GenParams(temperature=0.0, top_p=1.0, max_tokens=40), stops, 0)[0]
               for p in prompts]
-    engine = GraphedEngine(model, rows=3, stops=stops, pad_id=0, chunk=8)
+    engine = GraphedEngine(model, rows=3, stops=stops, pad_id=0, chunk=8, compile=True)
     jobs = [Job(p, 40) for p in prompts]
     waiting = list(jobs)
     engine.serve(lambda n: [waiting.pop(0) for _ in range(min(n, len(waiting)))], lambda job: None)
