@@ -9,6 +9,7 @@ Layer id i = OUTPUT of decoder layer i (HF `hidden_states[i + 1]`).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -53,6 +54,17 @@ def _convert_embedded(name: str) -> Path:
     out = cache_home() / "models" / f"{model_name}.v{CONVERSION_VERSION}"
     if (out / "config.json").is_file():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One converter at a time (ranks of one launch, parallel test workers): the others wait, then
+    # find it done. Swapping a second copy in would pull the directory from under a reader.
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").is_file():
+            return out
+        return _convert(packaged, model_name, out)
+
+
+def _convert(packaged, model_name: str, out: Path) -> Path:
     gguf = packaged_file(packaged)
     src, gguf_file = gguf.parent, gguf.name
     log.info("converting %s from GGUF once (cached at %s)", model_name, out)

@@ -156,3 +156,32 @@ def test_logits_apply_the_models_soft_capping():
         expected = model(input_ids=ids).logits
     assert model.lm_head(hidden).abs().max() > 2 and expected.abs().max() <= 0.5  # the cap bites
     torch.testing.assert_close(target.logits(hidden), expected)
+
+
+def test_concurrent_first_loads_convert_the_embedded_model_once(tmp_path, monkeypatch):
+    """Two processes (ranks of one launch, parallel test workers) loading SmolLM2 for the first time:
+    one converts, the other waits for it and reads its result; neither swaps a second copy in."""
+    import threading
+    import time
+
+    import dflash_train.target as target_module
+
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path))
+    calls = []
+
+    def slow_convert(packaged, model_name, out):
+        calls.append(model_name)
+        time.sleep(0.5)  # long enough for the second caller to arrive while the first converts
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        return out
+
+    monkeypatch.setattr(target_module, "_convert", slow_convert)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(target_module._convert_embedded("smollm2")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(results) == 2 and results[0] == results[1]
