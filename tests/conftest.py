@@ -23,6 +23,19 @@ import json  # noqa: E402
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first (stable order otherwise): with two workers handed one test at a time (the
+    README's `-n 2 --maxschedchunk 1`), the longest start first on either worker and the quick ones
+    fill in around them, instead of one worker ending alone on a several-minute test."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers already fill both cores: the processes the tests start (launches, the example's
+    # stages) get one thread each, not two that fight the other worker.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 def _conversations(n: int) -> list[dict]:
     """Learnable answers: a few fixed phrases, so a tiny drafter's loss falls within a few dozen steps."""
     phrases = ["the answer is forty two.", "abcabcabc abcabcabc", "hello there, general kenobi"]
