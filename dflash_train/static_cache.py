@@ -190,19 +190,19 @@ def prepare_steps(steps: dict[str, Callable[[], object]], device: torch.device, 
     tried again with the plain steps, then they run eagerly. The steps run a few times here: they
     must only touch state that decoding resets."""
     out = Steps(dict(steps))
-    errors = []
-    if compile:  # the keyed, durable compile cache the trainer uses: never inductor's /tmp default
-        compile_cache.activate(compile_cache.cache_key())
-    for name, step in steps.items() if compile else ():
-        try:
-            fn = compiled(step)
-            fn()
-            out.run[name] = fn
-            out.compiled.append(name)
-        except Exception as e:  # a model dynamo or inductor cannot handle still decodes, uncompiled
-            errors.append(f"{name}: {_error(e)}")
-            log.error("compiling the %s step failed (%s); it runs uncompiled", name, errors[-1])
-    out.compile_error = "; ".join(errors) or None
+    if compile:
+        compile_cache.activate(compile_cache.cache_key())  # the trainer's keyed, durable cache, never /tmp
+        errors = []
+        for name, step in steps.items():
+            try:
+                fn = compiled(step)
+                fn()
+                out.run[name] = fn
+                out.compiled.append(name)
+            except Exception as e:  # a model dynamo or inductor cannot handle still decodes, uncompiled
+                errors.append(f"{name}: {_error(e)}")
+                log.error("compiling the %s step failed (%s); it runs uncompiled", name, errors[-1])
+        out.compile_error = "; ".join(errors) or None
     if graphs:
         _capture(out, steps, device)
     return out

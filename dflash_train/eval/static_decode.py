@@ -168,7 +168,6 @@ class StaticDecoder:
             # eagerly: a compiled step cannot)
             self._prefill([[0]], layer_ids=getattr(self, "layer_ids", ()))
             self.steps = prepare_steps(steps, self.target.device, graphs, compile)
-        self.run = self.steps.run
 
     # --------------------------------------------------------------- decoding
 
@@ -208,7 +207,7 @@ class StaticDecoder:
         active = self._emit(results, first[: len(prompts), None].tolist(), max_new_tokens, set(stop_ids))
         t0 = synced_time(self.target.device)
         while active:
-            self.run["target"]()
+            self.steps.run["target"]()
             new = self.step_ids.tolist()
             active = self._emit(results, [new[r] if r in active else [] for r in range(len(prompts))],
                                 max_new_tokens, set(stop_ids))
@@ -233,9 +232,9 @@ class StaticDecoder:
             wall, marks = time.perf_counter(), [clock.mark()]
             draft()
             marks.append(clock.mark())
-            self.run["verify"]()
+            self.steps.run["verify"]()
             marks.append(clock.mark())
-            self.run["advance"]()
+            self.steps.run["advance"]()
             accepted = self.accepted.tolist()  # the round's one host sync
             new = []
             for r, row in enumerate(accepted):
@@ -249,7 +248,7 @@ class StaticDecoder:
             out.draft_seconds.append(clock.seconds(marks[0], marks[1]))
             out.verify_seconds.append(clock.seconds(marks[1], marks[2]))
             out.bookkeeping_seconds.append(time.perf_counter() - wall - out.draft_seconds[-1] - out.verify_seconds[-1])
-            draft = self.run["draft"]
+            draft = self.steps.run["draft"]
         return self._done(out, t0)
 
     def _emit(self, results, new, max_new_tokens, stop_ids) -> set[int]:
