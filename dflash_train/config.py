@@ -77,8 +77,12 @@ class DataConfig(_Section):
     """JSONL or Parquet conversations (OpenAI `messages` or ShareGPT `conversations`)."""
     max_length: int = Field(3072, ge=8)
     token_budget: int = Field(16384, ge=8)
-    """Most (padded) tokens in one micro-batch."""
+    """Most (padded) tokens in one micro-batch. The rule measured on SmolLM2 (docs/benchmarks/quality.md,
+    2.75 device-minutes per run): raise it while the step time stays flat (the step is bound by
+    fixed per-step costs, so halving 32K to 16K tokens halved the tokens/s and cost 0.5 tau) and stop
+    where the step time starts to grow with it (64K: 0.62x the steps, 0.06 less tau)."""
     max_batch_size: int = Field(16, ge=1)
+    """Most sequences in one micro-batch; scale it with token_budget when sweeping it."""
     skip_invalid: bool = False
     """Skip malformed rows (counted in the run summary) instead of failing on the first one."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -146,8 +150,13 @@ class ObjectiveConfig(_Section):
 
 class TrainConfig(_Section):
     lr: float = Field(6e-4, gt=0)
+    """Peak learning rate. Measured on SmolLM2 at equal device-minutes (docs/benchmarks/quality.md):
+    1e-3 best; 2e-3 trained as well only with a long warmup (~240 steps), not with 77; 4e-3 stalled.
+    The peak a run tolerates depends on how many steps the warmup has, not on its share of the run."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     warmup_ratio: float = Field(0.04, ge=0, lt=1)
+    """Share of the steps spent ramping up to `lr`. Under a time budget it is a share of the steps
+    that fit, so a shorter budget also means fewer warmup steps (see `lr`)."""
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = Field(1.0, gt=0)

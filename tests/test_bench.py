@@ -75,3 +75,28 @@ def test_speedup_vs_tau_reads_reports_and_fits_one_slope_per_batch(tmp_path):
     pts = speedup_vs_tau.main([*files, "--out", str(tmp_path / "s.png")])
     assert len(pts) == 4 and (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"  # the failed run is left out
     assert speedup_vs_tau.slope(pts, 1) == pytest.approx((0.7 + 3 * 2.1) / 10)  # sum(t*s) / sum(t*t)
+
+
+def test_sweep_chart_takes_each_runs_last_probe_and_orders_by_value(tmp_path, capsys):
+    import sweep_chart
+
+    def run(name, minutes, records):
+        d = tmp_path / name
+        d.mkdir()
+        probes = [{"step": s, "device_seconds": m * 60, "tau_hat": t, "tau_decode": t - 0.2, "loss": 9 - t}
+                  for s, m, t in records]
+        (d / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in probes))
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 20, "loss": 5.0}) + "\n")
+        return d
+
+    hi = run("hi", 2.7, [(100, 1.0, 1.5), (400, 2.7, 2.0)])
+    lo = run("lo", 2.7, [(500, 2.7, 2.5)])
+    sweeps = sweep_chart.main(["--sweep", "lr", f"{hi}=4e-3", f"{lo}=1e-3", "--out", str(tmp_path / "s.png")])
+    assert [(p["run"], p["value"], p["tau_hat"], p["steps"]) for p in sweeps["lr"]] == [
+        ("lo", 1e-3, 2.5, 500), ("hi", 4e-3, 2.0, 400)]  # the last probe record, in order of value
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+    assert "unequal budgets" not in capsys.readouterr().out
+
+    short = run("short", 1.0, [(50, 1.0, 1.2)])
+    sweep_chart.main(["--sweep", "lr", f"{short}=2e-3", f"{lo}=1e-3", "--out", str(tmp_path / "t.png")])
+    assert "unequal budgets" in capsys.readouterr().out
