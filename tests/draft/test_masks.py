@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import create_mask
+from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from dflash_train.draft import masks
 
@@ -53,6 +53,51 @@ def test_dense_and_flex_masks_equal_brute_force(block_size, context_len):
         masks.mask_mod_for(anchors, block_size, context_len), 3, None, q, context_len + q, device="cpu"
     )
     assert torch.equal(flex.expand_as(ref), ref)
+
+
+def reference_tiles(anchors: torch.Tensor, block_size: int, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(listed, full) [b, q tiles, key tiles] from the dense mask: a tile is listed if any pair in it
+    is visible, full if all are (a tile cut by the end of Q or KV has padding, never visible)."""
+    dense = masks.dense_mask(anchors, block_size, context_len)[:, 0]
+    b, q, kv = dense.shape
+    t = masks.TILE
+    padded = torch.zeros(b, -(-q // t) * t, -(-kv // t) * t, dtype=torch.bool)
+    padded[:, :q, :kv] = dense
+    sums = padded.view(b, padded.shape[1] // t, t, padded.shape[2] // t, t).sum(dim=(2, 4))
+    return sums > 0, sums == t * t
+
+
+@pytest.mark.parametrize("b,n,block_size,context_len", [
+    (2, 8, 16, 128), (3, 16, 16, 256), (2, 9, 16, 300), (1, 40, 16, 700), (3, 13, 10, 260), (2, 30, 4, 129),
+    (2, 3, 2, 5), (2, 2, 128, 200),
+])
+def test_flex_block_mask_lists_the_tiles_of_the_dense_mask(b, n, block_size, context_len):
+    """The tile-arithmetic BlockMask against the dense mask's tiles and against create_block_mask
+    over the same mask_mod (the pair-by-pair construction it replaces)."""
+    gen = torch.Generator().manual_seed(b * 1000 + n * 10 + block_size)
+    anchors = torch.randint(0, context_len, (b, n), generator=gen)
+    anchors[0, : n // 3] = 0  # padded anchors see no context
+    anchors[-1] = context_len - 1  # the whole context: full tiles where a query tile is complete
+    if b > 2:  # anchors on tile edges: the context tile [0, 128) is all visible from anchor 128 on
+        anchors[1] = torch.tensor([masks.TILE * (1 + j % 2) for j in range(n)]).clamp(max=context_len - 1)
+    anchors = anchors.sort(dim=1).values
+    mask = masks.flex_block_mask(anchors, block_size, context_len)
+    listed, full = reference_tiles(anchors, block_size, context_len)
+    for num, idx, want in ((mask.kv_num_blocks, mask.kv_indices, listed & ~full),
+                           (mask.full_kv_num_blocks, mask.full_kv_indices, full)):
+        assert torch.equal(num[:, 0], want.sum(-1).int())
+        for bi in range(b):
+            for qi in range(want.shape[1]):
+                k = int(num[bi, 0, qi])
+                assert idx[bi, 0, qi, :k].tolist() == want[bi, qi].nonzero().flatten().tolist()
+    assert (listed & ~full).any()
+    assert full.any() == (n * block_size >= masks.TILE and context_len > masks.TILE)  # checked where they can occur
+    ref = create_block_mask(masks.mask_mod_for(anchors, block_size, context_len), b, None, n * block_size,
+                            context_len + n * block_size, device="cpu")
+    for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                  "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(mask, field), getattr(ref, field)), field
+    assert mask.seq_lengths == ref.seq_lengths and mask.BLOCK_SIZE == ref.BLOCK_SIZE
 
 
 def test_anchor_never_sees_its_own_position():
