@@ -48,21 +48,25 @@ def batch_shape(ds: TokenizedDataset, indices, data: DataConfig) -> tuple[int, i
 
 
 def collate(ds: TokenizedDataset, indices, device, shape: tuple[int, int] | None = None) -> dict:
-    """Padded [rows, length] tensors; `shape` fixes both (bucket mode: extra rows are empty)."""
-    rows, length = shape or (len(indices), max(len(ds.input_ids[i]) for i in indices))
-    ids = torch.zeros(rows, length, dtype=torch.long)
-    loss_mask = torch.zeros(rows, length, dtype=torch.long)
-    attn = torch.zeros(rows, length, dtype=torch.long)
+    """Padded [rows, length] tensors; `shape` fixes both (bucket mode: extra rows are empty). One
+    scatter of all rows' tokens, not a copy per row: at 64 rows a step the per-row copies cost ~5 ms
+    of host time, which a small training step waits for."""
+    rows_ids = [ds.input_ids[i] for i in indices]
+    lengths = np.array([len(r) for r in rows_ids], dtype=np.int64)
+    rows, length = shape or (len(indices), int(lengths.max()))
+    row = np.repeat(np.arange(len(indices)), lengths)
+    col = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    ids = np.zeros((rows, length), dtype=np.int64)
+    loss_mask = np.zeros((rows, length), dtype=np.int64)
+    attn = np.zeros((rows, length), dtype=np.int64)
+    ids[row, col] = np.concatenate(rows_ids)
+    loss_mask[row, col] = np.concatenate([ds.loss_mask[i] for i in indices])
+    attn[row, col] = 1
     attn[len(indices):, 0] = 1  # an empty row attends to one pad token: finite features, no anchors
-    for row, i in enumerate(indices):
-        n = len(ds.input_ids[i])
-        ids[row, :n] = torch.from_numpy(ds.input_ids[i].astype(np.int64))
-        loss_mask[row, :n] = torch.from_numpy(ds.loss_mask[i].astype(np.int64))
-        attn[row, :n] = 1
     return {
-        "input_ids": upload(ids, device),
-        "loss_mask": upload(loss_mask, device),
-        "attention_mask": upload(attn, device),
+        "input_ids": upload(torch.from_numpy(ids), device),
+        "loss_mask": upload(torch.from_numpy(loss_mask), device),
+        "attention_mask": upload(torch.from_numpy(attn), device),
         "indices": list(indices),
-        "num_tokens": int(sum(len(ds.input_ids[i]) for i in indices)),
+        "num_tokens": int(lengths.sum()),
     }
