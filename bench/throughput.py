@@ -10,7 +10,9 @@ CPU (kept working by CI): a tiny config.
 MFU counts 2 x params x tokens (x3 with backward) plus attention, against a bf16 matmul rate
 measured in the same run. Besides the three headline rates, each run measures levers side by side
 on the same models: end-to-end with the next target forward on a second CUDA stream (overlap),
-the foreach instead of the fused AdamW, and the host syncs of one end-to-end step.
+the foreach instead of the fused AdamW, the host syncs of one end-to-end step, the drafter step
+with its block task (anchors, labels) drawn inside it as the training loop does, and the block
+mask built from the anchors' tiles against torch's `create_block_mask` over the same rule.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import traceback
 import warnings
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_train.config import build_config
+from dflash_train.draft import masks
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.target import Target
@@ -184,11 +188,12 @@ def main(argv=None):
     feats = target_step()
     task = make_task(ids, loss_mask, cfg.objective, 0)
 
-    def draft_step(features=None, optimizer=opt):
+    def draft_step(features=None, optimizer=opt, block_task=None):
+        block_task = block_task or task
         with autocast:
-            out = draft_loss(drafter, task, feats if features is None else features, target.embed_weight,
+            out = draft_loss(drafter, block_task, feats if features is None else features, target.embed_weight,
                              target.lm_head_weight, use_flex, 4096, mix, target.logits, compiled_loss=args.compile_loss)
-        (out.weighted_ce_sum / task.weights.sum()).backward()
+        (out.weighted_ce_sum / block_task.weights.sum()).backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -221,6 +226,15 @@ def main(argv=None):
 
         levers["profile_e2e"] = profile(lambda: draft_step(target_step()))
         levers["profile_target"] = profile(target_step)
+    seeds = iter(range(1, 10**6))  # new anchors every step, as in training
+    levers["drafter_with_task_steps_per_s"] = 1 / timed(
+        lambda: draft_step(block_task=make_task(ids, loss_mask, cfg.objective, next(seeds))), device, args.steps, 1)
+    context = ids.shape[1]
+    levers["block_mask_ms"] = 1e3 * timed(lambda: masks.flex_block_mask(task.anchors, 16, context), device, args.steps, 1)
+    levers["block_mask_create_block_mask_ms"] = 1e3 * timed(
+        lambda: create_block_mask(masks.mask_mod_for(task.anchors, 16, context), task.anchors.shape[0], None,
+                                  task.anchors.shape[1] * 16, context + task.anchors.shape[1] * 16, device=device),
+        device, args.steps, 1)
     if device.type == "cuda":
         levers["e2e_overlap_tokens_per_s"] = tokens / timed(lambda: overlapped(args.steps), device, 1, 1) * args.steps
         foreach = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, betas=cfg.train.betas, foreach=True)
@@ -237,7 +251,7 @@ def main(argv=None):
     result = {
         "shape": shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "seq_tokens_per_step": tokens, "anchors": anchors, "block_size": 16,
-        "loss": args.loss, "batch": args.batch, "steps_per_s": 1 / t_e2e,
+        "loss": args.loss, "batch": args.batch, "steps_per_s": 1 / t_e2e, "drafter_steps_per_s": 1 / t_draft,
         "draft_layers": drafter.config.num_hidden_layers, "compile": args.compile, "compile_loss": args.compile_loss,
         "target_tokens_per_s": tokens / t_target, "drafter_tokens_per_s": tokens / t_draft,
         "e2e_tokens_per_s": tokens / t_e2e, "harmonic_tokens_per_s": harmonic,

@@ -17,7 +17,8 @@ def test_throughput_benchmark_cpu_mode(tmp_path):
     out = tmp_path / "bench.json"
     result = main(["--tiny", "--steps", "1", "--out", str(out)])
     assert out.is_file()
-    for key in ("target_tokens_per_s", "drafter_tokens_per_s", "e2e_tokens_per_s"):
+    for key in ("target_tokens_per_s", "drafter_tokens_per_s", "e2e_tokens_per_s", "drafter_steps_per_s",
+                "drafter_with_task_steps_per_s", "block_mask_ms", "block_mask_create_block_mask_ms"):
         assert result[key] > 0
     assert result["anchors"] == 16 and result["block_size"] == 16
 
