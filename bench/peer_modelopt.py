@@ -54,7 +54,7 @@ from dflash_train.train.budget import TimeBudget
 from dflash_train.train.build import autocast_for
 from dflash_train.train.heldout import HeldoutProbe
 from dflash_train.train.loop import Trainer
-from dflash_train.train.optim import build_optimizer, build_scheduler, retarget_scheduler
+from dflash_train.train.optim import build_optimizer, build_scheduler, refit_scheduler
 
 
 # ---- Model-Optimizer's drafter, configured like ours ----------------------------------------------
@@ -254,7 +254,7 @@ def train_modelopt(cfg: RunConfig, out: Path, loss: str, weights: str) -> dict:
         fitted = budget and budget.steps_that_fit(step, planned)
         if fitted and fitted != total:
             total = fitted
-            retarget_scheduler(scheduler, tc, total)
+            refit_scheduler(scheduler, total)
         if step % tc.log_every == 0 or step == total:
             seconds = time.perf_counter() - t0
             records.append({"step": step, "epoch": cursor[0], "lr": window[-1]["lr"],

@@ -77,10 +77,10 @@ class DataConfig(_Section):
     """JSONL or Parquet conversations (OpenAI `messages` or ShareGPT `conversations`)."""
     max_length: int = Field(3072, ge=8)
     token_budget: int = Field(16384, ge=8)
-    """Most (padded) tokens in one micro-batch. The rule measured on SmolLM2 (docs/benchmarks/quality.md,
-    2.75 device-minutes per run): raise it while the step time stays flat (the step is bound by
-    fixed per-step costs, so halving 32K to 16K tokens halved the tokens/s and cost 0.5 tau) and stop
-    where the step time starts to grow with it (64K: 0.62x the steps, 0.06 less tau)."""
+    """Most (padded) tokens in one micro-batch. Measured on SmolLM2 (docs/benchmarks/quality.md, 2.75
+    device-minutes a run): 25-30 ms of a small step does not grow with the batch, so halving 32K to 16K
+    tokens gave only 1.2-1.3x the steps/s (0.6x the tokens/s) and lost 0.5 tau; doubling it gave 0.62x
+    the steps and 0.06 less tau. Size it so the step is well past that fixed part."""
     max_batch_size: int = Field(16, ge=1)
     """Most sequences in one micro-batch; scale it with token_budget when sweeping it."""
     skip_invalid: bool = False
@@ -150,13 +150,15 @@ class ObjectiveConfig(_Section):
 
 class TrainConfig(_Section):
     lr: float = Field(6e-4, gt=0)
-    """Peak learning rate. Measured on SmolLM2 at equal device-minutes (docs/benchmarks/quality.md):
-    1e-3 best; 2e-3 trained as well only with a long warmup (~240 steps), not with 77; 4e-3 stalled.
-    The peak a run tolerates depends on how many steps the warmup has, not on its share of the run."""
+    """Peak learning rate. On SmolLM2 (docs/benchmarks/quality.md) 2e-3 trained well after a ~150-step
+    warmup; in 2.75-minute runs whose warmup the time budget cut to a one-step jump (fixed since:
+    `Schedule.refit`), 1e-3 beat 5e-4 and 2e-3 and 4e-3 stalled. A rate reached at once hurts more
+    the higher it is."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     warmup_ratio: float = Field(0.04, ge=0, lt=1)
-    """Share of the steps spent ramping up to `lr`. Under a time budget it is a share of the steps
-    that fit, so a shorter budget also means fewer warmup steps (see `lr`)."""
+    """Share of the steps spent ramping up to `lr`. Under a time budget, a share of the steps that fit:
+    from the first estimate on (after the compile warm-up) the warmup goes on at that length's slope
+    from where it stands, never jumping ahead."""
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = Field(1.0, gt=0)
@@ -171,7 +173,8 @@ class TrainConfig(_Section):
     time_budget_minutes: float | None = Field(None, gt=0)
     """Wall-clock budget of one `fit` for runs WITHOUT max_steps: once the step time is measured, the
     steps shrink to what fits and the schedule ends on time (a shorter, complete run rather than a
-    cut-off one). A resumed run keeps the saved run's length as its ceiling (no jump back up)."""
+    cut-off one). Each new estimate continues the schedule without a jump (`Schedule.refit`). A
+    resumed run keeps the saved run's length as its ceiling (no jump back up)."""
     deadline_minutes: float | None = Field(None, gt=0)
     """Wall-clock limit of one `fit` that never changes the schedule: when it is reached (less a 3%
     reserve for the checkpoint) the trainer saves and exits; `--resume auto` then continues the same

@@ -39,7 +39,7 @@ from dflash_train.train.metrics import MetricsFile
 from dflash_train.checkpoint.storage import prune_local, resolve_resume
 from dflash_train.train.tracking import Tracker
 from dflash_train.train.budget import Deadline, TimeBudget
-from dflash_train.train.optim import retarget_scheduler
+from dflash_train.train.optim import refit_scheduler, retarget_scheduler
 from dflash_train.train.parts import build
 
 log = logging.getLogger("dflash_train")
@@ -131,9 +131,12 @@ class Trainer:
         # same config -> the same rates as saved; a longer run -> the longer cosine, no jump.
         if self.cfg.train.time_budget_minutes and state.get("total_steps"):
             # A budgeted run's saved length is its ceiling: refitting from the full plan would push the
-            # rate back up at every resume; this call's budget can only shorten it further.
+            # rate back up at every resume; this call's budget can only shorten it further. Its saved
+            # schedule (refitted as it went) continues from the saved step.
             self.total_steps = min(self.total_steps, state["total_steps"])
-        retarget_scheduler(self.scheduler, self.cfg.train, self.total_steps)
+            refit_scheduler(self.scheduler, self.total_steps)
+        else:
+            retarget_scheduler(self.scheduler, self.cfg.train, self.total_steps)
         self.step = state["step"]
         self.cursor = tuple(state["cursor"])
         self.tracking_run_id = state.get("tracking_run_id")
@@ -274,7 +277,7 @@ class Trainer:
                 log.log(logging.INFO if budget.worth_reporting(fitted) else logging.DEBUG,
                         "time budget: %d of %d planned steps fit; the schedule now ends there", fitted, planned)
                 self.total_steps = bar.total = fitted
-                retarget_scheduler(self.scheduler, tc, fitted)
+                refit_scheduler(self.scheduler, fitted)
             at_deadline = bool(deadline) and self.step < self.total_steps and deadline.reached()
             if self.step % tc.log_every == 0 or self.step == self.total_steps or at_deadline:
                 last_record = self._log(window, time.perf_counter() - t0, paused, metrics)

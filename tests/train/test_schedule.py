@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_train.config import build_config
-from dflash_train.train.optim import build_scheduler, lr_factor, retarget_scheduler
+from dflash_train.train.optim import Schedule, build_scheduler, lr_factor, refit_scheduler, retarget_scheduler
 
 
 def test_cosine_at_given_steps():
@@ -67,3 +67,58 @@ def test_wsd_is_the_schedule_training_uses(make_run_config, shared_tiny_target):
     logged = [r["lr"] for r in read_metrics(cfg.run_dir)]
     assert logged == pytest.approx([cfg.train.lr * lr_factor(s, 10, 0.2, 0.0, "wsd", 0.3) for s in range(10)])
     assert logged[2:7] == [cfg.train.lr] * 5  # the stable part
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_refit_continues_without_a_jump_and_never_goes_back_up(schedule):
+    """A time budget refits the length as its estimate moves: first down (the plan was 40 epochs),
+    during the warmup, then up while decaying (later epochs run faster on cached features)."""
+    plan = Schedule(1000, 0.1, 0.05, schedule, 0.2)
+    short = plan.refit(30, 100)  # the plan's warmup is at 3.1%; 100 steps' warmup (10) is over
+    assert short(30) == pytest.approx(plan(30))  # no jump
+    rates = [short(s) for s in range(30, 101)]
+    assert max(b - a for a, b in zip(rates, rates[1:])) <= 1 / 10 + 1e-12  # the new length's warmup slope
+    assert max(rates) == pytest.approx(1.0) and rates[-1] == pytest.approx(0.05)
+    longer = short.refit(85, 150)  # deep in the decay, the run turns out longer
+    assert longer(85) == pytest.approx(short(85))
+    tail = [longer(s) for s in range(85, 151)]
+    assert all(b <= a + 1e-12 for a, b in zip(tail, tail[1:]))  # before, the stretched cosine rose again
+    assert tail[-1] == pytest.approx(0.05) and tail[-2] > 0.05 + 1e-6  # the end of the decay is the new end
+    assert short.refit(50, 100) is short and plan.refit(0, 1000) is plan  # the same length: untouched
+
+
+def test_refitted_decay_follows_the_same_curve_when_the_length_is_kept():
+    plan = Schedule(200, 0.1, 0.0, "cosine", 0.2)
+    up = plan.refit(120, 300)
+    done = (120 - 20) / (200 - 20)  # the progress the 200-step cosine had made at step 120
+    assert up.position(210) == ("decay", pytest.approx(done + (1 - done) / 2))  # halfway through the rest
+    again = up.refit(150, 200)  # up and back: the curve from 150 on is a 200-step one's
+    remaining = [again(s) for s in range(150, 201)]
+    assert remaining[0] == pytest.approx(up(150))
+    assert remaining[-1] == pytest.approx(0.0) and all(b <= a for a, b in zip(remaining, remaining[1:]))
+
+
+def test_a_refitted_schedule_survives_the_schedulers_state_dict():
+    tc = build_config(overrides=["train.warmup_ratio=0.1", "train.lr=1.0"]).train
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=tc.lr)
+    sched = build_scheduler(opt, tc, 1000)
+    for _ in range(30):
+        opt.step()
+        sched.step()
+    refit_scheduler(sched, 100)
+    saved = sched.state_dict()
+    want = []
+    for _ in range(20):
+        want.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=tc.lr)
+    restored = build_scheduler(opt2, tc, 1000)
+    restored.load_state_dict(saved)
+    refit_scheduler(restored, 100)  # what a resumed budgeted run does: the same length, untouched
+    got = []
+    for _ in range(20):
+        got.append(opt2.param_groups[0]["lr"])
+        opt2.step()
+        restored.step()
+    assert got == want
