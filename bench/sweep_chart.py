@@ -55,23 +55,27 @@ def draw(sweeps: dict[str, list[dict]], loss_runs: dict[str, Path], out: Path) -
         for p in pts:
             ax.annotate(f"{p['steps']} steps", (p["value"], p["tau_hat"]), fontsize=7, xytext=(3, 4),
                         textcoords="offset points")
-        ax.set_xscale("log", base=2)
+        if min(xs) > 0:  # rates and batch sizes are swept by factors
+            ax.set_xscale("log", base=2)
+            ax.minorticks_off()
         ax.set_xticks(xs, [f"{x:g}" for x in xs])
-        ax.minorticks_off()
         ax.set_xlabel(knob)
         ax.set_ylabel(f"held-out acceptance at {pts[0]['device_minutes']:.2f} device-min")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     ax = axes[-1]
-    for label, run in loss_runs.items():
-        rows = read_jsonl(run / "metrics.jsonl")
-        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1, label=label)
     last_step = max(p["steps"] for pts in sweeps.values() for p in pts)
+    shown = []  # the losses drawn past the first 5% of the steps: the first ones would flatten the rest
+    for label, run in loss_runs.items():
+        rows = [r for r in read_jsonl(run / "metrics.jsonl") if r["step"] <= 1.1 * last_step]
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1, label=label)
+        shown += [r["loss"] for r in rows if r["step"] >= 0.05 * last_step]
     ax.set_xlim(0, 1.1 * last_step)  # a longer reference run is drawn over the sweep's steps only
-    ax.set_ylim(2, 8)
+    if shown:
+        ax.set_ylim(min(shown) - 0.2, max(shown) + 0.2)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title(f"{next(iter(sweeps))}: training loss", fontsize=9)
+    ax.set_title("training loss", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -89,6 +93,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
                     help="also draw this run's training loss (default: the first sweep's runs)")
     ap.add_argument("--out", default="sweep.png")
     args = ap.parse_args(argv)
+    for knob, *specs in args.sweep:
+        if not specs:
+            raise SystemExit(f"--sweep {knob!r}: no RUN_DIR=VALUE after the knob's name")
     sweeps = {knob: sweep_points(specs) for knob, *specs in args.sweep}
     first = args.sweep[0]
     loss_runs = dict(s.split("=", 1) for s in args.loss_run) if args.loss_run else {}

@@ -230,10 +230,13 @@ def main(argv=None):
     levers["drafter_with_task_steps_per_s"] = 1 / timed(
         lambda: draft_step(block_task=make_task(ids, loss_mask, cfg.objective, next(seeds))), device, args.steps, 1)
     context = ids.shape[1]
-    levers["block_mask_ms"] = 1e3 * timed(lambda: masks.flex_block_mask(task.anchors, 16, context), device, args.steps, 1)
+    block = cfg.objective.block_size
+    levers["block_mask_ms"] = 1e3 * timed(lambda: masks.flex_block_mask(task.anchors, block, context), device,
+                                          args.steps, 1)
     levers["block_mask_create_block_mask_ms"] = 1e3 * timed(
-        lambda: create_block_mask(masks.mask_mod_for(task.anchors, 16, context), task.anchors.shape[0], None,
-                                  task.anchors.shape[1] * 16, context + task.anchors.shape[1] * 16, device=device),
+        lambda: create_block_mask(masks.mask_mod_for(task.anchors, block, context), task.anchors.shape[0], None,
+                                  task.anchors.shape[1] * block, context + task.anchors.shape[1] * block,
+                                  device=device),
         device, args.steps, 1)
     if device.type == "cuda":
         levers["e2e_overlap_tokens_per_s"] = tokens / timed(lambda: overlapped(args.steps), device, 1, 1) * args.steps
