@@ -3,8 +3,9 @@
 TimeBudget (runs without max_steps): once the step time is known (after the compile warm-up), the
 run's total steps shrink to those that fit in the time left, re-estimated as training goes on from
 the step time of the last few estimate windows (not the whole run: with `data.cache_features` the
-first epoch also runs the target and later steps are much faster); the trainer then retargets the
-schedule to that length. Cutting a run by a timeout instead would stop it at a high learning rate.
+first epoch also runs the target and later steps are much faster); the trainer then refits the
+schedule to that length without a jump (`optim.Schedule.refit`). Cutting a run by a timeout instead
+would stop it at a high learning rate.
 Deadline (fixed-length runs): the trainer saves and exits when it is reached, and the next call
 resumes the SAME schedule; refitting in every call would push the learning rate back up each time.
 """
