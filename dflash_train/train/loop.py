@@ -134,8 +134,9 @@ class Trainer:
             # rate back up at every resume; this call's budget can only shorten it further. Its saved
             # schedule (refitted as it went) continues from the saved step.
             self.total_steps = min(self.total_steps, state["total_steps"])
+        if self.cfg.train.time_budget_minutes and saved["optim"]["scheduler"]["lr_lambdas"][0] is not None:
             refit_scheduler(self.scheduler, self.total_steps)
-        else:
+        else:  # a fixed-length run, or a checkpoint from before schedules were saved: the plain schedule
             retarget_scheduler(self.scheduler, self.cfg.train, self.total_steps)
         self.step = state["step"]
         self.cursor = tuple(state["cursor"])
