@@ -104,3 +104,27 @@ def test_launch_on_several_ranks_refuses_wall_clock_stops(make_run_config):
     budgeted = make_run_config(overrides=["train.time_budget_minutes=5"])
     with pytest.raises(ValueError, match=r"train\.time_budget_minutes"):
         check_wall_clock_stops(drafter_runs(budgeted), world_size=4)
+
+
+def test_a_budgeted_checkpoint_without_a_saved_schedule_resumes_on_the_plain_one(make_run_config, shared_tiny_target,
+                                                                                  monkeypatch):
+    """Checkpoints written before schedules were objects hold no schedule: refitting the fresh plan's
+    would restart its warmup mid-run; they resume on the plain schedule of the saved length."""
+    import torch
+
+    from dflash_train.train.optim import lr_factor
+
+    clock = FakeClock()
+    monkeypatch.setattr("dflash_train.train.budget.perf_counter", clock)
+    overrides = ["train.epochs=20", "train.time_budget_minutes=1", "train.compile_warmup_steps=2",
+                 "checkpoint.every=10", "train.warmup_ratio=0.1"]
+    cfg = make_run_config("a", overrides)
+    timed(Trainer(cfg, target=shared_tiny_target), clock, 2.0).fit(progress=False)
+    old = f"{cfg.run_dir}/checkpoints/step_00000020/optimizer.pt"
+    optim = torch.load(old, weights_only=False)
+    optim["scheduler"]["lr_lambdas"] = [None]  # what LambdaLR saved for a plain function
+    torch.save(optim, old)
+    resumed = Trainer(make_run_config("a", overrides), target=shared_tiny_target)
+    resumed.resume(f"{cfg.run_dir}/checkpoints/step_00000020")
+    assert resumed.total_steps == 29
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(cfg.train.lr * lr_factor(20, 29, 0.1, 0.0))
