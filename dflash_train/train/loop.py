@@ -135,6 +135,12 @@ class Trainer:
             # schedule (refitted as it went) continues from the saved step.
             self.total_steps = min(self.total_steps, state["total_steps"])
         if self.cfg.train.time_budget_minutes and saved["optim"]["scheduler"]["lr_lambdas"][0] is not None:
+            saved_schedule, tc = self.scheduler.lr_lambdas[0], self.cfg.train
+            changed = [k for k in ("warmup_ratio", "min_lr_ratio", "schedule", "decay_ratio")
+                       if getattr(saved_schedule, k) != getattr(tc, k)]
+            if changed:
+                log.warning("resume: the budgeted run continues its saved schedule; train.%s changed in the "
+                            "config apply to new runs only", ", train.".join(changed))
             refit_scheduler(self.scheduler, self.total_steps)
         else:  # a fixed-length run, or a checkpoint from before schedules were saved: the plain schedule
             retarget_scheduler(self.scheduler, self.cfg.train, self.total_steps)

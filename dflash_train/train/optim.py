@@ -60,8 +60,13 @@ class Schedule:
         return decay_curve(value, self.min_lr_ratio, self.schedule) if phase == "decay" else value
 
     def _warmup_end(self) -> int:
-        """A warmup under way at `start` goes on at this length's warmup slope, never faster."""
-        return self.start + math.ceil((1 - self.start_factor) * round(self.warmup_ratio * self.total_steps))
+        """A warmup under way at `start` goes on at this length's warmup slope (at least one step's
+        worth), never faster, unless that leaves the decay less than half the steps left: the run
+        must still end at min_lr_ratio."""
+        if self.start_factor >= 1:
+            return self.start
+        ramp = math.ceil((1 - self.start_factor) * round(self.warmup_ratio * self.total_steps) - 1e-9)  # no float step
+        return self.start + max(1, min(ramp, (self.total_steps - self.start) // 2))
 
     def _decay_start(self, warmup_end: int) -> int:
         if self.schedule == "wsd":
@@ -75,9 +80,10 @@ class Schedule:
             if step < warmup_end:
                 return "warmup", (step + 1) / warmup_end
         elif self.start_progress is not None:
-            remaining = max(self.total_steps - self.start, 1)
-            return "decay", min(self.start_progress + (1 - self.start_progress) * (step - self.start) / remaining, 1.0)
+            done = (max(step, self.start) - self.start) / max(self.total_steps - self.start, 1)
+            return "decay", min(self.start_progress + (1 - self.start_progress) * done, 1.0)
         else:
+            step = max(step, self.start)  # a refitted schedule has no steps before its start
             warmup_end = self._warmup_end()
             if step < warmup_end:
                 return "warmup", self.start_factor + (1 - self.start_factor) * (step - self.start) / (warmup_end - self.start)

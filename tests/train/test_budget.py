@@ -58,7 +58,7 @@ def test_a_budgeted_run_ends_early_with_its_schedule_complete(make_run_config, s
     lrs = [r["lr"] for r in read_metrics(cfg.run_dir)]
     assert len(lrs) == 29
     # Steps before the estimate followed the planned schedule. From the fit on, the warmup went on at
-    # the 29-step run's slope (before, it jumped from ~6% to ~99% of the peak in one step: the 29-step
+    # the 29-step run's slope (before, it jumped from ~14% to 100% of the peak in one step: the 29-step
     # warmup was already over), then the cosine fell, never back up, to its end at the last step
     # instead of being cut off near its peak.
     assert lrs[:3] == pytest.approx([cfg.train.lr * lr_factor(s, planned, 0.1, 0.0) for s in range(3)])

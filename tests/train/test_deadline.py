@@ -128,3 +128,19 @@ def test_a_budgeted_checkpoint_without_a_saved_schedule_resumes_on_the_plain_one
     resumed.resume(f"{cfg.run_dir}/checkpoints/step_00000020")
     assert resumed.total_steps == 29
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(cfg.train.lr * lr_factor(20, 29, 0.1, 0.0))
+
+
+def test_a_budgeted_resume_says_when_the_configs_schedule_keys_changed(make_run_config, shared_tiny_target,
+                                                                       monkeypatch, caplog):
+    """The saved schedule continues (its refits are part of the run); a changed key is not silent."""
+    clock = FakeClock()
+    monkeypatch.setattr("dflash_train.train.budget.perf_counter", clock)
+    overrides = ["train.epochs=20", "train.time_budget_minutes=1", "train.compile_warmup_steps=2",
+                 "checkpoint.every=10"]
+    cfg = make_run_config("a", overrides)
+    timed(Trainer(cfg, target=shared_tiny_target), clock, 2.0).fit(progress=False)
+    changed = Trainer(make_run_config("a", overrides + ["train.warmup_ratio=0.3"]), target=shared_tiny_target)
+    with caplog.at_level("WARNING", logger="dflash_train"):
+        changed.resume(f"{cfg.run_dir}/checkpoints/step_00000020")
+    assert "train.warmup_ratio changed" in caplog.text
+    assert changed.scheduler.lr_lambdas[0].warmup_ratio == cfg.train.warmup_ratio

@@ -74,7 +74,7 @@ def test_refit_continues_without_a_jump_and_never_goes_back_up(schedule):
     """A time budget refits the length as its estimate moves: first down (the plan was 40 epochs),
     during the warmup, then up while decaying (later epochs run faster on cached features)."""
     plan = Schedule(1000, 0.1, 0.05, schedule, 0.2)
-    short = plan.refit(30, 100)  # the plan's warmup is at 3.1%; 100 steps' warmup (10) is over
+    short = plan.refit(30, 100)  # the plan's warmup is at 31%; 100 steps' warmup (10) is over
     assert short(30) == pytest.approx(plan(30))  # no jump
     rates = [short(s) for s in range(30, 101)]
     assert max(b - a for a, b in zip(rates, rates[1:])) <= 1 / 10 + 1e-12  # the new length's warmup slope
@@ -102,23 +102,46 @@ def test_a_refitted_schedule_survives_the_schedulers_state_dict():
     tc = build_config(overrides=["train.warmup_ratio=0.1", "train.lr=1.0"]).train
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=tc.lr)
     sched = build_scheduler(opt, tc, 1000)
-    for _ in range(30):
-        opt.step()
-        sched.step()
+
+    def run(scheduler, optimizer, steps):
+        rates = []
+        for _ in range(steps):
+            rates.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return rates
+
+    run(sched, opt, 30)
     refit_scheduler(sched, 100)
+    run(sched, opt, 10)
+    refit_scheduler(sched, 120)  # two refits: no fresh schedule rebuilds this one
+    run(sched, opt, 5)
     saved = sched.state_dict()
-    want = []
-    for _ in range(20):
-        want.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
+    want = run(sched, opt, 20)
     opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=tc.lr)
     restored = build_scheduler(opt2, tc, 1000)
     restored.load_state_dict(saved)
-    refit_scheduler(restored, 100)  # what a resumed budgeted run does: the same length, untouched
-    got = []
-    for _ in range(20):
-        got.append(opt2.param_groups[0]["lr"])
-        opt2.step()
-        restored.step()
-    assert got == want
+    assert restored.lr_lambdas[0] == Schedule(1000, 0.1, 0.0, "cosine", 0.2).refit(30, 100).refit(40, 120)
+    refit_scheduler(restored, 120)  # what a resumed budgeted run does: the same length, untouched
+    assert run(restored, opt2, 20) == want
+
+
+def test_a_refit_with_few_steps_left_still_ends_at_the_minimum():
+    plan = Schedule(1000, 0.3, 0.0, "cosine", 0.2)
+    late = plan.refit(30, 36)  # the warmup's slope would need 6+ more steps: it takes half of those left
+    rates = [late(s) for s in range(30, 37)]
+    assert rates[0] == pytest.approx(plan(30)) and max(rates) == pytest.approx(1.0)
+    assert rates[-1] == pytest.approx(0.0)
+
+
+def test_a_refit_to_a_length_without_warmup_steps_keeps_the_rate_of_its_step():
+    plan = Schedule(1000, 0.01, 0.0, "cosine", 0.2)  # 10 warmup steps, 60% at step 5
+    short = plan.refit(5, 40)  # 1% of 40 rounds to 0 warmup steps
+    assert short(5) == pytest.approx(plan(5)) and short(6) == pytest.approx(1.0)
+
+
+def test_a_refit_in_wsds_flat_part_moves_its_decay():
+    plan = Schedule(100, 0.1, 0.0, "wsd", 0.2)  # flat from step 10, decay from step 80
+    longer = plan.refit(50, 200)
+    assert [longer(s) for s in (50, 159)] == [1.0, 1.0] and longer(161) < 1.0  # decay from 160
+    assert longer(200) == pytest.approx(0.0)
