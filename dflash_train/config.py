@@ -174,7 +174,8 @@ class TrainConfig(_Section):
     """Wall-clock budget of one `fit` for runs WITHOUT max_steps: once the step time is measured, the
     steps shrink to what fits and the schedule ends on time (a shorter, complete run rather than a
     cut-off one). Each new estimate continues the schedule without a jump (`Schedule.refit`). A
-    resumed run keeps the saved run's length as its ceiling (no jump back up)."""
+    resumed run continues its saved schedule, with the saved length as its ceiling (no jump back
+    up); schedule keys changed in the config meanwhile are warned about and apply to new runs."""
     deadline_minutes: float | None = Field(None, gt=0)
     """Wall-clock limit of one `fit` that never changes the schedule: when it is reached (less a 3%
     reserve for the checkpoint) the trainer saves and exits; `--resume auto` then continues the same
