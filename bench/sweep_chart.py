@@ -11,12 +11,9 @@ probes' device-seconds differ by more than 5%.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from dflash_train.eval.curve import read_jsonl
 
 
 def sweep_points(specs: list[str]) -> list[dict]:
@@ -67,7 +64,10 @@ def draw(sweeps: dict[str, list[dict]], loss_runs: dict[str, Path], out: Path) -
     last_step = max(p["steps"] for pts in sweeps.values() for p in pts)
     shown = []  # the losses drawn past the first 5% of the steps: the first ones would flatten the rest
     for label, run in loss_runs.items():
-        rows = [r for r in read_jsonl(run / "metrics.jsonl") if r["step"] <= 1.1 * last_step]
+        rows = read_jsonl(run / "metrics.jsonl")
+        if not rows:
+            raise SystemExit(f"{run}/metrics.jsonl: no training records")
+        rows = [r for r in rows if r["step"] <= 1.1 * last_step]
         ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1, label=label)
         shown += [r["loss"] for r in rows if r["step"] >= 0.05 * last_step]
     ax.set_xlim(0, 1.1 * last_step)  # a longer reference run is drawn over the sweep's steps only
