@@ -150,10 +150,10 @@ class ObjectiveConfig(_Section):
 
 class TrainConfig(_Section):
     lr: float = Field(6e-4, gt=0)
-    """Peak learning rate. On SmolLM2 (docs/benchmarks/quality.md) 2e-3 trained well after a ~150-step
-    warmup; in 2.75-minute runs whose warmup the time budget cut to a one-step jump (fixed since:
-    `Schedule.refit`), 1e-3 beat 5e-4 and 2e-3 and 4e-3 stalled. A rate reached at once hurts more
-    the higher it is."""
+    """Peak learning rate. On SmolLM2 (docs/benchmarks/quality.md), at equal device-minutes with a
+    warmup of 4% of the steps, 1e-3 beat 5e-4 and 2e-3 (held-out tau_decode 2.27 vs 2.15 and 2.10 in
+    2.75-minute runs; 3.04 vs 3.02 real tau at 7.5 minutes). Reached in one step instead (an earlier
+    time-budget defect), 4e-3 stalled: a rate reached at once hurts more the higher it is."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     warmup_ratio: float = Field(0.04, ge=0, lt=1)
     """Share of the steps spent ramping up to `lr`. Under a time budget, a share of the steps that fit:

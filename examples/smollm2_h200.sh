@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct end to end on one GPU, the way a user runs it (the recipe of the 2026-12-01
-# quality run: real held-out tau 3.02 ShareGPT, 2.85 HumanEval, 2.76 MT-Bench from ~20 device-minutes):
+# quality runs: real held-out tau 3.04 ShareGPT, 2.87 HumanEval, 2.78 MT-Bench from ~19 device-minutes):
 #   prompts  -> 13,504 + 200 held-out distinct ShareGPT first turns (all the package has of <= 1,500
 #               characters, case and spaces ignored); then the training prompts: the first EVERY_PROMPTS
 #               distinct user turns of every conversation, each asked alone (a conversation that asks a
