@@ -24,21 +24,26 @@ from dflash_train.draft.loss import LossTally, acceptance_metrics
 from dflash_train.draft.objective import make_task
 from dflash_train.eval.replay import replayed_rounds
 from dflash_train.train.accumulate import MicroBatch, accumulate
-from dflash_train.train.batches import HELDOUT_SALT, anchor_seed, collate
+from dflash_train.train.batches import HELDOUT_SALT, anchor_seed, batch_shape, collate
 
 
-@torch.no_grad()
+@torch.enable_grad()
 def score_heldout(trainer, dataset: TokenizedDataset) -> dict:
     """Held-out loss, per-slot accuracy and tau_hat of `trainer`'s current drafter, teacher-forced
-    (no update): fixed batches and anchors, so two calls on the same weights agree."""
-    device = trainer.device
-    batches = make_batches(dataset.lengths, trainer.cfg.data.token_budget, trainer.cfg.data.max_batch_size, 0, 0)
+    (no update): fixed batches and anchors, so two calls on the same weights agree.
+
+    The compiled layers and loss must see what training shows them, or they recompile after warm-up
+    (5 times at the first probe of the SmolLM2 recipe): the batches take training's bucket shapes,
+    and grad mode stays on, which torch.compile guards on. Each micro-batch's graph is dropped
+    unused: `LossTally` keeps only detached sums."""
+    device, dc = trainer.device, trainer.cfg.data
+    batches = make_batches(dataset.lengths, dc.token_budget, dc.max_batch_size, 0, 0, dc.length_bucket)
     weight_sum = torch.zeros((), device=device)
 
     def micro_batches():
         nonlocal weight_sum
         for index, indices in enumerate(batches):  # one batch on the device at a time
-            batch = collate(dataset, indices, device)
+            batch = collate(dataset, indices, device, batch_shape(dataset, indices, dc))
             task = make_task(batch["input_ids"], batch["loss_mask"], trainer.cfg.objective,
                              anchor_seed(trainer.cfg.seed, HELDOUT_SALT, index))
             weight_sum = weight_sum + task.weights.sum()

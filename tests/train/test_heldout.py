@@ -56,3 +56,20 @@ def test_resumed_run_continues_the_device_seconds(make_run_config, shared_tiny_t
     got = records(longer.run_dir)
     assert [r["step"] for r in got] == [2, 4] and "tau_decode" not in got[1]  # replay off
     assert 1000.0 < got[1]["device_seconds"] < 1000.0 + 60  # counted on from the first run, not from zero
+
+
+def test_probe_runs_the_compiled_graphs_without_recompiling(make_run_config, shared_tiny_target):
+    """The probe scores with the compiled layers and loss of training: it must reuse their graphs
+    (training's bucket shapes, grad mode on), not recompile them after warm-up. Under no_grad, or
+    with batches of other shapes, every bucket's graph recompiled at the first probe."""
+    heldout = make_run_config().data.train_files[0]
+    cfg = make_run_config(overrides=[
+        "train.compile=true", "train.compile_loss=true", "data.length_bucket=32", "train.max_steps=8",
+        "train.log_every=2", f"eval.heldout_files=[{heldout}]", "eval.heldout_every=2"])
+    trainer = Trainer(cfg, target=shared_tiny_target)
+    trainer.fit(progress=False)
+    assert [r["step"] for r in records(cfg.run_dir)] == [2, 4, 6, 8]
+    metrics = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [2, 4, 6, 8]
+    assert [m["recompiles_since_warmup"] for m in metrics] == [0, 0, 0, 0]
+    assert trainer.recompiles.since_warm == 0  # the last probe ran after the last record
