@@ -33,6 +33,7 @@ from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.target import Target
 from dflash_train.draft.loss import LossMix
+from dflash_train.ops.profile import profile_callable
 from dflash_train.train.build import draft_model_config, stream_layer_ids
 from dflash_train.train.optim import build_optimizer
 
@@ -153,7 +154,7 @@ def main(argv=None):
     ap.add_argument("--full-length", action="store_true", help="every sequence max_length long (the shape of docs/design.md#reference-figures)")
     ap.add_argument("--loss", default="ce", choices=["ce", "kl", "target_argmax"],
                     help="per-slot loss (objective.loss): the target kinds also run the target's last layers and head")
-    ap.add_argument("--profile", action="store_true", help="GPU: CUDA time of one end-to-end step by kernel family")
+    ap.add_argument("--profile", action="store_true", help="time of one end-to-end step by kernel family, device busy and idle (dflash_train/ops/profile.py)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     shape = "tiny" if args.tiny else args.shape
@@ -221,11 +222,9 @@ def main(argv=None):
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     syncs = host_syncs(lambda: draft_step(target_step()), device)
     levers = {}
-    if args.profile and device.type == "cuda":
-        from profile_step import profile
-
-        levers["profile_e2e"] = profile(lambda: draft_step(target_step()))
-        levers["profile_target"] = profile(target_step)
+    if args.profile:
+        levers["profile_e2e"] = profile_callable(lambda: draft_step(target_step()), device)
+        levers["profile_target"] = profile_callable(target_step, device)
     seeds = iter(range(1, 10**6))  # new anchors every step, as in training
     levers["drafter_with_task_steps_per_s"] = 1 / timed(
         lambda: draft_step(block_task=make_task(ids, loss_mask, cfg.objective, next(seeds))), device, args.steps, 1)

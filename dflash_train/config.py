@@ -190,6 +190,12 @@ class TrainConfig(_Section):
     152K vocabulary, hence opt-in."""
     compile_warmup_steps: int = Field(10, ge=1)
     """Steps allowed to (re)compile; any recompile after them is warned about with its reason."""
+    profile_at_step: int | None = Field(None, ge=1)
+    """Record 5 optimizer steps from this one on with torch.profiler (under `launch`, on each drafter
+    group's lead rank): <run_dir>/profile/summary.json gives the wall ms a step, the device's busy and idle
+    ms, kernel launches and host syncs a step and the time by kernel family; trace.json.gz opens in
+    Perfetto. Those steps run slower; pick a step past warm-up (and, with cached features, past the
+    first epoch)."""
 
     @model_validator(mode="after")
     def _one_length_rule(self) -> TrainConfig:

@@ -15,8 +15,9 @@ from throughput import is_sync_warning, main  # noqa: E402
 @pytest.mark.slow
 def test_throughput_benchmark_cpu_mode(tmp_path):
     out = tmp_path / "bench.json"
-    result = main(["--tiny", "--steps", "1", "--out", str(out)])
+    result = main(["--tiny", "--steps", "1", "--profile", "--out", str(out)])
     assert out.is_file()
+    assert result["profile_e2e"]["families_ms"]["matmul"] > 0 and result["profile_target"]["wall_ms"] > 0
     for key in ("target_tokens_per_s", "drafter_tokens_per_s", "e2e_tokens_per_s", "drafter_steps_per_s",
                 "drafter_with_task_steps_per_s", "block_mask_ms", "block_mask_create_block_mask_ms"):
         assert result[key] > 0

@@ -27,6 +27,7 @@ from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.ops import compile_cache
 from dflash_train.ops.guard import ThroughputGuard
 from dflash_train.ops.manifest import build_manifest, write_manifest
+from dflash_train.ops.profile import StepProfiler
 from dflash_train.ops.recompiles import RecompileWatch
 from dflash_train.target import Target
 from dflash_train.checkpoint import local as ckpt
@@ -276,8 +277,10 @@ class Trainer:
                                                        tc.log_every)
         deadline = tc.deadline_minutes and Deadline(tc.deadline_minutes)
         stopped = "end"
+        profiler = StepProfiler(tc.profile_at_step, self.run_dir, self.device)
         while self.step < self.total_steps:
-            window.append(self.train_step())
+            with profiler.step(self.step):
+                window.append(self.train_step())
             bar.update(1)
             fitted = budget and budget.steps_that_fit(self.step, planned)
             if fitted and fitted != self.total_steps:
@@ -309,6 +312,7 @@ class Trainer:
                 self.save()
             paused += time.perf_counter() - t_pause
         bar.close()
+        profiler.close(self.step)
         final = self.save(wait=True)
         metrics.close()
         self.tracker.finish()

@@ -1,0 +1,168 @@
+"""Where a step's time goes: torch.profiler over a few steps, summed by kernel family.
+
+The question it answers first is whether the device or the host sets the pace. A small drafter's
+step on an H200 has ~25-30 ms that do not grow with the batch (docs/benchmarks/throughput.md);
+if the GPU sits idle between kernels for that long, fewer launches (CUDA graphs, a whole compiled
+step) are the lever, and if it is busy, the kernels are. So the summary gives the wall time of a
+step, the union of its kernels' intervals (device busy), the idle rest, the kernel launches and
+host syncs per step, and the device time by kernel family. On a CPU there are no kernels: the
+families are the ATen ops' own CPU time.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import defaultdict
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+
+from dflash_train.atomic import write_json_atomic
+
+log = logging.getLogger("dflash_train")
+
+FAMILIES = [  # first match wins; names are the kernels' own (cuBLAS, flash/flex, triton, ATen)
+    ("matmul", r"gemm|matmul|cutlass|sm90_xmma|nvjet|_mm_|addmm|bmm|aten::mm\b"),
+    ("attention", r"flash|flex|attention|fmha|sdpa|efficient_attention"),
+    ("softmax / cross-entropy", r"softmax|cross_entropy|nll_loss|logsumexp"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("norms", r"norm|rsqrt"),
+    ("copies / gathers / indexing", r"copy|gather|scatter|index|cat_|memcpy|memset|fill"),
+    ("reductions", r"reduce|sum_|argmax|max_"),
+]
+LAUNCH = re.compile(r"^(cudaLaunch|cuLaunch|cudaGraphLaunch)")
+SYNC = re.compile(r"Synchronize$")
+
+
+def family(name: str) -> str:
+    lowered = name.lower()
+    return next((f for f, pattern in FAMILIES if re.search(pattern, lowered)), "elementwise / other")
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals: overlapping kernels (several streams) count once."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def _is_device(event) -> bool:
+    return event.device_type != torch.autograd.DeviceType.CPU
+
+
+def summarize(prof: torch.profiler.profile, steps: int, wall_s: float, device: torch.device) -> dict:
+    """Per-step figures of a profiled window of `steps` steps that took `wall_s` (synchronized)."""
+    events = prof.events()
+    on_device = [e for e in events if _is_device(e)]
+    kernels = on_device if device.type != "cpu" else [e for e in events if e.key.startswith("aten::")]
+    by_family: dict[str, float] = defaultdict(float)
+    by_name: dict[str, float] = defaultdict(float)
+    for e in kernels:
+        own = e.self_device_time_total if _is_device(e) else e.self_cpu_time_total
+        by_family[family(e.key)] += own / 1e3 / steps
+        by_name[e.key[:90]] += own / 1e3 / steps
+    wall_ms = wall_s * 1e3 / steps
+    busy = busy_us([(e.time_range.start, e.time_range.end) for e in on_device]) / 1e3 / steps if on_device else None
+    per_step = lambda n: round(n / steps, 2)  # noqa: E731
+    return {
+        "device": device.type,
+        "steps": steps,
+        "wall_ms": round(wall_ms, 3),
+        "device_busy_ms": None if busy is None else round(busy, 3),
+        "device_idle_ms": None if busy is None else round(wall_ms - busy, 3),
+        "launches": per_step(sum(1 for e in events if LAUNCH.match(e.name))),
+        "host_syncs": per_step(sum(1 for e in events if SYNC.search(e.name))),
+        "families_ms": {k: round(v, 3) for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
+        "top_ms": [[round(ms, 3), name] for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]],
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_callable(fn, device: torch.device, steps: int = 3) -> dict:
+    """`summarize` of `steps` calls of `fn` (the benchmarks' end-to-end step)."""
+    _sync(device)
+    with _profiler(device) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        _sync(device)
+        wall = time.perf_counter() - t
+    return summarize(prof, steps, wall, device)
+
+
+def _profiler(device: torch.device) -> torch.profiler.profile:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+class StepProfiler:
+    """`train.profile_at_step`: records optimizer steps [at, at + steps) of a run and writes
+    <run_dir>/profile/summary.json and a Chrome trace (trace.json.gz, for Perfetto)."""
+
+    def __init__(self, at_step: int | None, run_dir: Path, device: torch.device, steps: int = 5):
+        self.at, self.steps, self.device = at_step, steps, device
+        self.dir = Path(run_dir) / "profile"
+        self._prof = None
+        self._t0 = 0.0
+        self.written = False
+
+    @contextmanager
+    def _recording(self, step: int):
+        """Wraps the step that will become `step + 1` (the trainer counts steps once they are done)."""
+        if step == self.at - 1:
+            _sync(self.device)
+            self._prof = _profiler(self.device).__enter__()
+            self._t0 = time.perf_counter()
+        with torch.profiler.record_function(f"train_step_{step + 1}"):
+            yield
+        if self._prof is not None and step + 1 == self.at + self.steps - 1:
+            _sync(self.device)
+            wall = time.perf_counter() - self._t0
+            self._prof.__exit__(None, None, None)
+            self._write(self._prof, wall)
+            self._prof = None
+
+    def step(self, step: int):
+        """Context for the optimizer step that follows `step` completed steps."""
+        if self.at is None or not (self.at - 1 <= step < self.at + self.steps - 1):
+            return nullcontext()
+        return self._recording(step)
+
+    def close(self, last_step: int) -> None:
+        """A run that ends inside the window still writes what it recorded; one that never reached
+        it says so."""
+        if self._prof is not None:
+            _sync(self.device)
+            wall = time.perf_counter() - self._t0
+            self._prof.__exit__(None, None, None)
+            self._write(self._prof, wall, partial=True)
+            self._prof = None
+        elif self.at is not None and not self.written:
+            log.warning("train.profile_at_step=%d: this run did not go through that step (it ended at "
+                        "step %d); nothing was profiled", self.at, last_step)
+
+    def _write(self, prof, wall: float, partial: bool = False) -> None:
+        recorded = sum(1 for e in prof.events() if e.name.startswith("train_step_"))
+        summary = {"first_step": self.at, **summarize(prof, max(recorded, 1), wall, self.device)}
+        if partial:
+            summary["note"] = f"the run ended after {recorded} of {self.steps} profiled steps"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.dir / "trace.json.gz"))
+        write_json_atomic(self.dir / "summary.json", summary)
+        self.written = True
+        idle = "" if summary["device_idle_ms"] is None else f", device idle {summary['device_idle_ms']:.1f} ms"
+        log.info("profiled steps %d-%d: %.1f ms a step%s, %.0f launches, %.0f host syncs a step (%s)",
+                 self.at, self.at + recorded - 1, summary["wall_ms"], idle, summary["launches"],
+                 summary["host_syncs"], self.dir / "summary.json")
