@@ -191,11 +191,12 @@ class TrainConfig(_Section):
     compile_warmup_steps: int = Field(10, ge=1)
     """Steps allowed to (re)compile; any recompile after them is warned about with its reason."""
     profile_at_step: int | None = Field(None, ge=1)
-    """Record 5 optimizer steps from this one on with torch.profiler (under `launch`, on each drafter
-    group's lead rank): <run_dir>/profile/summary.json gives the wall ms a step, the device's busy and idle
-    ms, kernel launches and host syncs a step and the time by kernel family; trace.json.gz opens in
-    Perfetto. Those steps run slower; pick a step past warm-up (and, with cached features, past the
-    first epoch)."""
+    """Record 5 consecutive optimizer steps with torch.profiler, from the first step at or after this
+    one whose window holds no logging, checkpoint or evaluation (under `launch`, on each drafter
+    group's lead rank): <run_dir>/profile/step_<first>/summary.json gives the wall ms a step, the
+    device's busy and idle ms, kernel launches and host syncs a step and the time by kernel family;
+    trace.json.gz opens in Perfetto. Those steps run slower; pick a step past warm-up (and, with
+    cached features, past the first epoch). Each run, a resumed one too, records one window."""
 
     @model_validator(mode="after")
     def _one_length_rule(self) -> TrainConfig:

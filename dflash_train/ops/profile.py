@@ -17,6 +17,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -53,11 +54,15 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def _is_device(event) -> bool:
-    return event.device_type != torch.autograd.DeviceType.CPU
+    """A kernel, copy or memset on the device. Each record_function range (the steps' own, and
+    torch.compile's regions) also appears on the device as a user annotation spanning its kernels
+    and the gaps between them: not work."""
+    return event.device_type != torch.autograd.DeviceType.CPU and not getattr(event, "is_user_annotation", False)
 
 
 def summarize(prof: torch.profiler.profile, steps: int, wall_s: float, device: torch.device) -> dict:
-    """Per-step figures of a profiled window of `steps` steps that took `wall_s` (synchronized)."""
+    """Per-step figures of a profiled window of `steps` steps that took `wall_s`, ended by one
+    synchronize of the device (not counted among the host syncs)."""
     events = prof.events()
     on_device = [e for e in events if _is_device(e)]
     kernels = on_device if device.type != "cpu" else [e for e in events if e.key.startswith("aten::")]
@@ -77,7 +82,7 @@ def summarize(prof: torch.profiler.profile, steps: int, wall_s: float, device: t
         "device_busy_ms": None if busy is None else round(busy, 3),
         "device_idle_ms": None if busy is None else round(wall_ms - busy, 3),
         "launches": per_step(sum(1 for e in events if LAUNCH.match(e.name))),
-        "host_syncs": per_step(sum(1 for e in events if SYNC.search(e.name))),
+        "host_syncs": per_step(sum(1 for e in events if SYNC.search(e.name)) - (device.type == "cuda")),
         "families_ms": {k: round(v, 3) for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
         "top_ms": [[round(ms, 3), name] for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]],
     }
@@ -107,62 +112,100 @@ def _profiler(device: torch.device) -> torch.profiler.profile:
     return torch.profiler.profile(activities=activities)
 
 
-class StepProfiler:
-    """`train.profile_at_step`: records optimizer steps [at, at + steps) of a run and writes
-    <run_dir>/profile/summary.json and a Chrome trace (trace.json.gz, for Perfetto)."""
+def extras_after(cfg) -> Callable[[int], bool]:
+    """Whether the loop does more than step after completed step `s`: log (with its host syncs),
+    checkpoint, evaluate or probe. A profiled window keeps clear of those."""
+    tc, ec = cfg.train, cfg.eval
+    every = [tc.log_every, cfg.checkpoint.every, ec.every, ec.heldout_every if ec.heldout_files else 0]
+    return lambda s: any(n and s % n == 0 for n in every)
 
-    def __init__(self, at_step: int | None, run_dir: Path, device: torch.device, steps: int = 5):
-        self.at, self.steps, self.device = at_step, steps, device
-        self.dir = Path(run_dir) / "profile"
+
+class StepProfiler:
+    """`train.profile_at_step`: records `steps` consecutive optimizer steps from the first step at
+    or after it whose window has no logging, checkpoint or evaluation inside, then writes
+    <run_dir>/profile/step_<first>/summary.json and a Chrome trace (trace.json.gz, for Perfetto)."""
+
+    SEARCH = 100_000  # steps looked ahead for a quiet window before giving up and noting the extras
+
+    def __init__(self, at_step: int | None, run_dir: Path, device: torch.device,
+                 extras: Callable[[int], bool] = lambda s: False, steps: int = 5):
+        self.at, self.steps, self.device, self.extras = at_step, steps, device, extras
+        self.run_dir = Path(run_dir)
+        self.first: int | None = None  # the window's first step, once the run reaches profile_at_step
+        self.notes: list[str] = []
+        self.recorded = 0
+        self.done = False
         self._prof = None
         self._t0 = 0.0
-        self.written = False
+        self._pending = None
+
+    def _quiet_start(self, step: int) -> int:
+        for first in range(step, step + self.SEARCH):
+            if not any(self.extras(s) for s in range(first, first + self.steps - 1)):
+                if first != self.at:
+                    self.notes.append(f"starts at step {first}, the first at or after {self.at} "
+                                      "with no logging, checkpoint or evaluation inside the window")
+                return first
+        self.notes.append("logging, checkpoints or evaluations ran inside the window")
+        return step
+
+    def step(self, done: int):
+        """Context for the optimizer step after `done` completed ones (it becomes step done + 1)."""
+        if self.at is None or self.done or done + 1 < self.at:
+            return nullcontext()
+        if self.first is None:
+            self.first = self._quiet_start(done + 1)
+        return self._recording(done + 1) if done + 1 >= self.first else nullcontext()
 
     @contextmanager
     def _recording(self, step: int):
-        """Wraps the step that will become `step + 1` (the trainer counts steps once they are done)."""
-        if step == self.at - 1:
+        if self._prof is None:
             _sync(self.device)
             self._prof = _profiler(self.device).__enter__()
             self._t0 = time.perf_counter()
-        with torch.profiler.record_function(f"train_step_{step + 1}"):
+        with torch.profiler.record_function(f"train_step_{step}"):
             yield
-        if self._prof is not None and step + 1 == self.at + self.steps - 1:
-            _sync(self.device)
-            wall = time.perf_counter() - self._t0
-            self._prof.__exit__(None, None, None)
-            self._write(self._prof, wall)
-            self._prof = None
+        self.recorded += 1
+        if self.recorded == self.steps:
+            self._stop()
 
-    def step(self, step: int):
-        """Context for the optimizer step that follows `step` completed steps."""
-        if self.at is None or not (self.at - 1 <= step < self.at + self.steps - 1):
-            return nullcontext()
-        return self._recording(step)
+    def abort(self) -> None:
+        """A failed run: stop recording, write nothing."""
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            self._prof, self.done = None, True
+
+    def _stop(self) -> None:
+        _sync(self.device)
+        wall = time.perf_counter() - self._t0
+        self._prof.__exit__(None, None, None)
+        self._pending, self._prof, self.done = (self._prof, wall), None, True
+
+    def flush(self) -> None:
+        """Writes a finished window's files; the loop calls it outside the steps' timing."""
+        if self._pending is not None:
+            self._write(*self._pending)
+            self._pending = None
 
     def close(self, last_step: int) -> None:
-        """A run that ends inside the window still writes what it recorded; one that never reached
-        it says so."""
+        """A run that ends inside the window still writes what it recorded; one that never got
+        there says so."""
         if self._prof is not None:
-            _sync(self.device)
-            wall = time.perf_counter() - self._t0
-            self._prof.__exit__(None, None, None)
-            self._write(self._prof, wall, partial=True)
-            self._prof = None
-        elif self.at is not None and not self.written:
-            log.warning("train.profile_at_step=%d: this run did not go through that step (it ended at "
-                        "step %d); nothing was profiled", self.at, last_step)
+            self.notes.append(f"the run ended after {self.recorded} of {self.steps} profiled steps")
+            self._stop()
+        elif self.at is not None and not self.done:
+            log.warning("train.profile_at_step=%d: the run ended at step %d, before it; nothing was profiled",
+                        self.at, last_step)
+        self.flush()
 
-    def _write(self, prof, wall: float, partial: bool = False) -> None:
-        recorded = sum(1 for e in prof.events() if e.name.startswith("train_step_"))
-        summary = {"first_step": self.at, **summarize(prof, max(recorded, 1), wall, self.device)}
-        if partial:
-            summary["note"] = f"the run ended after {recorded} of {self.steps} profiled steps"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(self.dir / "trace.json.gz"))
-        write_json_atomic(self.dir / "summary.json", summary)
-        self.written = True
+    def _write(self, prof, wall: float) -> None:
+        summary = summarize(prof, max(self.recorded, 1), wall, self.device)
+        summary = {"first_step": self.first, **summary, "notes": self.notes}
+        out = self.run_dir / "profile" / f"step_{self.first:08d}"
+        out.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(out / "trace.json.gz"))
+        write_json_atomic(out / "summary.json", summary)
         idle = "" if summary["device_idle_ms"] is None else f", device idle {summary['device_idle_ms']:.1f} ms"
         log.info("profiled steps %d-%d: %.1f ms a step%s, %.0f launches, %.0f host syncs a step (%s)",
-                 self.at, self.at + recorded - 1, summary["wall_ms"], idle, summary["launches"],
-                 summary["host_syncs"], self.dir / "summary.json")
+                 self.first, self.first + self.recorded - 1, summary["wall_ms"], idle, summary["launches"],
+                 summary["host_syncs"], out / "summary.json")

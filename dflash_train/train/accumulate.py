@@ -35,6 +35,7 @@ def accumulate(forward: Callable[[BlockTask, torch.Tensor], BlockLoss], micro: I
         if denominator is not None:
             (out.weighted_ce_sum / denominator).backward()
         tally.add(out)
+        del out  # without a backward (held-out scoring) it holds the graph while the next one forms
     return tally
 
 

@@ -35,7 +35,7 @@ def score_heldout(trainer, dataset: TokenizedDataset) -> dict:
     The compiled layers and loss must see what training shows them, or they recompile after warm-up
     (5 times at the first probe of the SmolLM2 recipe): the batches take training's bucket shapes,
     and grad mode stays on, which torch.compile guards on. Each micro-batch's graph is dropped
-    unused: `LossTally` keeps only detached sums."""
+    unused before the next forward (`accumulate`); `LossTally` keeps only detached sums."""
     device, dc = trainer.device, trainer.cfg.data
     batches = make_batches(dataset.lengths, dc.token_budget, dc.max_batch_size, 0, 0, dc.length_bucket)
     weight_sum = torch.zeros((), device=device)

@@ -27,7 +27,7 @@ from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.ops import compile_cache
 from dflash_train.ops.guard import ThroughputGuard
 from dflash_train.ops.manifest import build_manifest, write_manifest
-from dflash_train.ops.profile import StepProfiler
+from dflash_train.ops.profile import StepProfiler, extras_after
 from dflash_train.ops.recompiles import RecompileWatch
 from dflash_train.target import Target
 from dflash_train.checkpoint import local as ckpt
@@ -277,42 +277,47 @@ class Trainer:
                                                        tc.log_every)
         deadline = tc.deadline_minutes and Deadline(tc.deadline_minutes)
         stopped = "end"
-        profiler = StepProfiler(tc.profile_at_step, self.run_dir, self.device)
-        while self.step < self.total_steps:
-            with profiler.step(self.step):
-                window.append(self.train_step())
-            bar.update(1)
-            fitted = budget and budget.steps_that_fit(self.step, planned)
-            if fitted and fitted != self.total_steps:
-                log.log(logging.INFO if budget.worth_reporting(fitted) else logging.DEBUG,
-                        "time budget: %d of %d planned steps fit; the schedule now ends there", fitted, planned)
-                self.total_steps = bar.total = fitted
-                refit_scheduler(self.scheduler, fitted)
-            at_deadline = bool(deadline) and self.step < self.total_steps and deadline.reached()
-            if self.step % tc.log_every == 0 or self.step == self.total_steps or at_deadline:
-                last_record = self._log(window, time.perf_counter() - t0, paused, metrics)
-                bar.set_postfix(loss=f"{last_record['loss']:.3f}", tau_hat=f"{last_record['tau_hat']:.2f}",
-                                tok_s=f"{last_record['tokens_per_s']:.0f}")
-                window, t0, paused = [], time.perf_counter(), 0.0
-            t_pause = time.perf_counter()
-            if self.periodic_eval is not None and self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
-                self._run_periodic_eval()
-            if probe is not None and probe.due(self.step, self.step == self.total_steps or at_deadline):
-                heldout = probe.run(self.step)
-                decode = f"tau_decode {heldout['tau_decode']:.3f}, " if "tau_decode" in heldout else ""
-                tqdm.write(f"held-out at step {self.step} ({heldout['device_seconds']:.0f} device-s): {decode}"
-                           f"tau_hat {heldout['tau_hat']:.3f}, tau_accept {heldout['tau_accept']:.3f}, "
-                           f"loss {heldout['loss']:.3f}")
-            if at_deadline:  # the final save below holds this step; the schedule is left as it is
-                stopped = "deadline"
-                log.info("deadline: stopping at step %d of %d; --resume auto continues the same schedule",
-                         self.step, self.total_steps)
-                break
-            if self.step % self.cfg.checkpoint.every == 0 and self.step < self.total_steps:
-                self.save()
-            paused += time.perf_counter() - t_pause
-        bar.close()
+        profiler = StepProfiler(tc.profile_at_step, self.run_dir, self.device, extras_after(self.cfg))
+        try:
+            while self.step < self.total_steps:
+                with profiler.step(self.step):
+                    window.append(self.train_step())
+                bar.update(1)
+                fitted = budget and budget.steps_that_fit(self.step, planned)
+                if fitted and fitted != self.total_steps:
+                    log.log(logging.INFO if budget.worth_reporting(fitted) else logging.DEBUG,
+                            "time budget: %d of %d planned steps fit; the schedule now ends there", fitted, planned)
+                    self.total_steps = bar.total = fitted
+                    refit_scheduler(self.scheduler, fitted)
+                at_deadline = bool(deadline) and self.step < self.total_steps and deadline.reached()
+                if self.step % tc.log_every == 0 or self.step == self.total_steps or at_deadline:
+                    last_record = self._log(window, time.perf_counter() - t0, paused, metrics)
+                    bar.set_postfix(loss=f"{last_record['loss']:.3f}", tau_hat=f"{last_record['tau_hat']:.2f}",
+                                    tok_s=f"{last_record['tokens_per_s']:.0f}")
+                    window, t0, paused = [], time.perf_counter(), 0.0
+                t_pause = time.perf_counter()
+                profiler.flush()
+                if self.periodic_eval is not None and self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
+                    self._run_periodic_eval()
+                if probe is not None and probe.due(self.step, self.step == self.total_steps or at_deadline):
+                    heldout = probe.run(self.step)
+                    decode = f"tau_decode {heldout['tau_decode']:.3f}, " if "tau_decode" in heldout else ""
+                    tqdm.write(f"held-out at step {self.step} ({heldout['device_seconds']:.0f} device-s): {decode}"
+                               f"tau_hat {heldout['tau_hat']:.3f}, tau_accept {heldout['tau_accept']:.3f}, "
+                               f"loss {heldout['loss']:.3f}")
+                if at_deadline:  # the final save below holds this step; the schedule is left as it is
+                    stopped = "deadline"
+                    log.info("deadline: stopping at step %d of %d; --resume auto continues the same schedule",
+                             self.step, self.total_steps)
+                    break
+                if self.step % self.cfg.checkpoint.every == 0 and self.step < self.total_steps:
+                    self.save()
+                paused += time.perf_counter() - t_pause
+        except BaseException:
+            profiler.abort()
+            raise
         profiler.close(self.step)
+        bar.close()
         final = self.save(wait=True)
         metrics.close()
         self.tracker.finish()
