@@ -37,6 +37,7 @@ class Header:
     loss_mask: torch.Tensor  # [b, T]
     attention_mask: torch.Tensor  # [b, T]
     seed: int
+    num_tokens: int  # real tokens: a bucket's empty rows attend to one pad token that is not one
 
 
 class Link:
@@ -54,10 +55,11 @@ class Link:
 
     def send_header(self, dst: int, batch: dict, seed: int) -> None:
         if dst == self.rank:
-            self.local.append(Header(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], seed))
+            self.local.append(Header(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], seed,
+                                     batch["num_tokens"]))
             return
         b, t = batch["input_ids"].shape
-        meta = torch.tensor([b, t, seed], dtype=torch.int64, device=self.device)
+        meta = torch.tensor([b, t, seed, batch["num_tokens"]], dtype=torch.int64, device=self.device)
         packed = torch.stack([batch["input_ids"], batch["loss_mask"], batch["attention_mask"]])
         self._isend(dst, meta, packed)
 
@@ -70,12 +72,12 @@ class Link:
     def recv_header(self, src: int) -> Header:
         if src == self.rank:
             return self.local.popleft()
-        meta = torch.empty(3, dtype=torch.int64, device=self.device)
+        meta = torch.empty(4, dtype=torch.int64, device=self.device)
         dist.recv(meta, src)
-        b, t, seed = meta.tolist()
+        b, t, seed, num_tokens = meta.tolist()
         packed = torch.empty(3, b, t, dtype=torch.int64, device=self.device)
         dist.recv(packed, src)
-        return Header(packed[0], packed[1], packed[2], seed)
+        return Header(packed[0], packed[1], packed[2], seed, num_tokens)
 
     def recv_features(self, src: int, shape: tuple, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
         """Posts the receive now and returns the wait: the next micro-batch's features arrive
@@ -207,7 +209,7 @@ class LinkSource:
             return pending[k]()
 
         return [MicroBatch(make_task(h.input_ids, h.loss_mask, trainer.cfg.objective, h.seed),
-                           functools.partial(features, k), int(h.attention_mask.sum()))
+                           functools.partial(features, k), h.num_tokens)
                 for k, h in enumerate(headers)]
 
 

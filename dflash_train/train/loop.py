@@ -360,6 +360,7 @@ class Trainer:
             "loss": float(torch.stack([w["loss"] for w in window]).mean()),
             "lr": window[-1]["lr"],
             "grad_norm": float(torch.stack([torch.as_tensor(w["grad_norm"]) for w in window]).mean()),
+            "tokens": sum(w["tokens"] for w in window),
             "tokens_per_s": sum(w["tokens"] for w in window) / max(seconds - paused, 1e-9),
             "paused_s": round(paused, 3),
             "attention_backend": self.attention_backend,

@@ -17,7 +17,7 @@ import torch
 from dflash_train.distributed.run import Watchdog, resume_step
 from dflash_train.distributed.launch import main as launch_main
 from dflash_train.distributed.layout import Layout, plan_split
-from dist_runs import children, losses, reference_losses, spawn, torchrun, write_assets, write_config
+from dist_runs import children, losses, read_metrics, reference_losses, spawn, torchrun, write_assets, write_config
 from tiny import tiny_target
 
 
@@ -35,6 +35,19 @@ def test_matches_single_process(assets, tmp_path, world, split):
     assert len(expected) == 4
     assert losses(tmp_path / "run") == pytest.approx(expected, abs=1e-5)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+
+
+def test_bucketed_split_counts_the_real_tokens(assets, tmp_path):
+    """Length buckets pad a batch with empty rows, which attend to one pad token: the drafter rank
+    counts what the target rank collated, not the attention mask (that counted one token per empty
+    row, through a host read of a device tensor)."""
+    data = {"train_files": [str(assets / "data.jsonl")], "max_length": 96, "token_budget": 192,
+            "max_batch_size": 2, "length_bucket": 32}
+    config = write_config(assets, tmp_path / "run", data=data)
+    assert spawn(3, ["-c", str(config), "--target-ranks", "2"]) == [0] * 3
+    assert losses(tmp_path / "run") == pytest.approx(reference_losses(config, tmp_path / "ref"), abs=1e-5)
+    tokens = [r["tokens"] for r in read_metrics(tmp_path / "run")]
+    assert tokens == [r["tokens"] for r in read_metrics(tmp_path / "ref")] and len(tokens) == 4
 
 
 def test_two_drafters_from_one_stream(assets, tmp_path):
