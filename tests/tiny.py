@@ -49,6 +49,19 @@ def tiny_target(
     return Target(model=model, tokenizer=tokenizer, name=f"tiny-qwen3-v{vocab}", device=torch.device("cpu"))
 
 
+GPU_RECIPE = ["device=cuda", "target.dtype=bfloat16", "draft.attention=flex", "train.compile=true",
+              "train.compile_loss=true", "data.length_bucket=32"]
+"""Overrides of a tiny run config that train the way the GPU recipes do (a `to_cuda` target)."""
+
+
+def to_cuda(target: Target, dtype: torch.dtype = torch.bfloat16) -> Target:
+    """The target moved to the GPU, as `load_target` would give it there."""
+    target.model.to("cuda", dtype)
+    target.device = torch.device("cuda")
+    target.__post_init__()  # the weight handles of the moved model
+    return target
+
+
 def tiny_llama(num_layers: int = 3, hidden: int = 32, vocab: int = 272, seed: int = 0) -> Target:
     """A random Llama target (SmolLM2's architecture): 4 heads, 2 KV heads, so it shards 2 ways."""
     torch.manual_seed(seed)

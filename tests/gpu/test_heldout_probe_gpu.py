@@ -5,7 +5,6 @@ decode replay runs eagerly beside them; neither may recompile them. Run: `python
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,7 @@ import torch
 
 from dflash_train.train.loop import Trainer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny import tiny_target  # noqa: E402
+from tiny import GPU_RECIPE, tiny_target, to_cuda  # tests/ is on sys.path (conftest.py)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,14 +21,10 @@ pytestmark = [
 
 
 def test_probe_replays_decoding_without_recompiling(make_run_config):
-    target = tiny_target(num_layers=4, hidden=64)
-    target.model.to("cuda", torch.bfloat16)
-    target.device = torch.device("cuda")
-    target.__post_init__()  # the weight handles of the moved model
+    target = to_cuda(tiny_target(num_layers=4, hidden=64))
     heldout = make_run_config().data.train_files[0]
     cfg = make_run_config(overrides=[
-        "device=cuda", "target.dtype=bfloat16", "draft.attention=flex", "train.compile=true",
-        "train.compile_loss=true", "data.length_bucket=32", "train.max_steps=12", "train.log_every=2",
+        *GPU_RECIPE, "train.max_steps=12", "train.log_every=2",
         f"eval.heldout_files=[{heldout}]", "eval.heldout_every=4", "eval.heldout_decode_tokens=64"])
     trainer = Trainer(cfg, target=target)
     trainer.fit(progress=False)

@@ -5,7 +5,6 @@ busy time, not torch.profiler's own annotation ranges. Run: `python -m pytest te
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,7 @@ import torch
 
 from dflash_train.train.loop import Trainer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny import tiny_target  # noqa: E402
+from tiny import GPU_RECIPE, tiny_target, to_cuda  # tests/ is on sys.path (conftest.py)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,13 +21,9 @@ pytestmark = [
 
 
 def test_profile_of_compiled_steps_on_the_gpu(make_run_config):
-    target = tiny_target(num_layers=4, hidden=64)
-    target.model.to("cuda", torch.bfloat16)
-    target.device = torch.device("cuda")
-    target.__post_init__()  # the weight handles of the moved model
+    target = to_cuda(tiny_target(num_layers=4, hidden=64))
     cfg = make_run_config(overrides=[
-        "device=cuda", "target.dtype=bfloat16", "draft.attention=flex", "train.compile=true",
-        "train.compile_loss=true", "data.length_bucket=32", "train.max_steps=14", "train.log_every=7",
+        *GPU_RECIPE, "train.max_steps=14", "train.log_every=7",
         "train.profile_at_step=2"])
     Trainer(cfg, target=target).fit(progress=False)
     summary = json.loads((Path(cfg.run_dir) / "profile" / "step_00000002" / "summary.json").read_text())
