@@ -35,9 +35,8 @@ from dflash_train.train.loop import Trainer
 class Header:
     input_ids: torch.Tensor  # [b, T]
     loss_mask: torch.Tensor  # [b, T]
-    attention_mask: torch.Tensor  # [b, T]
     seed: int
-    num_tokens: int  # real tokens: a bucket's empty rows attend to one pad token that is not one
+    num_tokens: int  # real tokens, as collated (a bucket's empty rows hold none)
 
 
 class Link:
@@ -55,12 +54,11 @@ class Link:
 
     def send_header(self, dst: int, batch: dict, seed: int) -> None:
         if dst == self.rank:
-            self.local.append(Header(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], seed,
-                                     batch["num_tokens"]))
+            self.local.append(Header(batch["input_ids"], batch["loss_mask"], seed, batch["num_tokens"]))
             return
         b, t = batch["input_ids"].shape
         meta = torch.tensor([b, t, seed, batch["num_tokens"]], dtype=torch.int64, device=self.device)
-        packed = torch.stack([batch["input_ids"], batch["loss_mask"], batch["attention_mask"]])
+        packed = torch.stack([batch["input_ids"], batch["loss_mask"]])
         self._isend(dst, meta, packed)
 
     def send_features(self, dst: int, make: Callable[[], torch.Tensor]) -> None:
@@ -75,9 +73,9 @@ class Link:
         meta = torch.empty(4, dtype=torch.int64, device=self.device)
         dist.recv(meta, src)
         b, t, seed, num_tokens = meta.tolist()
-        packed = torch.empty(3, b, t, dtype=torch.int64, device=self.device)
+        packed = torch.empty(2, b, t, dtype=torch.int64, device=self.device)
         dist.recv(packed, src)
-        return Header(packed[0], packed[1], packed[2], seed, num_tokens)
+        return Header(packed[0], packed[1], seed, num_tokens)
 
     def recv_features(self, src: int, shape: tuple, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
         """Posts the receive now and returns the wait: the next micro-batch's features arrive
