@@ -354,14 +354,15 @@ class Trainer:
         correct = sum(w["correct"] for w in window)
         counted = sum(w["counted"] for w in window)
         accepted = sum(w["accepted"] for w in window)
+        tokens = sum(w["tokens"] for w in window)
         record = {
             "step": self.step,
             "epoch": self.cursor[0],
             "loss": float(torch.stack([w["loss"] for w in window]).mean()),
             "lr": window[-1]["lr"],
             "grad_norm": float(torch.stack([torch.as_tensor(w["grad_norm"]) for w in window]).mean()),
-            "tokens": sum(w["tokens"] for w in window),
-            "tokens_per_s": sum(w["tokens"] for w in window) / max(seconds - paused, 1e-9),
+            "tokens": tokens,
+            "tokens_per_s": tokens / max(seconds - paused, 1e-9),
             "paused_s": round(paused, 3),
             "attention_backend": self.attention_backend,
             "compiled_graphs": self.recompiles.graphs,
