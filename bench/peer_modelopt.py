@@ -49,7 +49,7 @@ from dflash_train.data.dataset import load_training_data
 from dflash_train.draft.model import DraftModelConfig
 from dflash_train.eval.export import CHECKPOINT_CONFIG, WEIGHTS, check_state_dict
 from dflash_train.target import load_target, resolve_device
-from dflash_train.train.batches import batch_shape, collate, epoch_plan, take
+from dflash_train.train.batches import collate_as_trained, epoch_plan, take
 from dflash_train.train.budget import TimeBudget
 from dflash_train.train.build import autocast_for
 from dflash_train.train.heldout import HeldoutProbe
@@ -236,7 +236,7 @@ def train_modelopt(cfg: RunConfig, out: Path, loss: str, weights: str) -> dict:
         losses, accs, tokens = [], [], 0
         for _ in range(tc.grad_accum):
             _, indices, cursor = take(plan, cursor)
-            batch = collate(dataset, indices, device, batch_shape(dataset, indices, cfg.data))
+            batch = collate_as_trained(dataset, indices, device, cfg.data)
             with autocast:
                 outputs = model(**padded_batch(batch, d.block_size))
             (outputs.loss / tc.grad_accum).backward()

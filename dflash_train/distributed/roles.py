@@ -26,7 +26,7 @@ from dflash_train.draft.objective import make_task
 from dflash_train.eval.report import check_periodic_eval, periodic_eval_for
 from dflash_train.target import Target
 from dflash_train.distributed.layout import Layout
-from dflash_train.train.batches import anchor_seed, batch_shape, collate, epoch_plan, take
+from dflash_train.train.batches import anchor_seed, collate_as_trained, epoch_plan, take
 from dflash_train.train.accumulate import MicroBatch
 from dflash_train.train.loop import Trainer
 
@@ -133,8 +133,7 @@ class TargetFeeder:
         for m in range(self.cfg.train.grad_accum):
             (epoch, index), indices, self.cursor = take(self.epoch_batches, self.cursor)
             if self.layout.target_of(m) == self.layout.target_lead(self.rank):
-                shape = batch_shape(self.dataset, indices, self.cfg.data)
-                batches.append((m, collate(self.dataset, indices, self.target.device, shape),
+                batches.append((m, collate_as_trained(self.dataset, indices, self.target.device, self.cfg.data),
                                 anchor_seed(self.cfg.seed, epoch, index)))
         lead = self.layout.target_lead(self.rank) == self.rank
         for m, batch, seed in batches:

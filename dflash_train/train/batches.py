@@ -39,12 +39,18 @@ def take(epoch_batches: list[list[np.ndarray]], cursor: tuple[int, int]):
     return (epoch, index), epoch_batches[epoch % len(epoch_batches)][index], (epoch, index + 1)
 
 
-def batch_shape(ds: TokenizedDataset, indices, data: DataConfig) -> tuple[int, int] | None:
+def _bucket_of(ds: TokenizedDataset, indices, data: DataConfig) -> tuple[int, int] | None:
     """Bucket mode: the fixed (rows, length) of this batch's bucket; otherwise None (pad to fit)."""
     if not data.length_bucket:
         return None
     longest = max(len(ds.input_ids[i]) for i in indices)
     return bucket_shape(longest, data.length_bucket, data.token_budget, data.max_batch_size)
+
+
+def collate_as_trained(ds: TokenizedDataset, indices, device, data: DataConfig) -> dict:
+    """`collate` in the shape training gives these rows (their length bucket's, with `data.length_bucket`):
+    every batch a compiled drafter sees, held-out scoring's too, must have one of the warmed-up shapes."""
+    return collate(ds, indices, device, _bucket_of(ds, indices, data))
 
 
 def collate(ds: TokenizedDataset, indices, device, shape: tuple[int, int] | None = None) -> dict:

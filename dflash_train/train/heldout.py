@@ -24,7 +24,7 @@ from dflash_train.draft.loss import LossTally, acceptance_metrics
 from dflash_train.draft.objective import make_task
 from dflash_train.eval.replay import replayed_rounds
 from dflash_train.train.accumulate import MicroBatch, accumulate
-from dflash_train.train.batches import HELDOUT_SALT, anchor_seed, batch_shape, collate
+from dflash_train.train.batches import HELDOUT_SALT, anchor_seed, collate_as_trained
 
 
 @torch.enable_grad()
@@ -43,7 +43,7 @@ def score_heldout(trainer, dataset: TokenizedDataset) -> dict:
     def micro_batches():
         nonlocal weight_sum
         for index, indices in enumerate(batches):  # one batch on the device at a time
-            batch = collate(dataset, indices, device, batch_shape(dataset, indices, dc))
+            batch = collate_as_trained(dataset, indices, device, dc)
             task = make_task(batch["input_ids"], batch["loss_mask"], trainer.cfg.objective,
                              anchor_seed(trainer.cfg.seed, HELDOUT_SALT, index))
             weight_sum = weight_sum + task.weights.sum()

@@ -31,7 +31,7 @@ from dflash_train.ops.profile import StepProfiler, extras_after
 from dflash_train.ops.recompiles import RecompileWatch
 from dflash_train.target import Target
 from dflash_train.checkpoint import local as ckpt
-from dflash_train.train.batches import anchor_seed, batch_shape, collate, take
+from dflash_train.train.batches import anchor_seed, collate_as_trained, take
 from dflash_train.train.build import autocast_for, compile_layers
 from dflash_train.train.accumulate import LocalSource, NoReduction, Reduction, Source, accumulate
 from dflash_train.train.feature_cache import FeatureCache
@@ -180,8 +180,8 @@ class Trainer:
     # ---- data -------------------------------------------------------------------------------
     def next_micro_batch(self) -> tuple[dict, int]:
         (epoch, index), indices, self.cursor = take(self.epoch_batches, self.cursor)
-        shape = batch_shape(self.dataset, indices, self.cfg.data)
-        return collate(self.dataset, indices, self.device, shape), anchor_seed(self.cfg.seed, epoch, index)
+        return (collate_as_trained(self.dataset, indices, self.device, self.cfg.data),
+                anchor_seed(self.cfg.seed, epoch, index))
 
     def bucket_shapes(self) -> list[tuple[int, int]]:
         dc = self.cfg.data
