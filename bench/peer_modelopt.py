@@ -279,12 +279,13 @@ def train_modelopt(cfg: RunConfig, out: Path, loss: str, weights: str) -> dict:
 
 # ---- the table and the loss chart ---------------------------------------------------------------------
 def table(results: list[dict]) -> str:
-    rows = ["| trainer | steps | train s | tokens/s | steps/s | peak mem GiB | held-out loss | held-out tau_hat |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| trainer | steps | train s | tokens/s | steps/s | peak mem GiB | held-out loss | held-out tau_hat "
+            "| held-out tau_decode |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         h = r["final_heldout"]
+        decode = f"{h['tau_decode']:.3f}" if "tau_decode" in h else "-"
         rows.append(f"| {r['trainer']} | {r['steps']} | {r['train_seconds']:.1f} | {r['tokens_per_s']:.0f} | "
-                    f"{r['steps_per_s']:.3f} | {r['peak_memory_gib']:.2f} | {h['loss']:.3f} | {h['tau_hat']:.3f} |")
+                    f"{r['steps_per_s']:.3f} | {r['peak_memory_gib']:.2f} | {h['loss']:.3f} | {h['tau_hat']:.3f} | {decode} |")
     return "\n".join(rows)
 
 
