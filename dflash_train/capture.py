@@ -2,8 +2,11 @@
 
 `data.captured_features: DIR` makes training read every answer's features from DIR instead of
 running the target's layers, so later epochs and every ablation over the same data, target and
-layers skip the target. DIR holds `capture.json` (the fingerprint: target identity, captured layers,
-a hash of the tokenized rows; the shard list) and `shard-NNNNN.safetensors` files, each with
+layers skip the target. With `data.cache_features` too, each row is read from its shard once and
+then kept in device memory (train/feature_cache.py).
+
+DIR holds `capture.json` (the fingerprint: target identity, captured layers, a hash of the tokenized
+rows; the shard list) and `shard-NNNNN.safetensors` files, each with
 `features` [tokens of its rows, K*H] in the target's dtype and `offsets` [rows + 1]. A shard is
 written atomically and listed only then: a crash loses at most the shard in progress, and the same
 command resumes. Training refuses a capture whose fingerprint differs from its own run, naming

@@ -90,8 +90,9 @@ class DataConfig(_Section):
     """Processes that tokenise conversation files (0: one per core, at most 16; inputs under 10,000
     rows are tokenised in process)."""
     cache_features: bool = False
-    """Keep the target's captured features in the device's memory across epochs: the target runs once
-    per answer (first epoch), later epochs skip it. Size: tokens x captured layers x hidden x 2 bytes
+    """Keep the target's features in the device's memory across epochs: the target runs once per
+    answer (first epoch), later epochs skip it; with `captured_features`, each answer's features are
+    read from the capture once, then from memory. Size: tokens x captured layers x hidden x 2 bytes
     in bf16 (13.5K SmolLM2 answers, 6M tokens, 5 layers: ~35 GB on an H200)."""
     captured_features: str | None = None
     """A `dflash-train capture` directory of this run's data, target and layers: features are read
@@ -106,9 +107,6 @@ class DataConfig(_Section):
                 f"data.token_budget ({self.token_budget}) < data.max_length ({self.max_length}): "
                 "a full-length sequence could never be batched"
             )
-        if self.cache_features and self.captured_features:
-            raise ValueError("data.cache_features and data.captured_features both set: captured features are "
-                             "already read from disk; set one")
         return self
 
 

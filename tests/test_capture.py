@@ -27,6 +27,26 @@ def test_training_from_captured_features_equals_training_online(make_run_config,
         assert loss == pytest.approx(float(plain.train_step()["loss"]), rel=1e-6)
 
 
+def test_captured_features_kept_in_memory_are_read_once_and_train_the_same(make_run_config, shared_tiny_target,
+                                                                            tmp_path, monkeypatch):
+    """data.captured_features + data.cache_features: each row is read from the capture's shards once
+    (its first batch), later epochs from memory; the target never runs; the losses equal online
+    training's. Bucketed, so batches carry padding rows and length."""
+    over = ["train.epochs=3", "data.length_bucket=32"]
+    plain = Trainer(make_run_config("plain", over), target=shared_tiny_target)
+    monkeypatch.setattr("dflash_train.train.parts.load_target", lambda *a, **k: shared_tiny_target)
+    capture(make_run_config("c", over), tmp_path / "cap", rows_per_shard=5)
+    kept = Trainer(make_run_config("kept", [*over, f"data.captured_features={tmp_path / 'cap'}",
+                                            "data.cache_features=true"]), target=shared_tiny_target)
+    expected = [float(plain.train_step()["loss"]) for _ in range(plain.total_steps)]
+    reads = []
+    real_row = kept.captured.row
+    monkeypatch.setattr(kept.captured, "row", lambda i: reads.append(i) or real_row(i))
+    monkeypatch.setattr(shared_tiny_target, "features", lambda *a: pytest.fail("the target ran on captured data"))
+    assert [float(kept.train_step()["loss"]) for _ in range(kept.total_steps)] == pytest.approx(expected, rel=1e-6)
+    assert sorted(reads) == list(range(len(kept.dataset)))  # every row read once over three epochs
+
+
 def test_an_interrupted_capture_resumes_and_a_foreign_one_is_refused(make_run_config, shared_tiny_target,
                                                                       tmp_path, monkeypatch):
     monkeypatch.setattr("dflash_train.train.parts.load_target", lambda *a, **k: shared_tiny_target)

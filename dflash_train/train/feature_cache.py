@@ -1,8 +1,9 @@
-"""`data.cache_features`: the target's captured features of every answer, kept in device memory.
+"""`data.cache_features`: the target's features of every answer, kept in device memory.
 
-The target runs once per answer (its first batch); later epochs read the features from here. The
-cache stops growing before the training step would run out of memory: rows not cached by then get
-their features recomputed every epoch (slower, never out of memory).
+Each answer's features are made once (its first batch: the target runs, or with
+`data.captured_features` they are read from the capture's shards) and later epochs read them from
+here. The cache stops growing before the training step would run out of memory: rows not cached by
+then get their features made again every epoch (slower, never out of memory).
 """
 
 from __future__ import annotations
@@ -39,14 +40,14 @@ class FeatureCache:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def features(self, batch: dict, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """The batch's features [rows, T, K*H]; `compute(input_ids)` runs the target for rows not cached."""
+    def features(self, batch: dict, make: Callable[[list[int]], list[torch.Tensor]]) -> torch.Tensor:
+        """The batch's features [rows, T, K*H]; `make(indices)` gives the features [T_i, K*H] of the
+        rows not cached, on the device (`from_target` or `from_capture`)."""
         missing = [i for i in batch["indices"] if i not in self.rows]
         fresh = {}
         if missing:
-            feats = compute(collate(self.dataset, missing, self.device)["input_ids"])
-            fresh = {i: feats[row, : len(self.dataset.input_ids[i])] for row, i in enumerate(missing)}
-            if self.has_room(feats.nbytes):
+            fresh = dict(zip(missing, make(missing)))
+            if self.has_room(sum(f.nbytes for f in fresh.values())):
                 # Copies: a view would keep the whole padded batch tensor alive.
                 self.rows.update({i: f.clone() for i, f in fresh.items()})
         return padded([fresh[i] if i in fresh else self.rows[i] for i in batch["indices"]], batch["input_ids"].shape)
@@ -64,3 +65,18 @@ class FeatureCache:
             log.warning("feature cache full at %d rows (%.1f GiB free): the other rows' features are recomputed",
                         len(self.rows), room / 2**30)
         return False
+
+
+def from_target(dataset, device: torch.device, compute: Callable[[torch.Tensor], torch.Tensor]):
+    """`make` for the cache: the target (`compute(input_ids)`) runs over the rows, batched."""
+
+    def make(indices: list[int]) -> list[torch.Tensor]:
+        feats = compute(collate(dataset, indices, device)["input_ids"])
+        return [feats[row, : len(dataset.input_ids[i])] for row, i in enumerate(indices)]
+
+    return make
+
+
+def from_capture(captured, device: torch.device):
+    """`make` for the cache: the rows read from a `dflash-train capture` directory."""
+    return lambda indices: [captured.row(i).to(device, non_blocking=True) for i in indices]

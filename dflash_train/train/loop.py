@@ -34,7 +34,7 @@ from dflash_train.checkpoint import local as ckpt
 from dflash_train.train.batches import anchor_seed, collate_as_trained, take
 from dflash_train.train.build import autocast_for, compile_layers
 from dflash_train.train.accumulate import LocalSource, NoReduction, Reduction, Source, accumulate
-from dflash_train.train.feature_cache import FeatureCache
+from dflash_train.train.feature_cache import FeatureCache, from_capture, from_target
 from dflash_train.train.heldout import HeldoutProbe, score_heldout
 from dflash_train.train.metrics import MetricsFile
 from dflash_train.checkpoint.storage import prune_local, resolve_resume
@@ -208,12 +208,13 @@ class Trainer:
         return len(shapes)
 
     def features(self, batch: dict) -> torch.Tensor:
+        if self.feature_cache is not None:
+            make = (from_capture(self.captured, self.device) if self.captured is not None else
+                    from_target(self.dataset, self.device, lambda ids: self.target.features(ids, self.stream_layers)))
+            return self.feature_cache.features(batch, make)
         if self.captured is not None:
             return self.captured.batch(batch, self.device)
-        compute = lambda ids: self.target.features(ids, self.stream_layers)  # noqa: E731
-        if self.feature_cache is None:
-            return compute(batch["input_ids"])
-        return self.feature_cache.features(batch, compute)
+        return self.target.features(batch["input_ids"], self.stream_layers)
 
     # ---- one optimizer step ----------------------------------------------------------------
     def train_step(self) -> dict:
