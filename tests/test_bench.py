@@ -102,3 +102,39 @@ def test_sweep_chart_takes_each_runs_last_probe_and_orders_by_value(tmp_path, ca
     short = run("short", 1.0, [(50, 1.0, 1.2)])
     sweep_chart.main(["--sweep", "lr", f"{short}=2e-3", f"{lo}=1e-3", "--out", str(tmp_path / "t.png")])
     assert "unequal budgets" in capsys.readouterr().out
+
+
+def test_loop_speed_runs_the_three_feature_sources_on_the_same_batches(tmp_path):
+    """bench/loop_speed.py on a tiny target: the capture is timed once and reused by a second call,
+    each arm trains the same batches (equal tokens a step), and the memory arm starts with every row
+    cached."""
+    import dist_setup
+    import loop_speed
+
+    setup = tmp_path / "setup"
+    dist_setup.main(["--out", str(setup), "--shape", "tiny", "--rows", "24", "--max-length", "128", "--anchors", "8"])
+    args = ["-c", str(setup / "run.yaml"), "train.log_every=1", "--work", str(tmp_path / "work"), "--steps", "4"]
+    first = loop_speed.main(args)
+    assert not first["capture"]["reused"] and first["capture"]["rows"] == 24 and first["capture"]["tokens_per_s"] > 0
+    arms = first["arms"]
+    assert set(arms) == {"target", "capture", "memory"} and all(a["steps_per_s"] > 0 for a in arms.values())
+    assert len({a["tokens_per_step"] for a in arms.values()}) == 1
+    assert arms["memory"]["cached_rows"] == arms["memory"]["rows"] == 24
+    again = loop_speed.main([*args, "--arms", "memory"])
+    assert again["capture"]["reused"] and again["capture"]["tokens_per_s"] is None and list(again["arms"]) == ["memory"]
+
+
+def test_loop_speed_window_rates(tmp_path):
+    """Steps/s of a window = its steps x tokens/s / tokens; the first two windows are left out."""
+    import loop_speed
+
+    records = [{"step": 10, "tokens": 1000, "tokens_per_s": 10.0},  # compile: left out
+               {"step": 20, "tokens": 1000, "tokens_per_s": 100.0},  # left out
+               {"step": 30, "tokens": 2000, "tokens_per_s": 1000.0},  # 10 steps in 2 s
+               {"step": 35, "tokens": 500, "tokens_per_s": 1000.0},  # 5 steps in 0.5 s
+               {"step": 45, "tokens": 1000, "tokens_per_s": 2000.0}]  # 10 steps in 0.5 s
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    rates = loop_speed.window_rates(tmp_path / "metrics.jsonl")
+    assert rates["steps_per_s"] == pytest.approx(10.0)  # median of 5, 10, 20
+    assert rates["tokens_per_s"] == 1000.0 and rates["windows"] == 3
+    assert rates["tokens_per_step"] == pytest.approx((200 + 100 + 100) / 3)
