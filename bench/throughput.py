@@ -154,6 +154,8 @@ def main(argv=None):
     ap.add_argument("--full-length", action="store_true", help="every sequence max_length long (the shape of docs/design.md#reference-figures)")
     ap.add_argument("--loss", default="ce", choices=["ce", "kl", "target_argmax"],
                     help="per-slot loss (objective.loss): the target kinds also run the target's last layers and head")
+    ap.add_argument("--ce-kernel", default="chunked", choices=["chunked", "liger", "cce"],
+                    help="LM head + CE of the loss (train.ce_kernel): ours, or a fused library kernel (CUDA)")
     ap.add_argument("--profile", action="store_true", help="time of one end-to-end step by kernel family, device busy and idle (dflash_train/ops/profile.py)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -193,7 +195,8 @@ def main(argv=None):
         block_task = block_task or task
         with autocast:
             out = draft_loss(drafter, block_task, feats if features is None else features, target.embed_weight,
-                             target.lm_head_weight, use_flex, 4096, mix, target.logits, compiled_loss=args.compile_loss)
+                             target.lm_head_weight, use_flex, 4096, mix, target.logits, compiled_loss=args.compile_loss,
+                             ce_kernel=args.ce_kernel)
         (out.weighted_ce_sum / block_task.weights.sum()).backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
@@ -253,7 +256,7 @@ def main(argv=None):
     result = {
         "shape": shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "seq_tokens_per_step": tokens, "anchors": anchors, "block_size": 16,
-        "loss": args.loss, "batch": args.batch, "steps_per_s": 1 / t_e2e, "drafter_steps_per_s": 1 / t_draft,
+        "loss": args.loss, "ce_kernel": args.ce_kernel, "batch": args.batch, "steps_per_s": 1 / t_e2e, "drafter_steps_per_s": 1 / t_draft,
         "draft_layers": drafter.config.num_hidden_layers, "compile": args.compile, "compile_loss": args.compile_loss,
         "target_tokens_per_s": tokens / t_target, "drafter_tokens_per_s": tokens / t_draft,
         "e2e_tokens_per_s": tokens / t_e2e, "harmonic_tokens_per_s": harmonic,

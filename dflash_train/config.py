@@ -186,6 +186,11 @@ class TrainConfig(_Section):
     """torch.compile the loss chunks too (GPU): +31% steps/s for CE and 1.8x for KL at SmolLM2's
     shape in the benchmark (docs/benchmarks/throughput.md); not yet measured in a real run or at a
     152K vocabulary, hence opt-in."""
+    ce_kernel: Literal["chunked", "liger", "cce"] = "chunked"
+    """The LM head + CE of the drafter's loss: "chunked" (ours: one chunk of logits at a time,
+    checkpointed; every device) or a fused Triton kernel of a maintained library, CUDA only, CE loss
+    only, exact per-token weights (`draft/fused_ce.py`; extra `fused-ce`): "liger" (liger-kernel)
+    or "cce" (cut-cross-entropy). Opt-in until the H200 benchmark says which is fastest."""
     compile_warmup_steps: int = Field(10, ge=1)
     """Steps allowed to (re)compile; any recompile after them is warned about with its reason."""
     profile_at_step: int | None = Field(None, ge=1)
@@ -203,6 +208,9 @@ class TrainConfig(_Section):
                        "time budget refits it; to stop a fixed-length run on time use train.deadline_minutes")
         self._not_both("train", "time_budget_minutes", "deadline_minutes",
                        "a time budget already ends on time; set one")
+        if self.ce_kernel != "chunked" and self.compile_loss:
+            raise ValueError(f"train.ce_kernel={self.ce_kernel} replaces the chunked loss that train.compile_loss "
+                             "compiles: set one")
         return self
 
 
@@ -276,6 +284,16 @@ class RunConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     drafters: list[DrafterSpec] = Field(default_factory=list)
     """Distributed training only: several drafters from one target stream; empty = one drafter."""
+
+    @model_validator(mode="after")
+    def _fused_ce_fits_the_run(self) -> RunConfig:
+        kernel = self.train.ce_kernel
+        if kernel != "chunked" and set(self.objective.loss) != {"ce"}:
+            raise ValueError(f"train.ce_kernel={kernel} computes the CE loss only; objective.loss is "
+                             f"{self.objective.loss}: use train.ce_kernel=chunked")
+        if kernel != "chunked" and self.device == "cpu":
+            raise ValueError(f"train.ce_kernel={kernel} runs on CUDA only (Triton kernels): use train.ce_kernel=chunked")
+        return self
 
 
 class ConfigError(ValueError):

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflash_train.draft.fused_ce import fused_ce
+
 
 @dataclass(frozen=True)
 class LossMix:
@@ -96,10 +98,12 @@ def block_loss(
     target_hidden_BQH: torch.Tensor | None = None,
     target_logits_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     compiled: bool = False,
+    kernel: str = "chunked",
 ) -> BlockLoss:
     """`target_hidden_BQH`: the target's final-normed hidden state at the position that predicts
     each slot's label (needed by the target kinds of `mix`); `target_logits_fn` turns it into logits.
-    `compiled`: each chunk runs compiled (GPU training with train.compile)."""
+    `compiled`: each chunk runs compiled (GPU training with train.compile). `kernel`: "chunked" (this
+    module) or a fused library kernel for the CE-only mix (`fused_ce.py`, CUDA)."""
     if mix.needs_target and (target_hidden_BQH is None or target_logits_fn is None):
         raise ValueError("the loss mix distils from the target: pass its hidden states and logits function")
     h = hidden_BQH.reshape(-1, hidden_BQH.shape[-1])
@@ -107,6 +111,12 @@ def block_loss(
     t_h = None if target_hidden_BQH is None else target_hidden_BQH.reshape(-1, target_hidden_BQH.shape[-1])
     rows = h.shape[0]
     counted = (weights > 0).float()
+    if kernel != "chunked":
+        if mix.needs_target or compiled:
+            raise ValueError(f"train.ce_kernel={kernel} computes the CE loss only, uncompiled: set objective.loss "
+                             "to ce and train.compile_loss to false, or use train.ce_kernel=chunked")
+        total, correct = fused_ce(kernel, h, lm_head_weight, labels, weights, chunk_size)
+        return _block_loss(mix.ce * total, correct * counted, counted, block_size)
     kept = None
     if not compiled and h.device.type == "cpu":
         # Zero-weight rows (slot 0, labels past the response, invalid anchors) add nothing to the loss:
@@ -137,7 +147,11 @@ def block_loss(
     correct = torch.cat(correct) if correct else counted.new_zeros(0)
     if kept is not None:
         correct = counted.new_zeros(rows).index_copy_(0, kept, correct)
-    correct = correct[:rows] * counted
+    return _block_loss(total, correct[:rows] * counted, counted, block_size)
+
+
+def _block_loss(total: torch.Tensor, correct: torch.Tensor, counted: torch.Tensor, block_size: int) -> BlockLoss:
+    """The per-slot statistics of per-row `correct` and `counted` [rows] (zeros where nothing counts)."""
     blocks = correct.view(-1, block_size)
     anchors = counted.view(-1, block_size)[:, 1:2]
     accepted = torch.cat([anchors, torch.cumprod(blocks[:, 1:], 1) * anchors], 1).sum(0)

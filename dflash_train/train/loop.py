@@ -104,7 +104,7 @@ class Trainer:
         with self.autocast:
             return draft_loss(self.drafter, task, features, self.target.embed_weight, self.target.lm_head_weight,
                               self.use_flex, self.cfg.objective.ce_chunk_size, self.loss_mix, self.target.logits,
-                              compiled_loss=self.cfg.train.compile_loss)
+                              compiled_loss=self.cfg.train.compile_loss, ce_kernel=self.cfg.train.ce_kernel)
 
     @property
     def attention_backend(self) -> str:

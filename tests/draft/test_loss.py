@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_train.config import ObjectiveConfig
-from dflash_train.draft.loss import acceptance_metrics, block_loss
+from dflash_train.config import ConfigError, ObjectiveConfig, build_config
+from dflash_train.draft.loss import LossMix, acceptance_metrics, block_loss
 from dflash_train.draft.objective import BlockTask, draft_loss, make_task
 from draft.helpers_draft import tiny_drafter
 
@@ -130,3 +130,22 @@ def test_split_micro_batches_equal_one_merged_padded_batch():
     torch.testing.assert_close(loss, split, rtol=1e-5, atol=1e-6)
     for n, p in drafter.named_parameters():
         torch.testing.assert_close(p.grad, grads_split[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_fused_ce_kernels_are_refused_where_they_cannot_run():
+    """train.ce_kernel=liger/cce: CUDA only and the CE loss only, each refused with the key named,
+    in the config and in the loss itself (a device resolved to CPU at run time)."""
+    with pytest.raises(ConfigError, match="runs on CUDA only"):
+        build_config({"device": "cpu", "train": {"ce_kernel": "liger"}})
+    with pytest.raises(ConfigError, match="computes the CE loss only"):
+        build_config({"device": "cuda", "train": {"ce_kernel": "cce"}, "objective": {"loss": {"ce": 0.5, "kl": 0.5}}})
+    with pytest.raises(ConfigError, match="train.compile_loss compiles: set one"):
+        build_config({"device": "cuda", "train": {"ce_kernel": "liger", "compile_loss": True}})
+    assert build_config({"device": "cuda", "train": {"ce_kernel": "cce"}}).train.ce_kernel == "cce"
+    h, head = torch.randn(2, 4, 8), torch.randn(32, 8)
+    labels, weights = torch.randint(0, 32, (2, 4)), torch.ones(2, 4)
+    with pytest.raises(ValueError, match="runs on CUDA only"):
+        block_loss(h, head, labels, weights, 4, kernel="liger")
+    with pytest.raises(ValueError, match="computes the CE loss only"):
+        block_loss(h, head, labels, weights, 4, mix=LossMix(ce=0.0, kl=1.0), target_hidden_BQH=h,
+                   target_logits_fn=lambda x: x @ head.t(), kernel="cce")
