@@ -7,7 +7,9 @@ cut-cross-entropy (Apple's CCE, Triton) the same without an argmax, which a no-g
 adds here for the acceptance metrics. Both return per-token losses (`reduction="none"`), so the
 per-slot decay weights and the global normalisation stay ours and exact; rows of weight 0 are passed
 as ignored, so neither kernel spends time on them. CCE runs with `filter_eps=None`: its default
-skips small gradient terms, an approximation.
+skips small gradient terms, an approximation. Each costs one host sync per micro-batch, which our
+chunked loss does not: liger counts the rows that are not ignored (`.item()`), CCE gathers their
+indices (`nonzero`), whatever the labels.
 """
 
 from __future__ import annotations
