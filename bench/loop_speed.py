@@ -19,6 +19,7 @@ On GPU the config's data and target are the real ones (the issue's figure: SmolL
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -29,6 +30,7 @@ from safetensors import safe_open
 
 from dflash_train.capture import MANIFEST, capture
 from dflash_train.config import load_config
+from dflash_train.target import resolve_device
 from dflash_train.train.loop import Trainer
 
 SKIPPED_WINDOWS = 2
@@ -68,17 +70,25 @@ def run_arm(name: str, config: str, overrides: list[str], work: Path, steps: int
     cfg = load_config(config, [*overrides, *arm, f"run_dir={work / name}", f"train.max_steps={steps}",
                                "train.time_budget_minutes=null", "eval.heldout_files=[]", "eval.every=0",
                                f"checkpoint.every={10**9}"])
+    gc.collect()  # the previous arm's trainer and cache: gone before this one measures memory
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg)
     extra = {}
     if name == "memory":  # the features in device memory before the clock starts
         t = time.perf_counter()
         cached = fill_cache(trainer)
         extra = {"cached_rows": cached, "rows": len(trainer.dataset), "cache_fill_s": time.perf_counter() - t}
+    reads = []
+    if trainer.captured is not None:  # rows read from the capture's shards during training
+        row = trainer.captured.row
+        trainer.captured.row = lambda index: reads.append(index) or row(index)
     trainer.fit(progress=False)
     if trainer.device.type == "cuda":
         extra["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        torch.cuda.reset_peak_memory_stats()
-    return {"arm": name, "overrides": arm, **window_rates(work / name / "metrics.jsonl"), **extra}
+    return {"arm": name, "overrides": arm, **window_rates(work / name / "metrics.jsonl"),
+            "capture_rows_read": len(reads), **extra}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -92,8 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     work = Path(args.work)
     cfg = load_config(args.config, [*args.overrides, f"run_dir={work / 'capture_run'}"])
+    device = resolve_device(cfg.device)
     result = {"config": args.config, "overrides": args.overrides, "steps": args.steps,
-              "device": torch.cuda.get_device_name() if cfg.device == "cuda" else cfg.device,
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
               "torch": torch.__version__}
     if {"capture", "memory"} & set(args.arms):
         done_before = (work / "capture" / MANIFEST).is_file()

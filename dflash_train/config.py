@@ -288,11 +288,16 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _fused_ce_fits_the_run(self) -> RunConfig:
         kernel = self.train.ce_kernel
-        if kernel != "chunked" and set(self.objective.loss) != {"ce"}:
+        if kernel == "chunked":
+            return self
+        if any(w > 0 for kind, w in self.objective.loss.items() if kind != "ce"):
             raise ValueError(f"train.ce_kernel={kernel} computes the CE loss only; objective.loss is "
                              f"{self.objective.loss}: use train.ce_kernel=chunked")
-        if kernel != "chunked" and self.device == "cpu":
+        if self.device == "cpu":
             raise ValueError(f"train.ce_kernel={kernel} runs on CUDA only (Triton kernels): use train.ce_kernel=chunked")
+        if self.target.dtype in ("float32", "float16"):
+            raise ValueError(f"train.ce_kernel={kernel} needs the target's head in bfloat16, target.dtype is "
+                             f"{self.target.dtype}: use train.ce_kernel=chunked")
         return self
 
 

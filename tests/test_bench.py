@@ -120,6 +120,9 @@ def test_loop_speed_runs_the_three_feature_sources_on_the_same_batches(tmp_path)
     assert set(arms) == {"target", "capture", "memory"} and all(a["steps_per_s"] > 0 for a in arms.values())
     assert len({a["tokens_per_step"] for a in arms.values()}) == 1
     assert arms["memory"]["cached_rows"] == arms["memory"]["rows"] == 24
+    # the memory arm trains without touching the shards; the capture arm reads a row per row trained
+    assert arms["memory"]["capture_rows_read"] == 0 and arms["capture"]["capture_rows_read"] == 4
+    assert arms["target"]["capture_rows_read"] == 0
     again = loop_speed.main([*args, "--arms", "memory"])
     assert again["capture"]["reused"] and again["capture"]["tokens_per_s"] is None and list(again["arms"]) == ["memory"]
 

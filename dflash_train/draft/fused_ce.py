@@ -6,10 +6,14 @@ computes loss and argmax in one pass over the vocabulary and the gradient in its
 cut-cross-entropy (Apple's CCE, Triton) the same without an argmax, which a no-grad chunked pass
 adds here for the acceptance metrics. Both return per-token losses (`reduction="none"`), so the
 per-slot decay weights and the global normalisation stay ours and exact; rows of weight 0 are passed
-as ignored, so neither kernel spends time on them. CCE runs with `filter_eps=None`: its default
-skips small gradient terms, an approximation. Each costs one host sync per micro-batch, which our
-chunked loss does not: liger counts the rows that are not ignored (`.item()`), CCE gathers their
-indices (`nonzero`), whatever the labels.
+as ignored. CCE runs with `filter_eps=None`: its default
+skips small gradient terms, an approximation. Both need a bf16 head (the target in bf16), as our
+chunked loss runs it under autocast.
+
+What they cost that our chunked loss does not: host syncs. Liger counts the rows that are not
+ignored (`.item()`) in its forward, and again in its backward, which recomputes the chunks for
+per-token losses. CCE gathers those rows' indices (`nonzero`). Ignored rows still go through
+liger's head matmul and CCE's argmax pass; only the CE itself skips them.
 """
 
 from __future__ import annotations
@@ -37,7 +41,10 @@ def fused_ce(kernel: str, h: torch.Tensor, lm_head_weight: torch.Tensor, labels:
     """(sum_k w_k * CE_k, [rows] 1.0 where the argmax is the label) for `h` [rows, H] through the
     frozen head `lm_head_weight` [V, H]: what `loss._chunk_loss` gives for the CE-only mix."""
     _require(kernel, h)
-    h = h.to(lm_head_weight.dtype)
+    if lm_head_weight.dtype != torch.bfloat16:
+        raise ValueError(f"train.ce_kernel={kernel} needs the target in bfloat16 (its head is "
+                         f"{lm_head_weight.dtype}): set target.dtype=bfloat16 or use train.ce_kernel=chunked")
+    h = h.to(torch.bfloat16)
     targets = torch.where(weights > 0, labels, IGNORE)
     if kernel == "liger":
         try:

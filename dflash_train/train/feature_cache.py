@@ -48,8 +48,9 @@ class FeatureCache:
         if missing:
             fresh = dict(zip(missing, make(missing)))
             if self.has_room(sum(f.nbytes for f in fresh.values())):
-                # Copies: a view would keep the whole padded batch tensor alive.
-                self.rows.update({i: f.clone() for i, f in fresh.items()})
+                # A view (the target's rows) would keep the whole padded batch alive: copied. Rows
+                # that own their memory (read from a capture) are kept as they are.
+                self.rows.update({i: f.clone() if f._base is not None else f for i, f in fresh.items()})
         return padded([fresh[i] if i in fresh else self.rows[i] for i in batch["indices"]], batch["input_ids"].shape)
 
     def has_room(self, nbytes: int) -> bool:

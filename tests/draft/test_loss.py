@@ -141,7 +141,11 @@ def test_fused_ce_kernels_are_refused_where_they_cannot_run():
         build_config({"device": "cuda", "train": {"ce_kernel": "cce"}, "objective": {"loss": {"ce": 0.5, "kl": 0.5}}})
     with pytest.raises(ConfigError, match="train.compile_loss compiles: set one"):
         build_config({"device": "cuda", "train": {"ce_kernel": "liger", "compile_loss": True}})
+    with pytest.raises(ConfigError, match="needs the target's head in bfloat16"):
+        build_config({"device": "cuda", "train": {"ce_kernel": "liger"}, "target": {"dtype": "float32"}})
     assert build_config({"device": "cuda", "train": {"ce_kernel": "cce"}}).train.ce_kernel == "cce"
+    assert build_config({"device": "cuda", "train": {"ce_kernel": "liger"},  # a zero weight distils nothing
+                         "objective": {"loss": {"ce": 1.0, "kl": 0.0}}}).train.ce_kernel == "liger"
     h, head = torch.randn(2, 4, 8), torch.randn(32, 8)
     labels, weights = torch.randint(0, 32, (2, 4)), torch.ones(2, 4)
     with pytest.raises(ValueError, match="runs on CUDA only"):

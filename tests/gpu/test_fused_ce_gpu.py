@@ -31,7 +31,11 @@ def test_fused_ce_matches_float64_and_counts_like_the_chunked_loss(kernel):
     blocks = 3 * 4096 // B + 13  # several chunks, the last one short
     hidden = torch.randn(blocks, B, H, generator=gen).cuda()
     head = (torch.randn(V, H, generator=gen) * 0.05).to(torch.bfloat16).cuda()  # the frozen target's head
+    # 70% of the labels are the head's own argmax, so the kernels' argmax (the acceptance metrics)
+    # is checked on thousands of correct rows, not on the ~0 hits of random labels
     labels = torch.randint(0, V, (blocks, B), generator=gen).cuda()
+    top = (hidden.reshape(-1, H).double() @ head.double().t()).argmax(-1).view(blocks, B)
+    labels = torch.where(torch.rand(blocks, B, generator=gen).cuda() < 0.7, top, labels)
     weights = torch.tensor([0.0] + [math.exp(-(k - 1) / 7) for k in range(1, B)]).repeat(blocks, 1)
     weights[torch.rand(blocks, generator=gen) < 0.2] = 0  # invalid anchors: rows that count for nothing
     weights = weights.cuda()
@@ -53,10 +57,12 @@ def test_fused_ce_matches_float64_and_counts_like_the_chunked_loss(kernel):
     # bf16 operands: relative error between 1e-3 and 1e-2 is expected
     assert abs(float(out.weighted_ce_sum / denominator) - float(ref)) / abs(float(ref)) < 1e-2
     assert float((grad.double() - h64.grad).norm() / h64.grad.norm()) < 2e-2
-    assert float(grad[weights == 0].abs().max()) == 0.0  # rows that count get no gradient
+    assert float(grad[weights == 0].abs().max()) == 0.0  # rows that do not count get no gradient
 
     chunked, _ = run("chunked")
-    assert torch.equal(out.counted_per_slot, chunked.counted_per_slot)
-    # the argmax of bf16 logits may differ on near-ties: at most a few rows in ~12K
+    assert abs(float(out.weighted_ce_sum - chunked.weighted_ce_sum)) / abs(float(chunked.weighted_ce_sum)) < 5e-3
+    correct = float(out.correct_per_slot.sum())
+    assert correct > 0.6 * float(out.counted_per_slot[1:].sum())  # the planted argmax labels were found
+    # the argmax of bf16 logits may differ from the float64 one on near-ties: a few rows in ~12K
     assert float((out.correct_per_slot - chunked.correct_per_slot).abs().sum()) <= 8
     assert float((out.accepted_per_slot - chunked.accepted_per_slot).abs().sum()) <= 8
