@@ -40,27 +40,29 @@ def _config_args(p: argparse.ArgumentParser, required: bool = True, example: str
 
 
 def cmd_train(args) -> int:
+    cfg = load_config(args.config, args.overrides)  # a bad config fails before torch is imported
     from dflash_train.eval.report import periodic_eval_for
     from dflash_train.train.loop import train
 
-    cfg = load_config(args.config, args.overrides)
     summary = train(cfg, resume=args.resume, periodic_eval=periodic_eval_for(cfg.eval))
     print(json.dumps(summary["last"], indent=2))
     return 0
 
 
 def cmd_capture(args) -> int:
+    cfg = load_config(args.config, args.overrides)
     from dflash_train.capture import capture
 
-    manifest = capture(load_config(args.config, args.overrides), args.out, args.rows_per_shard)
+    manifest = capture(cfg, args.out, args.rows_per_shard)
     print(json.dumps({"out": args.out, **manifest["fingerprint"], "shards": len(manifest["shards"])}, indent=2))
     return 0
 
 
 def cmd_warmup(args) -> int:
+    cfg = load_config(args.config, args.overrides)
     from dflash_train.train.warmup import warmup
 
-    print(json.dumps(warmup(load_config(args.config, args.overrides), args.steps), indent=2))
+    print(json.dumps(warmup(cfg, args.steps), indent=2))
     return 0
 
 
@@ -71,12 +73,12 @@ def cmd_launch(args) -> int:
 
 
 def cmd_prepare(args) -> int:
+    cfg = load_config(args.config, args.overrides)
     from dflash_train.data.dataset import check_training_files, save_prepared, tokenize_files
     from dflash_train.target import resolve_target_path, tokenizer_fingerprint
     from dflash_train.target_path import load_pretrained
     from transformers import AutoTokenizer
 
-    cfg = load_config(args.config, args.overrides)
     check_training_files(cfg.data)
     tokenizer = load_pretrained(AutoTokenizer, resolve_target_path(cfg.target.path))
     ds = tokenize_files(
@@ -165,12 +167,14 @@ def cmd_prompts(args) -> int:
 
 def cmd_eval(args) -> int:
     from dflash_train.eval.config import build_eval_config
-    from dflash_train.eval.report import format_table, run_eval
 
     if args.overrides and not args.config:
         raise ConfigError(f"overrides {args.overrides} need -c: they change a run config")
     run = load_config(args.config, args.overrides) if args.config else None
-    report = run_eval(build_eval_config(run, args))
+    job = build_eval_config(run, args)
+    from dflash_train.eval.report import format_table, run_eval
+
+    report = run_eval(job)
     print(format_table(report))
     if args.out:
         print(f"report: {args.out}/eval.json, chart: {args.out}/eval.png")

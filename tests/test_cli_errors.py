@@ -111,3 +111,18 @@ def test_train_eval_every_without_prompts_fails_before_loading_the_target(tmp_pa
     monkeypatch.setattr(parts, "load_target", lambda *a: pytest.fail("the target loaded before the eval check"))
     cfg = _config(tmp_path, "smollm2")
     _one_line(capsys, main(["train", "-c", str(cfg), "eval.every=2"]), "eval.every is set but eval.prompts is not")
+
+
+@pytest.mark.parametrize("command", [["train"], ["capture", "--out", "x"], ["warmup"], ["prepare", "--out", "x"],
+                                     ["eval"]], ids=lambda c: c[0])
+def test_a_bad_config_fails_before_torch_is_imported(tmp_path, command):
+    """A typo in the config is reported in well under a second: no command imports torch,
+    transformers or the model code before its config has loaded."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lrr: 1.0\n")
+    code = ("import sys; from dflash_train.cli import main\n"
+            f"rc = main({[command[0], '-c', str(bad), *command[1:]]!r})\n"
+            "print('rc', rc, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert "train.lrr: unknown key" in done.stderr, done.stderr[-2000:]
+    assert done.stdout.split()[-3:] == ["2", "False", "False"], (done.stdout, done.stderr[-2000:])

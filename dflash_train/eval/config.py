@@ -11,7 +11,6 @@ from typing import Literal
 
 from pydantic import Field, ValidationError
 
-from dflash_train.checkpoint.local import latest_checkpoint
 from dflash_train.config import ConfigError, RunConfig, TargetConfig, _Section, format_validation_errors, set_dotted
 
 
@@ -70,6 +69,8 @@ def build_eval_config(run: RunConfig | None, flags: Namespace | dict, source: st
                 "num_prompts": run.eval.num_prompts, "decode": {"max_new_tokens": run.eval.max_new_tokens}}
         if run.eval.prompts:
             tree["prompts"] = run.eval.prompts
+        from dflash_train.checkpoint.local import latest_checkpoint  # torch: only with a run config
+
         newest = latest_checkpoint(run.run_dir)
         if newest is not None:
             tree["drafter"] = str(newest)

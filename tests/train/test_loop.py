@@ -131,12 +131,15 @@ def test_checkpoint_time_is_logged_apart_from_training_throughput(make_run_confi
     plain.fit(progress=False)
     slow = Trainer(make_run_config("slow", overrides=overrides), target=shared_tiny_target)
     save = slow.save
-    slow.save = lambda **kw: (time.sleep(1.0), save(**kw))[1]
+    slow.save = lambda **kw: (time.sleep(1.5), save(**kw))[1]
     slow.fit(progress=False)
     fast_records, slow_records = read_metrics(plain.run_dir), read_metrics(slow.run_dir)
     for fast, late in zip(fast_records, slow_records):
-        assert late["paused_s"] >= 1.0 > fast["paused_s"]
-        assert late["tokens_per_s"] > 0.4 * fast["tokens_per_s"], (late, fast)
+        assert late["paused_s"] >= 1.5 > fast["paused_s"]
+        # The window's training time (its tokens over its rate) leaves the saves out: two tiny steps,
+        # far below the 3 s of sleeping saves they hold. (A comparison with the plain run's rate was
+        # at the mercy of the machine's load: it failed once at 0.33x under CI.)
+        assert late["tokens"] / late["tokens_per_s"] < 1.0, late
 
 
 @pytest.mark.parametrize("loss", [{"kl": 1.0}, {"target_argmax": 1.0}, {"ce": 0.5, "kl": 0.5}], ids=str)
