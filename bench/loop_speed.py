@@ -54,14 +54,13 @@ def window_rates(metrics: Path) -> dict:
             "tokens_per_step": statistics.mean(r["tokens"] / n for r, n in steady), "windows": len(steady)}
 
 
-def fill_cache(trainer: Trainer) -> int:
+def fill_cache(trainer: Trainer, rows_at_once: int = 1024) -> int:
     """Every row's captured features into device memory (as far as the cache's reserve allows)."""
-    cache = trainer.feature_cache
-    for index in range(len(trainer.dataset)):
-        row = trainer.captured.row(index)
-        if not cache.has_room(row.nbytes):
+    cache, rows = trainer.feature_cache, len(trainer.dataset)
+    for first in range(0, rows, rows_at_once):
+        cache.fill(list(range(first, min(first + rows_at_once, rows))), trainer.make_rows)
+        if cache.full:
             break
-        cache.rows[index] = row.to(trainer.device)
     return len(cache)
 
 

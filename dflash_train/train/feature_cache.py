@@ -44,14 +44,17 @@ class FeatureCache:
         """The batch's features [rows, T, K*H]; `make(indices)` gives the features [T_i, K*H] of the
         rows not cached, on the device (`from_target` or `from_capture`)."""
         missing = [i for i in batch["indices"] if i not in self.rows]
-        fresh = {}
-        if missing:
-            fresh = dict(zip(missing, make(missing)))
-            if self.has_room(sum(f.nbytes for f in fresh.values())):
-                # A view (the target's rows) would keep the whole padded batch alive: copied. Rows
-                # that own their memory (read from a capture) are kept as they are.
-                self.rows.update({i: f.clone() if f._base is not None else f for i, f in fresh.items()})
+        fresh = self.fill(missing, make) if missing else {}
         return padded([fresh[i] if i in fresh else self.rows[i] for i in batch["indices"]], batch["input_ids"].shape)
+
+    def fill(self, indices: list[int], make: Callable[[list[int]], list[torch.Tensor]]) -> dict[int, torch.Tensor]:
+        """Makes the rows' features and keeps them if the memory allows; returns them either way."""
+        fresh = dict(zip(indices, make(indices)))
+        if self.has_room(sum(f.nbytes for f in fresh.values())):
+            # A view (the target's rows) would keep the whole padded batch alive: copied. Rows that
+            # own their memory (read from a capture) are kept as they are.
+            self.rows.update({i: f.clone() if f._base is not None else f for i, f in fresh.items()})
+        return fresh
 
     def has_room(self, nbytes: int) -> bool:
         """Whether the cache may grow by `nbytes` and leave RESERVE_GIB free."""

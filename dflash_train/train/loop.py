@@ -74,6 +74,9 @@ class Trainer:
         self.manifest: dict | None = None  # written at the start of fit(); checkpoints carry it
         self.cursor = (0, 0)  # (epoch, batch index) of the next micro-batch
         self.feature_cache = FeatureCache(self.dataset, self.device) if cfg.data.cache_features else None
+        # where the cache's missing rows come from (the target is looked up per call: tests swap it)
+        self.make_rows = (from_capture(self.captured, self.device) if self.captured is not None else
+                          from_target(self.dataset, self.device, lambda ids: self.target.features(ids, self.stream_layers)))
         self.uploader = None  # background uploads to checkpoint.remote
         if cfg.checkpoint.remote:
             from dflash_train.checkpoint.uploader import remote_uploader  # boto3 only when asked for
@@ -209,9 +212,7 @@ class Trainer:
 
     def features(self, batch: dict) -> torch.Tensor:
         if self.feature_cache is not None:
-            make = (from_capture(self.captured, self.device) if self.captured is not None else
-                    from_target(self.dataset, self.device, lambda ids: self.target.features(ids, self.stream_layers)))
-            return self.feature_cache.features(batch, make)
+            return self.feature_cache.features(batch, self.make_rows)
         if self.captured is not None:
             return self.captured.batch(batch, self.device)
         return self.target.features(batch["input_ids"], self.stream_layers)
