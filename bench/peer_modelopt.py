@@ -289,6 +289,31 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+EVAL_SETS = ("sharegpt", "humaneval", "mt-bench")
+
+
+def eval_table(runs: list[Path], names: list[str]) -> str:
+    """Real tau per set from each run's eval/SET.json (`dflash-train eval --out RUN/eval/SET`):
+    greedy speculative decoding, rounds and the lossless count beside it. Empty when no run has one."""
+    rows = []
+    for run, name in zip(runs, names, strict=True):
+        cells = []
+        for s in EVAL_SETS:
+            path = run / "eval" / f"{s}.json"
+            if not path.exists():
+                cells.append("-")
+                continue
+            r = json.loads(path.read_text())
+            lossless = r["lossless"]
+            cells.append(f"{r['tau']:.3f} ({r['num_rounds']:,} rounds, lossless {lossless['matches']}/{lossless['total']})")
+        if any(c != "-" for c in cells):
+            rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    if not rows:
+        return ""
+    return "\n".join(["| trainer | " + " | ".join(f"{s} tau" for s in EVAL_SETS) + " |",
+                      "| --- |" + " --- |" * len(EVAL_SETS), *rows])
+
+
 def loss_chart(results: list[dict], out: Path) -> Path:
     """Held-out loss (our probe: the same CE on both sides) and each trainer's own training loss
     (not comparable across trainers: Model-Optimizer's default is a soft CE to the target)."""
@@ -328,15 +353,17 @@ def main(argv: list[str] | None = None) -> dict | str:
     t.add_argument("--peer-weights", choices=["dpace", "decay"], default="dpace",
                    help="its slot weights: D-PACE (its default) or exp(-(k-1)/gamma) as ours")
     r = sub.add_parser("report")
-    r.add_argument("runs", nargs="+")
+    r.add_argument("runs", nargs="+", help="run directories (peer.json; eval/SET.json where evaluated)")
     r.add_argument("--out", required=True, help="directory for loss_curves.png")
     args = p.parse_args(argv)
 
     if args.command == "report":
-        results = [json.loads((Path(run) / "peer.json").read_text()) for run in args.runs]
+        runs = [Path(run) for run in args.runs]
+        results = [json.loads((run / "peer.json").read_text()) for run in runs]
         print(f"chart: {loss_chart(results, Path(args.out))}")
-        print(table(results))
-        return table(results)
+        tables = "\n\n".join(t for t in (table(results), eval_table(runs, [r["trainer"] for r in results])) if t)
+        print(tables)
+        return tables
     out = Path(args.out)
     overrides = [*args.overrides, f"run_dir={out}"]
     if args.minutes:

@@ -141,3 +141,18 @@ def test_loop_speed_window_rates(tmp_path):
     assert rates["steps_per_s"] == pytest.approx(10.0)  # median of 5, 10, 20
     assert rates["tokens_per_s"] == 1000.0 and rates["windows"] == 3
     assert rates["tokens_per_step"] == pytest.approx((200 + 100 + 100) / 3)
+
+
+def test_peer_report_eval_table_reads_each_runs_sets_and_marks_the_missing(tmp_path):
+    from peer_modelopt import eval_table
+
+    ours, peer = tmp_path / "ours", tmp_path / "peer"
+    for run, s, tau, rounds in ((ours, "sharegpt", 2.83, 15036), (ours, "mt-bench", 2.5, 9), (peer, "sharegpt", 2.19, 19335)):
+        (run / "eval").mkdir(parents=True, exist_ok=True)
+        (run / "eval" / f"{s}.json").write_text(json.dumps(
+            {"tau": tau, "num_rounds": rounds, "lossless": {"matches": 199, "total": 200}}))
+    lines = eval_table([ours, peer], ["a", "b"]).splitlines()
+    assert lines[0] == "| trainer | sharegpt tau | humaneval tau | mt-bench tau |"
+    assert lines[2] == "| a | 2.830 (15,036 rounds, lossless 199/200) | - | 2.500 (9 rounds, lossless 199/200) |"
+    assert lines[3] == "| b | 2.190 (19,335 rounds, lossless 199/200) | - | - |"
+    assert eval_table([tmp_path / "none"], ["c"]) == ""
