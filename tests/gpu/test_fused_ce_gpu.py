@@ -23,7 +23,12 @@ B, H, V = 16, 576, 49152
 LIBRARIES = {"chunked": None, "liger": "liger_kernel", "cce": "cut_cross_entropy"}
 
 
-@pytest.mark.parametrize("kernel", list(LIBRARIES))
+# Measured on the H200 (2026-12-02, cut-cross-entropy 25.1.1): CCE's gradient is 2.4% off float64's,
+# over the 2e-2 that chunked and liger meet; strict, so a release that fixes it shows up here.
+CCE_GRADIENT = pytest.mark.xfail(strict=True, reason="CCE's bf16 backward: gradient 2.4% off float64 (2e-2 bound)")
+
+
+@pytest.mark.parametrize("kernel", ["chunked", "liger", pytest.param("cce", marks=CCE_GRADIENT)])
 def test_fused_ce_matches_float64_and_counts_like_the_chunked_loss(kernel):
     if LIBRARIES[kernel]:
         pytest.importorskip(LIBRARIES[kernel])
