@@ -156,3 +156,42 @@ def test_peer_report_eval_table_reads_each_runs_sets_and_marks_the_missing(tmp_p
     assert lines[2] == "| a | 2.830 (15,036 rounds, lossless 199/200) | - | 2.500 (9 rounds, lossless 199/200) |"
     assert lines[3] == "| b | 2.190 (19,335 rounds, lossless 199/200) | - | - |"
     assert eval_table([tmp_path / "none"], ["c"]) == ""
+
+
+def test_padding_bench_counts_slots_as_training_pads_them_and_packs_by_best_fit(tmp_path):
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from padding import main as padding_main
+    from padding import packed_rows
+
+    # best fit decreasing, by hand: 7 -> row A (3 free), 5 -> B (5 free), 4 -> B (1 free), 3 -> A (0), 2 -> C
+    assert packed_rows(np.array([3, 7, 2, 5, 4]), 10) == 3
+    assert packed_rows(np.array([6, 6, 6]), 10) == 3  # no two fit together
+    assert packed_rows(np.array([10]), 10) == 1
+
+    lengths = [5, 9, 12, 3, 16, 7, 8, 30]
+    (tmp_path / "prep").mkdir()
+    (tmp_path / "prep" / "dataset.json").write_text("{}")
+    pq.write_table(pa.table({"input_ids": [list(range(n)) for n in lengths]}), tmp_path / "prep" / "shard_00000.parquet")
+    out = padding_main([str(tmp_path / "prep"), "--token-budget", "64", "--max-batch-size", "4",
+                        "--length-bucket", "8", "0", "--pack-length", "32"])
+    assert out["rows"] == 8 and out["tokens"] == sum(lengths)
+    bucketed, longest = out["epochs"]
+    # bucket 8: lengths pad to 8, 16 or 32; rows a batch = min(4, 64 // padded): 4, 4 and 2
+    # bucket 8 (3, 5, 7, 8) -> 1 batch of 4 x 8; 16 (9, 12, 16) -> 1 batch, 4 x 16; 32 (30) -> 2 x 32
+    assert bucketed["batches"] == 3 and bucketed["slots"] == 4 * 8 + 4 * 16 + 2 * 32
+    assert abs(bucketed["real_over_slots"] - sum(lengths) / 160) < 1e-12
+    assert longest["slots"] == sum(len(b) * max(b) for b in _batches_of(lengths, longest["batches"]))
+    assert out["packed"]["rows"] == 3 and out["packed"]["batches"] == 2  # 90 tokens in rows of 32, 2 rows a step
+
+
+def _batches_of(lengths, expected_batches):
+    """The unbucketed batches `make_batches` builds (the function under the bench), as lengths."""
+    import numpy as np
+
+    from dflash_train.data.batching import make_batches
+
+    batches = make_batches(np.array(lengths), 64, 4, 0, 0, 0)
+    assert len(batches) == expected_batches
+    return [[lengths[i] for i in b] for b in batches]
