@@ -370,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="target/drafter compute dtype (auto: bf16 on GPU); float32 for an exact lossless check")
     p.add_argument("--batch-size", type=int, help="prompts decoded together for acceptance")
+    p.add_argument("--acceptance-cache", choices=["auto", "ragged", "none"],
+                   help="target KV cache of batched acceptance decoding: ragged (rows of different lengths in one "
+                        "cache: a round costs the block alone), none (each round re-runs every row's sequence); "
+                        "auto = ragged where the target supports it")
     p.add_argument("--speed-prompts", type=int,
                    help="first turns decoded one at a time, with caches, for the speedup (0: no speed figures)")
     p.add_argument("--speed-engine", choices=["auto", "static", "eager"],

@@ -1,15 +1,17 @@
-"""Speculative decoding of many prompts at once, cache-free: acceptance at the cost of a few passes.
+"""Speculative decoding of many prompts at once: acceptance over whole prompt sets in few passes.
 
 Every round runs the drafter, then the target, over all unfinished rows together. Rows accept
-different numbers of tokens, so instead of a ragged KV cache each round re-runs the target over
-each row's whole sequence (committed tokens + the new block, right-padded, causal: no mask). For
-a small target a round of 64 rows costs about what one row's round costs on a host-bound batch-1
-decoder, so a whole benchmark set is a few hundred rounds.
+different numbers of tokens. By default the target runs through a ragged KV cache (`RaggedCache`:
+one cache for rows of different lengths, a round costs the block alone). Where the target cannot
+take one (other attention kernels, sliding-window layers) each round re-runs the target over each
+row's whole sequence instead (committed tokens + the new block, right-padded, causal: no mask),
+which costs rounds x sequence length. The drafter re-reads each row's context features every round
+in both.
 
 Decisions are `speculative_generate`'s, round by round: same block, same context features (the
-target's, of every committed position before the block), same acceptance rule (the tests hold the
-two to the same tokens and acceptance lengths). Timing is not: speed comes from
-`speculative_generate`, which decodes the way a server does, with caches.
+target's, of every committed position before the block), same acceptance rule (the tests hold
+both paths to the same tokens and acceptance lengths). Timing is not: speed comes from
+`speculative_generate`, which decodes the way a server does, with caches, one prompt at a time.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from dflash_train.draft.model import DFlashDraftModel
+from dflash_train.eval.ragged_cache import RaggedCache
 from dflash_train.eval.spec_decode import SpecResult, accept_sampled, check_budget, sample_tokens
 from dflash_train.generate.backends import emit_tokens
 from dflash_train.target import Target
@@ -66,32 +69,41 @@ def _accept(proposals, draft_logits, target_logits, temperature, generator) -> l
 
 
 @torch.no_grad()
-def _decode_group(target, drafter, prompts, max_new_tokens, stop_ids, temperature, block_size, generator):
+def _decode_group(target, drafter, prompts, max_new_tokens, stop_ids, temperature, block_size, generator, cached):
     layer_ids = drafter.config.target_layer_ids
     device = target.device
     results = [SpecResult(tokens=[], decode_seconds=0.0, block_size=block_size, position_accepts=[0] * (block_size - 1))
                for _ in prompts]
     # Prefill: the first token, and the prompt's features as the first context.
-    last_prompt_token = torch.tensor([len(p) - 1 for p in prompts], device=device)
-    hidden, context = target.hidden_and_features(_right_padded(prompts, device), layer_ids)
-    first = sample_tokens(target.logits(hidden[torch.arange(len(prompts), device=device), last_prompt_token]),
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    ragged = RaggedCache(target, layer_ids) if cached else None
+    ids = _right_padded(prompts, device)
+    hidden, context = ragged.prefill(ids, lengths) if ragged else target.hidden_and_features(ids, layer_ids)
+    first = sample_tokens(target.logits(hidden[torch.arange(len(prompts), device=device), lengths - 1]),
                           temperature, generator).tolist()
     seqs = [list(p) + [t] for p, t in zip(prompts, first)]  # committed; the last is the next block's slot 0
     active = [i for i, t in enumerate(first) if not emit_tokens(results[i].tokens, [t], max_new_tokens, stop_ids)]
     keep = torch.tensor(active, dtype=torch.long, device=device)
+    if ragged and active:
+        context = ragged.advance(torch.zeros_like(lengths), keep, context)
     while active:
-        # Each row's block starts at its last committed token; the last forward's features cover
+        # Each row's block starts at its last committed token; the context holds the features of
         # every position before it (the slot 0 and accepted proposals it verified included).
         starts = torch.tensor([len(seqs[i]) - 1 for i in active], device=device)
-        context = context[keep, : int(starts.max())]
+        if not ragged:
+            context = context[keep, : int(starts.max())]
         last = torch.tensor([seqs[i][-1] for i in active], device=device)
         draft_logits = _draft(drafter, target, context, starts, last, block_size)
         proposals = sample_tokens(draft_logits, temperature, generator)
         drafted = proposals.tolist()
-        target_logits, context = _verify(
-            target, [seqs[i] + drafted[r] for r, i in enumerate(active)], starts, block_size, layer_ids
-        )
-        still = []
+        if ragged:
+            hidden, features = ragged.extend(torch.cat([last[:, None], proposals], dim=1))
+            target_logits = target.logits(hidden)
+        else:
+            target_logits, context = _verify(
+                target, [seqs[i] + drafted[r] for r, i in enumerate(active)], starts, block_size, layer_ids
+            )
+        still, kept = [], []
         for r, (i, (n, token)) in enumerate(zip(active, _accept(proposals, draft_logits, target_logits,
                                                                   temperature, generator))):
             result = results[i]
@@ -99,9 +111,12 @@ def _decode_group(target, drafter, prompts, max_new_tokens, stop_ids, temperatur
             for k in range(n):
                 result.position_accepts[k] += 1
             seqs[i] += drafted[r][:n] + [token]
+            kept.append(n + 1)
             if not emit_tokens(result.tokens, drafted[r][:n] + [token], max_new_tokens, stop_ids):
                 still.append(r)
         keep = torch.tensor(still, dtype=torch.long, device=device)
+        if ragged and still:
+            context = ragged.advance(torch.tensor(kept, device=device), keep, torch.cat([context, features], dim=1))
         active = [active[r] for r in still]
     return results
 
@@ -116,15 +131,21 @@ def batched_speculative(
     block_size: int | None = None,
     generator: torch.Generator | None = None,
     batch_size: int = 64,
+    cached: bool | None = None,
 ) -> list[SpecResult]:
     """`speculative_generate` for each token-id prompt, `batch_size` rows at a time (no timings:
-    decode_seconds stays 0)."""
+    decode_seconds stays 0). `cached`: through the target's ragged KV cache (default: when the
+    target supports it, `RaggedCache.supports`), else cache-free."""
     check_budget(max_new_tokens)
     if not prompts or min(map(len, prompts)) < 1:
         raise ValueError("batched_speculative needs at least one prompt, each of at least one token")
+    why_not = RaggedCache.supports(target)
+    if cached and why_not:
+        raise ValueError(f"batched_speculative(cached=True): {why_not}")
+    cached = why_not is None if cached is None else cached
     block_size = block_size or drafter.config.block_size
     results = []
     for i in range(0, len(prompts), batch_size):
         results += _decode_group(target, drafter, prompts[i : i + batch_size], max_new_tokens, set(stop_ids),
-                                 temperature, block_size, generator)
+                                 temperature, block_size, generator, cached)
     return results

@@ -26,6 +26,11 @@ class DecodeSettings(_Section):
     """Sampling seed (temperature > 0)."""
     batch_size: int = Field(64, ge=1)
     """Prompts decoded together for acceptance."""
+    acceptance_cache: Literal["auto", "ragged", "none"] = "auto"
+    """How batched acceptance decoding runs the target: ragged = through one KV cache for rows of
+    different lengths (a round costs the block alone); none = each round re-runs every row's whole
+    sequence; auto = ragged where the target supports it (eager or SDPA attention, no
+    sliding-window layers), else none."""
     speed_prompts: int = Field(8, ge=0)
     """First turns decoded one at a time, with caches, for the speedup (0: no speed figures)."""
     speed_engine: Literal["auto", "static", "eager"] = "auto"

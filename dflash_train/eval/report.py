@@ -30,8 +30,9 @@ from dflash_train.generate.local_backend import generate_ids, pad_token_id
 from dflash_train.eval.batched import batched_speculative
 from dflash_train.eval.config import DecodeSettings, EvalJobConfig
 from dflash_train.eval.prompts import Prompt, load_prompts
+from dflash_train.eval.ragged_cache import RaggedCache
 from dflash_train.eval.served_speed import first_difference, pick_speed_engine, served_speed
-from dflash_train.eval.spec_decode import speculative_generate, target_greedy
+from dflash_train.eval.spec_decode import speculative_generate, synced_time, target_greedy
 from dflash_train.target import Target, load_target, resolve_device
 
 log = logging.getLogger("dflash_train")
@@ -69,13 +70,14 @@ def _warm_up(target: Target, drafter: DFlashDraftModel, ids: torch.Tensor, block
 @torch.no_grad()
 def decode_turns(
     target: Target, drafter: DFlashDraftModel, prompts: list[Prompt], max_new_tokens: int, temperature: float,
-    block_size: int, generator: torch.Generator, batch_size: int,
+    block_size: int, generator: torch.Generator, batch_size: int, acceptance_cache: str = "auto",
 ) -> dict:
     """Acceptance over every turn of `prompts`, `batch_size` rows at a time (batched_speculative);
     turn t of every prompt is asked after its answers to turns < t. At temperature 0 each answer is
     checked against transformers' own batched greedy `generate` (the lossless check)."""
     stop_ids = stop_token_ids(target)
     pad_id = pad_token_id(target.tokenizer, stop_ids)
+    cached = {"auto": None, "ragged": True, "none": False}[acceptance_cache]
     greedy = GenParams(temperature=0.0, top_p=1.0, max_tokens=max_new_tokens)
     answers: list[list[str]] = [[] for _ in prompts]
     turns: list[list[dict]] = [[] for _ in prompts]
@@ -84,7 +86,7 @@ def decode_turns(
         asked = [i for i, p in enumerate(prompts) if len(p.turns) > t]
         ids = [encode(target, prompts[i].messages(answers[i]))[0].tolist() for i in asked]
         specs = batched_speculative(target, drafter, ids, max_new_tokens, stop_ids, temperature, block_size,
-                                    generator, batch_size)
+                                    generator, batch_size, cached)
         references = [None] * len(ids)
         if temperature == 0:
             references = [new for i in range(0, len(ids), batch_size) for new, _ in
@@ -165,12 +167,18 @@ def evaluate(target: Target, drafter: DFlashDraftModel, prompts: list[Prompt],
     s = settings
     block_size = s.block_size or drafter.config.block_size
     generator = torch.Generator(device=target.device).manual_seed(s.seed)
+    why_not = RaggedCache.supports(target)
+    cache = "none" if s.acceptance_cache == "none" or (s.acceptance_cache == "auto" and why_not) else "ragged"
+    if why_not and s.acceptance_cache == "auto":
+        log.info("acceptance decoding without the ragged cache: %s", why_not)
+    t0 = synced_time(target.device)
     decoded = decode_turns(target, drafter, prompts, s.max_new_tokens, s.temperature, block_size, generator,
-                           s.batch_size)
+                           s.batch_size, s.acceptance_cache)
+    acceptance = {"acceptance_cache": cache, "acceptance_seconds": round(synced_time(target.device) - t0, 2)}
     speed = {"speed_prompts": 0, "spec_tokens_per_s": None, "target_tokens_per_s": None, "speedup": None}
     if s.speed_prompts:
         speed = measure_speed(target, drafter, prompts[: s.speed_prompts], s, block_size, generator)
-    return {"target": target.name, "device": str(target.device),
+    return {"target": target.name, "device": str(target.device), **acceptance,
             **summarize(decoded, speed, block_size, s.max_new_tokens, s.temperature)}
 
 
@@ -212,6 +220,9 @@ def format_table(report: dict) -> str:
     table.add_column("value", justify="right")
     table.add_row("tau (accepted per round, incl. bonus)", f"{report['tau']:.2f}")
     table.add_row("rounds", str(report["num_rounds"]))
+    if "acceptance_seconds" in report:
+        table.add_row(f"acceptance + lossless decoding s ({report['acceptance_cache']} cache)",
+                      f"{report['acceptance_seconds']:.1f}")
     if report["speedup"] is not None:
         on = f" ({report['speed_prompts']} prompts, batch 1, {report['speed_engine']} engine)"
         table.add_row("speculative decode tokens/s" + on, f"{report['spec_tokens_per_s']:.1f}")

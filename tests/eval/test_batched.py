@@ -1,11 +1,15 @@
-"""Batched cache-free speculative decoding against the batch-1 cached decoder, prompt by prompt."""
+"""Batched speculative decoding, through the ragged KV cache and cache-free, against the batch-1
+cached decoder, prompt by prompt; the ragged cache's layout against a fresh prefill of each row."""
 
 import pytest
 import torch
 from tiny import tiny_target as sdpa_target
 
 from dflash_train.draft.model import DFlashDraftModel
-from dflash_train.eval.batched import batched_speculative
+from transformers import DynamicCache
+
+from dflash_train.eval.batched import _right_padded, batched_speculative
+from dflash_train.eval.ragged_cache import RaggedCache
 from dflash_train.eval.spec_decode import speculative_generate
 
 from .tiny_models import tiny_drafter, tiny_target
@@ -24,13 +28,14 @@ def prompts(lengths, vocab=255, seed=0):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+@pytest.mark.parametrize("cached", [True, False])
 @pytest.mark.parametrize("eager", [True, False])
 @pytest.mark.parametrize("batch_size,block_size", [(3, 4), (8, 7), (1, 2)])
-def test_every_row_decodes_as_it_would_alone(eager, batch_size, block_size):
+def test_every_row_decodes_as_it_would_alone(eager, batch_size, block_size, cached):
     target = agreeing_target(eager)
     drafter = tiny_drafter(target, block_size=block_size)
     rows = prompts([1, 5, 12, 3, 7, 20])
-    batched = batched_speculative(target, drafter, rows, 24, batch_size=batch_size)
+    batched = batched_speculative(target, drafter, rows, 24, batch_size=batch_size, cached=cached)
     lengths = []
     for row, got in zip(rows, batched):
         alone = speculative_generate(target, drafter, torch.tensor([row]), 24)
@@ -50,15 +55,16 @@ class RecordingDrafter(DFlashDraftModel):
         return self.outputs[-1]
 
 
+@pytest.mark.parametrize("cached", [True, False])
 @pytest.mark.parametrize("eager", [True, False])
-def test_the_drafter_gets_the_same_inputs_as_alone(eager):
+def test_the_drafter_gets_the_same_inputs_as_alone(eager, cached):
     """Tokens can agree while inputs differ (drafts that ignore the context); hidden states cannot:
     each row's drafter output in each round equals the batch-1 decoder's, whatever the padding."""
     target = agreeing_target(eager)
     drafter = RecordingDrafter(tiny_drafter(target, block_size=5).config).eval()
     drafter.load_state_dict(tiny_drafter(target, block_size=5).state_dict())
     rows = prompts([2, 11, 6, 17])
-    batched = batched_speculative(target, drafter, rows, 20)
+    batched = batched_speculative(target, drafter, rows, 20, cached=cached)
     per_round = drafter.outputs
     for i, row in enumerate(rows):
         drafter.outputs = []
@@ -86,3 +92,40 @@ def test_rejects_empty_prompts():
     target = agreeing_target(eager=True)
     with pytest.raises(ValueError, match="at least one token"):
         batched_speculative(target, tiny_drafter(target), [[1, 2], []], 4)
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_ragged_cache_holds_each_row_as_a_fresh_prefill_would(eager):
+    """After a prefill of ragged prompts and a block whose rows keep 2, 4 and 1 columns, with the
+    middle row dropped: every kept row's keys, values and context equal a fresh batch-1 prefill of
+    its committed tokens, column for column, and its start is their count."""
+    target = agreeing_target(eager)
+    layer_ids = [0, 1]
+    rows = prompts([3, 9, 5])
+    block = torch.tensor(prompts([4, 4, 4], seed=1))
+    ragged = RaggedCache(target, layer_ids)
+    lengths = torch.tensor([len(r) for r in rows])
+    _, context = ragged.prefill(_right_padded(rows, "cpu"), lengths)
+    _, features = ragged.extend(block)
+    kept, keep = torch.tensor([2, 4, 1]), torch.tensor([0, 2])
+    context = ragged.advance(kept, keep, torch.cat([context, features], dim=1))
+    assert ragged.starts.tolist() == [3 + 2, 5 + 1] and context.shape[1] == 6
+    for out_row, r in enumerate(keep.tolist()):
+        committed = torch.tensor([rows[r] + block[r, : kept[r]].tolist()])
+        fresh = DynamicCache(config=target.model.config)
+        with target.capture(layer_ids) as store:
+            target.model(input_ids=committed, past_key_values=fresh, use_cache=True)
+        n = committed.shape[1]
+        for mine, theirs in zip(ragged.cache.layers, fresh.layers, strict=True):
+            torch.testing.assert_close(mine.keys[out_row, :, :n], theirs.keys[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(mine.values[out_row, :, :n], theirs.values[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(context[out_row, :n], torch.cat([store[i] for i in layer_ids], -1)[0],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_cached_decoding_is_refused_with_the_reason_where_the_target_cannot_mask(monkeypatch):
+    target = agreeing_target(eager=False)
+    monkeypatch.setattr(target.model.config, "_attn_implementation", "flash_attention_2")
+    assert "takes no custom 4D mask" in RaggedCache.supports(target)
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        batched_speculative(target, tiny_drafter(target), [[1, 2]], 4, cached=True)

@@ -68,9 +68,27 @@ def test_batch_size_changes_nothing_but_the_grouping(chat_target):
     prompts = load_prompts("mt-bench", 3)
     reports = [evaluate(chat_target, drafter, prompts, DecodeSettings(max_new_tokens=6, batch_size=b, speed_prompts=0))
                for b in (1, 2, 3)]
+    assert all(r.pop("acceptance_seconds") >= 0 for r in reports)  # wall time: the one field that differs
     assert reports[0] == reports[1] == reports[2]
     assert [(t["id"], t["turn"]) for t in reports[0]["turns"]] == [(p.id, t) for p in prompts for t in (0, 1)]
     assert reports[0]["speedup"] is None and "speedup" not in format_table(reports[0])
+
+
+def test_the_ragged_cache_and_cache_free_decoding_give_one_report(chat_target):
+    """`--acceptance-cache ragged|none` (and auto, which picks ragged here) change how the target
+    runs, not what is decided: the reports are equal but for the path named and its wall time."""
+    from dflash_train.eval.config import build_eval_config
+
+    drafter = tiny_drafter(chat_target, block_size=4)
+    prompts = load_prompts("mt-bench", 3)
+    reports = {c: evaluate(chat_target, drafter, prompts, DecodeSettings(max_new_tokens=8, batch_size=3, speed_prompts=0,
+                                                                         acceptance_cache=c))
+               for c in ("auto", "ragged", "none")}
+    assert [reports[c].pop("acceptance_cache") for c in reports] == ["ragged", "ragged", "none"]
+    assert all(r.pop("acceptance_seconds") >= 0 for r in reports.values())
+    assert reports["auto"] == reports["ragged"] == reports["none"]
+    assert build_eval_config(None, {"target": "smollm2", "drafter": "x", "acceptance_cache": "none"}
+                             ).decode.acceptance_cache == "none"
 
 
 def test_a_reference_that_differs_is_reported_with_where(chat_target, monkeypatch):

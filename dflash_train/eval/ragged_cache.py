@@ -1,0 +1,99 @@
+"""The target's KV cache for many rows decoded in lockstep, each at its own length.
+
+Batched speculative decoding verifies one block per row per round, but rows accept different
+numbers of tokens. Re-running the target over every row's whole sequence each round (the
+cache-free path) costs rounds x sequence length of target compute; with this cache a round costs
+the block alone. The layout keeps one invariant: column c of row r holds position c, for c below
+the row's `start` (its next block's first position); columns past it are padding. A round appends
+the block at the end of every row (columns W..W+B-1) and the mask lets each row's block see its
+own cached positions and, causally, itself. Once accepted counts are known, `advance` moves each
+row's kept block columns down to their positions and drops finished rows: one gather per layer,
+the copy transformers' dynamic cache already makes each round when it appends.
+
+Rows carry explicit positions, so RoPE sees the same positions as in an unpadded decode. Only
+plain full-attention caches (every layer a `DynamicLayer`) with eager or SDPA attention take
+custom masks this way; `RaggedCache.supports` says so, and the caller falls back otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from dflash_train.target import Target
+
+MASKABLE_ATTENTION = ("eager", "sdpa")
+"""Attention implementations that apply a custom 4D additive mask as given."""
+
+
+class RaggedCache:
+    def __init__(self, target: Target, layer_ids: list[int]):
+        self.target, self.layer_ids = target, layer_ids
+        self.cache = DynamicCache(config=target.model.config)
+        self.starts: torch.Tensor | None = None  # [R] each row's next block position = its cached length
+        self.block_at = 0  # the column where the last `extend` put its block
+
+    @staticmethod
+    def supports(target: Target) -> str | None:
+        """None when the target can decode through a ragged cache, else why not."""
+        config = target.model.config
+        attn = getattr(config, "_attn_implementation", None)
+        if attn not in MASKABLE_ATTENTION:
+            return f"attention implementation {attn!r} takes no custom 4D mask (needs one of {MASKABLE_ATTENTION})"
+        kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
+        if kinds - {DynamicLayer.__name__}:
+            return f"cache layers {sorted(kinds)}: sliding-window or other non-plain layers"
+        return None
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
+        """Final-normed hidden states [R, T, H] and features [R, T, K*H] of `ids` at `positions`,
+        each query seeing the key columns `visible` [R, T, W+T] marks."""
+        dtype = self.target.embed_weight.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=ids.device)
+        mask.masked_fill_(~visible, torch.finfo(dtype).min)
+        with self.target.capture(self.layer_ids) as store:
+            hidden = self.target.model.get_decoder()(
+                input_ids=ids, position_ids=positions, attention_mask=mask[:, None], past_key_values=self.cache,
+                use_cache=True,
+            ).last_hidden_state
+        return hidden, torch.cat([store[i] for i in self.layer_ids], dim=-1)
+
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor):
+        """Right-padded prompts [R, P] of `lengths`: hidden states and features of every column
+        (padding included, never read); the rows' starts become their lengths."""
+        rows, width = ids.shape
+        col = torch.arange(width, device=ids.device)
+        visible = (col[None, :] <= col[:, None])[None] & (col < lengths[:, None])[:, None, :]
+        visible |= torch.eye(width, dtype=torch.bool, device=ids.device)[None]  # a padding query sees itself
+        self.starts = lengths.clone()
+        return self._forward(ids, col.expand(rows, width), visible)
+
+    def extend(self, block: torch.Tensor):
+        """Block tokens [R, B] at each row's positions start..start+B-1: hidden states and features."""
+        rows, size = block.shape
+        width = self.block_at = self.cache.get_seq_length()
+        offsets = torch.arange(size, device=block.device)
+        cached = torch.arange(width, device=block.device)[None, None, :] < self.starts[:, None, None]
+        causal = (offsets[None, :] <= offsets[:, None]).expand(rows, size, size)
+        visible = torch.cat([cached.expand(rows, size, width), causal], dim=2)
+        return self._forward(block, self.starts[:, None] + offsets, visible)
+
+    def advance(self, kept: torch.Tensor, rows: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """After `extend`: keep the first kept[r] block columns of each row (slot 0 and the accepted
+        proposals), then only `rows`. `context` [R, W+B, K*H]: features laid out like the cache,
+        the block's appended; returned compacted the same way, [len(rows), max new start, K*H]."""
+        starts, new_starts = self.starts[rows], self.starts[rows] + kept[rows]
+        col = torch.arange(int(new_starts.max()), device=kept.device)[None, :]
+        index = torch.where(col < starts[:, None], col, self.block_at + col - starts[:, None])
+        index = torch.where(col < new_starts[:, None], index, torch.zeros_like(index))  # padding: any column
+        for layer in self.cache.layers:
+            layer.keys = _take(layer.keys[rows], index)
+            layer.values = _take(layer.values[rows], index)
+        self.starts = new_starts
+        return context[rows].gather(1, index[..., None].expand(-1, -1, context.shape[-1]))
+
+
+def _take(kv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """kv [R, heads, W, d] -> [R, heads, w, d]: row r's columns index[r]."""
+    return kv.gather(2, index[:, None, :, None].expand(-1, kv.shape[1], -1, kv.shape[3]))
