@@ -2,11 +2,12 @@
 
 Every round runs the drafter, then the target, over all unfinished rows together. Rows accept
 different numbers of tokens. By default the target runs through a ragged KV cache (`RaggedCache`:
-one cache for rows of different lengths, a round costs the block alone). Where the target cannot
-take one (other attention kernels, sliding-window layers) each round re-runs the target over each
-row's whole sequence instead (committed tokens + the new block, right-padded, causal: no mask),
-which costs rounds x sequence length. The drafter re-reads each row's context features every round
-in both.
+one cache for rows of different lengths, a round costs the block alone) and the drafter keeps its
+context keys/values in the same layout (`RaggedDraftCache`: each context position projected once).
+Where the target cannot take one (other attention kernels, sliding-window layers) each round
+re-runs the target over each row's whole sequence instead (committed tokens + the new block,
+right-padded, causal: no mask) and the drafter over each row's whole context, which costs rounds x
+sequence length.
 
 Decisions are `speculative_generate`'s, round by round: same block, same context features (the
 target's, of every committed position before the block), same acceptance rule (the tests hold
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from dflash_train.draft.model import DFlashDraftModel
-from dflash_train.eval.ragged_cache import RaggedCache
+from dflash_train.eval.ragged_cache import RaggedCache, RaggedDraftCache
 from dflash_train.eval.spec_decode import SpecResult, accept_sampled, check_budget, sample_tokens
 from dflash_train.generate.backends import emit_tokens
 from dflash_train.target import Target
@@ -46,6 +47,22 @@ def _draft(drafter: DFlashDraftModel, target: Target, context: torch.Tensor, sta
     visible = torch.cat([ctx_positions < starts[:, None], torch.ones_like(block, dtype=torch.bool)], dim=1)
     mask = visible[:, None, None, :].expand(rows, 1, block_size, width + block_size)
     hidden = drafter(context, target.embed_weight[block], ctx_positions, starts[:, None] + offsets, mask=mask)
+    return hidden[:, 1:] @ target.lm_head_weight.T
+
+
+def _draft_ragged(drafter: DFlashDraftModel, target: Target, new_context: torch.Tensor, new_positions: torch.Tensor,
+                  cache: RaggedDraftCache, starts: torch.Tensor, last: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`_draft` with the context in `cache`: only `new_context` [R, C, K*H] (at `new_positions`) is
+    projected; row r's block sees the cached positions below starts_r and the whole block."""
+    rows, device = new_context.shape[0], new_context.device
+    block = torch.full((rows, block_size), drafter.config.mask_token_id, dtype=torch.long, device=device)
+    block[:, 0] = last
+    width = int(starts.max())  # the cache's width once this forward's context is in place
+    visible = torch.cat([torch.arange(width, device=device)[None, :] < starts[:, None],
+                         torch.ones_like(block, dtype=torch.bool)], dim=1)
+    mask = visible[:, None, None, :].expand(rows, 1, block_size, width + block_size)
+    positions = starts[:, None] + torch.arange(block_size, device=device)
+    hidden = drafter(new_context, target.embed_weight[block], new_positions, positions, mask=mask, cache=cache)
     return hidden[:, 1:] @ target.lm_head_weight.T
 
 
@@ -85,7 +102,9 @@ def _decode_group(target, drafter, prompts, max_new_tokens, stop_ids, temperatur
     active = [i for i, t in enumerate(first) if not emit_tokens(results[i].tokens, [t], max_new_tokens, stop_ids)]
     keep = torch.tensor(active, dtype=torch.long, device=device)
     if ragged and active:
-        context = ragged.advance(torch.zeros_like(lengths), keep, context)
+        draft_cache = RaggedDraftCache(drafter.config.num_hidden_layers)
+        draft_cache.reindex(keep, ragged.advance(torch.zeros_like(lengths), keep))
+        new_context, new_positions = context[keep], torch.arange(ids.shape[1], device=device).expand(len(active), -1)
     while active:
         # Each row's block starts at its last committed token; the context holds the features of
         # every position before it (the slot 0 and accepted proposals it verified included).
@@ -93,7 +112,11 @@ def _decode_group(target, drafter, prompts, max_new_tokens, stop_ids, temperatur
         if not ragged:
             context = context[keep, : int(starts.max())]
         last = torch.tensor([seqs[i][-1] for i in active], device=device)
-        draft_logits = _draft(drafter, target, context, starts, last, block_size)
+        if ragged:
+            draft_logits = _draft_ragged(drafter, target, new_context, new_positions, draft_cache, starts, last,
+                                         block_size)
+        else:
+            draft_logits = _draft(drafter, target, context, starts, last, block_size)
         proposals = sample_tokens(draft_logits, temperature, generator)
         drafted = proposals.tolist()
         if ragged:
@@ -116,7 +139,9 @@ def _decode_group(target, drafter, prompts, max_new_tokens, stop_ids, temperatur
                 still.append(r)
         keep = torch.tensor(still, dtype=torch.long, device=device)
         if ragged and still:
-            context = ragged.advance(torch.tensor(kept, device=device), keep, torch.cat([context, features], dim=1))
+            draft_cache.reindex(keep, ragged.advance(torch.tensor(kept, device=device), keep))
+            new_context = features[keep]  # every slot of the block: the gather keeps the accepted ones
+            new_positions = (starts[:, None] + torch.arange(block_size, device=device))[keep]
         active = [active[r] for r in still]
     return results
 

@@ -79,10 +79,10 @@ class RaggedCache:
         visible = torch.cat([cached.expand(rows, size, width), causal], dim=2)
         return self._forward(block, self.starts[:, None] + offsets, visible)
 
-    def advance(self, kept: torch.Tensor, rows: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def advance(self, kept: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """After `extend`: keep the first kept[r] block columns of each row (slot 0 and the accepted
-        proposals), then only `rows`. `context` [R, W+B, K*H]: features laid out like the cache,
-        the block's appended; returned compacted the same way, [len(rows), max new start, K*H]."""
+        proposals), then only `rows`. Returns the gather index [len(rows), max new start] that did
+        it, for `RaggedDraftCache.reindex`. After `prefill`, kept = 0 selects rows only."""
         starts, new_starts = self.starts[rows], self.starts[rows] + kept[rows]
         col = torch.arange(int(new_starts.max()), device=kept.device)[None, :]
         index = torch.where(col < starts[:, None], col, self.block_at + col - starts[:, None])
@@ -91,7 +91,34 @@ class RaggedCache:
             layer.keys = _take(layer.keys[rows], index)
             layer.values = _take(layer.values[rows], index)
         self.starts = new_starts
-        return context[rows].gather(1, index[..., None].expand(-1, -1, context.shape[-1]))
+        return index
+
+
+class RaggedDraftCache:
+    """The drafter's context keys/values in `RaggedCache`'s layout: the `cache` of DFlashAttention.
+
+    Each draft forward brings the context it has not seen: the prompt's features in the first
+    round, the last block's (every slot, rejected ones too) afterwards. Their keys/values land
+    after the cached columns, and the target's last gather index moves the kept ones into
+    place, so the drafter projects each context position once instead of every round.
+    """
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.rows = self.index = None
+
+    def reindex(self, rows: torch.Tensor, index: torch.Tensor) -> None:
+        """The rows and gather index of the target cache's last `advance`, for the next extend."""
+        self.rows, self.index = rows, index
+
+    def extend(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
+        """New context keys/values [R, heads, C, d] of the kept rows -> the layer's whole context."""
+        if self.k[layer] is not None:
+            k_new = torch.cat([self.k[layer][self.rows], k_new], dim=2)
+            v_new = torch.cat([self.v[layer][self.rows], v_new], dim=2)
+        self.k[layer], self.v[layer] = _take(k_new, self.index), _take(v_new, self.index)
+        return self.k[layer], self.v[layer]
 
 
 def _take(kv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from dflash_train.draft.model import DFlashDraftModel
 from transformers import DynamicCache
 
 from dflash_train.eval.batched import _right_padded, batched_speculative
-from dflash_train.eval.ragged_cache import RaggedCache
+from dflash_train.eval.ragged_cache import RaggedCache, RaggedDraftCache
 from dflash_train.eval.spec_decode import speculative_generate
 
 from .tiny_models import tiny_drafter, tiny_target
@@ -108,8 +108,10 @@ def test_ragged_cache_holds_each_row_as_a_fresh_prefill_would(eager):
     _, context = ragged.prefill(_right_padded(rows, "cpu"), lengths)
     _, features = ragged.extend(block)
     kept, keep = torch.tensor([2, 4, 1]), torch.tensor([0, 2])
-    context = ragged.advance(kept, keep, torch.cat([context, features], dim=1))
-    assert ragged.starts.tolist() == [3 + 2, 5 + 1] and context.shape[1] == 6
+    index = ragged.advance(kept, keep)
+    assert ragged.starts.tolist() == [3 + 2, 5 + 1] and index.shape == (2, 6)
+    # the features, laid out as the drafter's cache lays out its keys: the same gather
+    context = torch.cat([context, features], dim=1)[keep].gather(1, index[..., None].expand(-1, -1, context.shape[-1]))
     for out_row, r in enumerate(keep.tolist()):
         committed = torch.tensor([rows[r] + block[r, : kept[r]].tolist()])
         fresh = DynamicCache(config=target.model.config)
@@ -121,6 +123,21 @@ def test_ragged_cache_holds_each_row_as_a_fresh_prefill_would(eager):
             torch.testing.assert_close(mine.values[out_row, :, :n], theirs.values[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(context[out_row, :n], torch.cat([store[i] for i in layer_ids], -1)[0],
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_draft_cache_appends_then_gathers_the_kept_rows_columns():
+    """Keys coded by (row, column): after a first extend (rows 0-2, 2 columns) and a second one of 2
+    new columns for rows 0 and 2, the gather index picks columns by hand-computed position."""
+    def coded(rows, cols, base):
+        return (base + torch.arange(rows)[:, None] * 10 + torch.arange(cols)).float().view(rows, 1, cols, 1)
+
+    cache = RaggedDraftCache(num_layers=1)
+    cache.reindex(torch.arange(3), torch.tensor([[0, 1], [0, 1], [0, 0]]))  # row 2 keeps one column
+    k, _ = cache.extend(0, coded(3, 2, 0), coded(3, 2, 0))
+    assert k.flatten(1).tolist() == [[0, 1], [10, 11], [20, 20]]
+    cache.reindex(torch.tensor([0, 2]), torch.tensor([[0, 1, 2], [0, 2, 3]]))  # row 0 keeps 1 new, row 2 both
+    k, v = cache.extend(0, coded(2, 2, 100), coded(2, 2, 100))
+    assert k.flatten(1).tolist() == [[0, 1, 100], [20, 110, 111]] and torch.equal(k, v)
 
 
 def test_cached_decoding_is_refused_with_the_reason_where_the_target_cannot_mask(monkeypatch):
