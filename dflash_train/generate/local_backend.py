@@ -119,8 +119,27 @@ def _padded_generate(model, prompts: list[list[int]], gen: GenerationConfig, wid
     return out[:, width:].tolist()
 
 
+CPU_PAGE = 256
+"""Tokens a KV-cache page holds in continuous batching on CPU (transformers' default page)."""
+
+
+def _cpu_cache_config(model, prompts: list[list[int]], gen: GenerationConfig):
+    """On CPU, pages for exactly these prompts and answers: left to itself, continuous batching
+    reserves a fraction of all free RAM for its cache (13 GB for a tiny test model on a 23 GB
+    machine, enough for the OOM killer), as on a GPU it takes a fraction of device memory."""
+    if model.device.type != "cpu":
+        return None
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    except ImportError:  # older transformers: no such config, its own sizing
+        return None
+    pages = sum(-(-(len(p) + gen.max_new_tokens) // CPU_PAGE) for p in prompts)
+    return ContinuousBatchingConfig(page_size=CPU_PAGE, num_blocks=pages + 1)
+
+
 def _continuous_generate(model, prompts: list[list[int]], gen: GenerationConfig) -> list[list[int]]:
-    results = list(model.generate_batch(prompts, generation_config=gen, progress_bar=False).values())
+    results = list(model.generate_batch(prompts, generation_config=gen, progress_bar=False,
+                                        continuous_batching_config=_cpu_cache_config(model, prompts, gen)).values())
     # generate_batch logs failed or lost requests instead of raising: a missing answer must not
     # pass for an empty one.
     failed = [(i, r.error) for i, r in enumerate(results) if r.error is not None]

@@ -185,3 +185,19 @@ def test_a_failing_batch_stops_the_run_keeps_finished_rows_and_reports_once(tmp_
     gc.collect()  # asyncio reports an unretrieved task exception when the task is collected
     assert "never retrieved" not in caplog.text
     assert calls[:2] == [4, 4] and len(read_rows(tmp_path / "out")) == 4  # the first batch's rows are committed
+
+
+def test_continuous_batching_on_cpu_reserves_pages_for_its_prompts_not_a_share_of_ram():
+    """Left to itself transformers' continuous batching reserved ~13 GB of a 23 GB CPU machine for a
+    tiny model's cache (a test worker was OOM-killed): on CPU the cache holds these answers only."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from dflash_train.generate.local_backend import CPU_PAGE, _cpu_cache_config
+
+    gen = GenerationConfig(max_new_tokens=20)
+    prompts = [[1] * 10, [1] * (CPU_PAGE - 20), [1] * (CPU_PAGE - 19)]  # 1, 1 and 2 pages
+    config = _cpu_cache_config(SimpleNamespace(device=torch.device("cpu")), prompts, gen)
+    assert (config.page_size, config.num_blocks) == (CPU_PAGE, 1 + 1 + 2 + 1)
+    assert _cpu_cache_config(SimpleNamespace(device=torch.device("meta")), prompts, gen) is None
