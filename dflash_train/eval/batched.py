@@ -33,36 +33,21 @@ def _right_padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     return ids.to(device)
 
 
-def _draft(drafter: DFlashDraftModel, target: Target, context: torch.Tensor, starts: torch.Tensor,
-           last: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Draft logits [R, B-1, V]: row r's block [last_r, MASK...] at positions starts_r.., its context
-    the features of positions 0..starts_r-1 (context [R, C, K*H], right-padded)."""
-    rows, width = context.shape[:2]
-    device = context.device
+def _draft(drafter: DFlashDraftModel, target: Target, context: torch.Tensor, context_positions: torch.Tensor,
+           starts: torch.Tensor, last: torch.Tensor, block_size: int, cache: RaggedDraftCache | None = None):
+    """Draft logits [R, B-1, V]: row r's block [last_r, MASK...] at positions starts_r.., seeing the
+    context of positions 0..starts_r-1 and the whole block (a block attends both ways). `context`
+    [R, C, K*H] at `context_positions`: every position (right-padded), or with a `cache` only those
+    it has not seen yet (the cache's width is then the longest row's start)."""
+    rows, device = context.shape[0], context.device
     block = torch.full((rows, block_size), drafter.config.mask_token_id, dtype=torch.long, device=device)
     block[:, 0] = last
-    offsets = torch.arange(block_size, device=device)
-    ctx_positions = torch.arange(width, device=device).expand(rows, width)
-    # Each block sees its own row's real context and the whole block (a block attends both ways).
-    visible = torch.cat([ctx_positions < starts[:, None], torch.ones_like(block, dtype=torch.bool)], dim=1)
-    mask = visible[:, None, None, :].expand(rows, 1, block_size, width + block_size)
-    hidden = drafter(context, target.embed_weight[block], ctx_positions, starts[:, None] + offsets, mask=mask)
-    return hidden[:, 1:] @ target.lm_head_weight.T
-
-
-def _draft_ragged(drafter: DFlashDraftModel, target: Target, new_context: torch.Tensor, new_positions: torch.Tensor,
-                  cache: RaggedDraftCache, starts: torch.Tensor, last: torch.Tensor, block_size: int) -> torch.Tensor:
-    """`_draft` with the context in `cache`: only `new_context` [R, C, K*H] (at `new_positions`) is
-    projected; row r's block sees the cached positions below starts_r and the whole block."""
-    rows, device = new_context.shape[0], new_context.device
-    block = torch.full((rows, block_size), drafter.config.mask_token_id, dtype=torch.long, device=device)
-    block[:, 0] = last
-    width = int(starts.max())  # the cache's width once this forward's context is in place
+    width = context.shape[1] if cache is None else int(starts.max())
     visible = torch.cat([torch.arange(width, device=device)[None, :] < starts[:, None],
                          torch.ones_like(block, dtype=torch.bool)], dim=1)
     mask = visible[:, None, None, :].expand(rows, 1, block_size, width + block_size)
     positions = starts[:, None] + torch.arange(block_size, device=device)
-    hidden = drafter(new_context, target.embed_weight[block], new_positions, positions, mask=mask, cache=cache)
+    hidden = drafter(context, target.embed_weight[block], context_positions, positions, mask=mask, cache=cache)
     return hidden[:, 1:] @ target.lm_head_weight.T
 
 
@@ -113,10 +98,10 @@ def _decode_group(target, drafter, prompts, max_new_tokens, stop_ids, temperatur
             context = context[keep, : int(starts.max())]
         last = torch.tensor([seqs[i][-1] for i in active], device=device)
         if ragged:
-            draft_logits = _draft_ragged(drafter, target, new_context, new_positions, draft_cache, starts, last,
-                                         block_size)
+            draft_logits = _draft(drafter, target, new_context, new_positions, starts, last, block_size, draft_cache)
         else:
-            draft_logits = _draft(drafter, target, context, starts, last, block_size)
+            positions = torch.arange(context.shape[1], device=device).expand(len(active), -1)
+            draft_logits = _draft(drafter, target, context, positions, starts, last, block_size)
         proposals = sample_tokens(draft_logits, temperature, generator)
         drafted = proposals.tolist()
         if ragged:

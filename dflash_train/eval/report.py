@@ -70,14 +70,14 @@ def _warm_up(target: Target, drafter: DFlashDraftModel, ids: torch.Tensor, block
 @torch.no_grad()
 def decode_turns(
     target: Target, drafter: DFlashDraftModel, prompts: list[Prompt], max_new_tokens: int, temperature: float,
-    block_size: int, generator: torch.Generator, batch_size: int, acceptance_cache: str = "auto",
+    block_size: int, generator: torch.Generator, batch_size: int, cached: bool | None = None,
 ) -> dict:
     """Acceptance over every turn of `prompts`, `batch_size` rows at a time (batched_speculative);
     turn t of every prompt is asked after its answers to turns < t. At temperature 0 each answer is
-    checked against transformers' own batched greedy `generate` (the lossless check)."""
+    checked against transformers' own batched greedy `generate` (the lossless check). `cached`:
+    batched_speculative's (the ragged cache; None = where the target supports it)."""
     stop_ids = stop_token_ids(target)
     pad_id = pad_token_id(target.tokenizer, stop_ids)
-    cached = {"auto": None, "ragged": True, "none": False}[acceptance_cache]
     greedy = GenParams(temperature=0.0, top_p=1.0, max_tokens=max_new_tokens)
     answers: list[list[str]] = [[] for _ in prompts]
     turns: list[list[dict]] = [[] for _ in prompts]
@@ -168,13 +168,14 @@ def evaluate(target: Target, drafter: DFlashDraftModel, prompts: list[Prompt],
     block_size = s.block_size or drafter.config.block_size
     generator = torch.Generator(device=target.device).manual_seed(s.seed)
     why_not = RaggedCache.supports(target)
-    cache = "none" if s.acceptance_cache == "none" or (s.acceptance_cache == "auto" and why_not) else "ragged"
+    cached = s.acceptance_cache == "ragged" or (s.acceptance_cache == "auto" and why_not is None)
     if why_not and s.acceptance_cache == "auto":
         log.info("acceptance decoding without the ragged cache: %s", why_not)
     t0 = synced_time(target.device)
     decoded = decode_turns(target, drafter, prompts, s.max_new_tokens, s.temperature, block_size, generator,
-                           s.batch_size, s.acceptance_cache)
-    acceptance = {"acceptance_cache": cache, "acceptance_seconds": round(synced_time(target.device) - t0, 2)}
+                           s.batch_size, cached)
+    acceptance = {"acceptance_cache": "ragged" if cached else "none",
+                  "acceptance_seconds": round(synced_time(target.device) - t0, 2)}
     speed = {"speed_prompts": 0, "spec_tokens_per_s": None, "target_tokens_per_s": None, "speedup": None}
     if s.speed_prompts:
         speed = measure_speed(target, drafter, prompts[: s.speed_prompts], s, block_size, generator)
