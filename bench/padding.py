@@ -61,11 +61,10 @@ def packed_rows(lengths: np.ndarray, row_length: int) -> int:
 def packed_epoch(lengths: np.ndarray, token_budget: int, row_length: int) -> dict:
     """The whole epoch packed into rows of `row_length`, token_budget // row_length rows a step."""
     rows = packed_rows(lengths, row_length)
-    per_step = max(1, token_budget // row_length)
+    batches = -(-rows // max(1, token_budget // row_length))
     real = int(lengths.sum())
-    return {"pack_length": row_length, "rows": rows, "batches": -(-rows // per_step), "real_over_slots":
-            real / (rows * row_length), "real_tokens_per_step": real / -(-rows // per_step),
-            "sequences_per_step": len(lengths) / -(-rows // per_step)}
+    return {"pack_length": row_length, "rows": rows, "batches": batches, "real_over_slots": real / (rows * row_length),
+            "real_tokens_per_step": real / batches, "sequences_per_step": len(lengths) / batches}
 
 
 def epoch_padding(lengths: np.ndarray, token_budget: int, max_batch_size: int, length_bucket: int,
