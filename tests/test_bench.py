@@ -123,8 +123,15 @@ def test_loop_speed_runs_the_three_feature_sources_on_the_same_batches(tmp_path)
     # the memory arm trains without touching the shards; the capture arm reads a row per row trained
     assert arms["memory"]["capture_rows_read"] == 0 and arms["capture"]["capture_rows_read"] == 4
     assert arms["target"]["capture_rows_read"] == 0
-    again = loop_speed.main([*args, "--arms", "memory"])
-    assert again["capture"]["reused"] and again["capture"]["tokens_per_s"] is None and list(again["arms"]) == ["memory"]
+    again = loop_speed.main([*args, "--arms", "memory", "cached"])
+    assert again["capture"]["reused"] and again["capture"]["tokens_per_s"] is None
+    assert list(again["arms"]) == ["memory", "cached"]
+    # the cached arm fills the same cache from the target: no capture read, the same batches
+    cached = again["arms"]["cached"]
+    assert cached["cached_rows"] == 24 and cached["capture_rows_read"] == 0
+    assert cached["tokens_per_step"] == arms["memory"]["tokens_per_step"]
+    alone = loop_speed.main([*args[:-4], "--work", str(tmp_path / "work2"), "--steps", "2", "--arms", "cached"])
+    assert "capture" not in alone and not (tmp_path / "work2" / "capture").exists()
 
 
 def test_loop_speed_window_rates(tmp_path):
