@@ -190,7 +190,8 @@ class TrainConfig(_Section):
     """The LM head + CE of the drafter's loss: "chunked" (ours: one chunk of logits at a time,
     checkpointed; every device) or a fused Triton kernel of a maintained library, CUDA only, CE loss
     only, exact per-token weights (`draft/fused_ce.py`; extra `fused-ce`): "liger" (liger-kernel)
-    or "cce" (cut-cross-entropy). Opt-in until the H200 benchmark says which is fastest."""
+    or "cce" (cut-cross-entropy). On the H200 at SmolLM2's shape liger's drafter step ran 0.71x the
+    compiled chunked one's and CCE's gradient is 2.4% off float64's: both stay opt-in."""
     compile_warmup_steps: int = Field(10, ge=1)
     """Steps allowed to (re)compile; any recompile after them is warned about with its reason."""
     profile_at_step: int | None = Field(None, ge=1)

@@ -72,6 +72,18 @@ def _compiled_chunk_loss():
     return torch.compile(_chunk_loss, dynamic=False)
 
 
+def chunk_rows(rows: int, max_rows: int) -> int:
+    """Rows per LM-head chunk: the fewest chunks of at most `max_rows`, split evenly (rounded up to
+    a multiple of 64, the matmuls' tile) so that the compiled loss pads its last chunk by little.
+    Each chunk costs a checkpointed forward and backward of host work, which bounds a small
+    target's step (docs/benchmarks/throughput.md): fewer, larger chunks where memory allows."""
+    if rows <= max_rows:
+        return max(rows, 1)  # one chunk of exactly the rows
+    even = -(-rows // -(-rows // max_rows))
+    align = 64 if max_rows >= 64 else 1
+    return min(max_rows, -(-even // align) * align)
+
+
 @dataclass
 class BlockLoss:
     weighted_ce_sum: torch.Tensor
@@ -99,11 +111,15 @@ def block_loss(
     target_logits_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     compiled: bool = False,
     kernel: str = "chunked",
+    even_chunks: bool = False,
 ) -> BlockLoss:
     """`target_hidden_BQH`: the target's final-normed hidden state at the position that predicts
     each slot's label (needed by the target kinds of `mix`); `target_logits_fn` turns it into logits.
     `compiled`: each chunk runs compiled (GPU training with train.compile). `kernel`: "chunked" (this
-    module) or a fused library kernel for the CE-only mix (`fused_ce.py`, CUDA)."""
+    module) or a fused library kernel for the CE-only mix (`fused_ce.py`, CUDA). `even_chunks`: the
+    rows split into the fewest even chunks of at most `chunk_size` (`chunk_rows`); for row counts that
+    repeat (length buckets: one compiled graph per bucket). Otherwise every compiled chunk is padded
+    to `chunk_size`: one graph for any row count."""
     if mix.needs_target and (target_hidden_BQH is None or target_logits_fn is None):
         raise ValueError("the loss mix distils from the target: pass its hidden states and logits function")
     h = hidden_BQH.reshape(-1, hidden_BQH.shape[-1])
@@ -126,6 +142,8 @@ def block_loss(
         h, labels, weights = h[kept], labels[kept], weights[kept]
         t_h = None if t_h is None else t_h[kept]
     chunk_loss = _chunk_loss
+    if even_chunks:
+        chunk_size = chunk_rows(h.shape[0], chunk_size)
     if compiled:
         chunk_loss = _compiled_chunk_loss()
         pad = -rows % chunk_size  # zero-weight rows: every chunk has the same shape

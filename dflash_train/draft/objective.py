@@ -78,9 +78,10 @@ def draft_loss(
     target_logits_fn=None,
     compiled_loss: bool = False,
     ce_kernel: str = "chunked",
+    even_chunks: bool = False,
 ) -> BlockLoss:
     """`stream`: the drafter's features, followed by the target's final hidden states when `mix`
-    distils from the target (see `split_features`)."""
+    distils from the target (see `split_features`). `even_chunks`: see `block_loss`."""
     cfg = drafter.config
     features, final = split_features(stream, len(cfg.target_layer_ids), cfg.hidden_size)
     if mix.needs_target and final is None:
@@ -91,4 +92,4 @@ def draft_loss(
         pos = masks.label_source_positions(task.anchors, cfg.block_size, task.input_ids.shape[1])
         target_hidden = final.gather(1, pos[..., None].expand(-1, -1, final.shape[-1]))
     return block_loss(hidden, lm_head_weight, task.labels, task.weights, cfg.block_size, ce_chunk_size,
-                      mix, target_hidden, target_logits_fn, compiled_loss, ce_kernel)
+                      mix, target_hidden, target_logits_fn, compiled_loss, ce_kernel, even_chunks)

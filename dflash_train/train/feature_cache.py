@@ -18,7 +18,14 @@ from dflash_train.train.batches import collate
 log = logging.getLogger("dflash_train")
 
 RESERVE_GIB = 16
-"""GPU memory the cache leaves free for the training step itself."""
+"""GPU memory the cache leaves free for the training step itself, at the default loss chunk."""
+DEFAULT_CHUNK_ROWS = 4096
+
+
+def step_reserve(ce_chunk_size: int, vocab_size: int) -> int:
+    """Bytes the cache leaves free: RESERVE_GIB, plus the logits of loss chunks larger than the
+    default (fp32, ~3 chunk-sized copies alive in a chunk's forward and backward)."""
+    return RESERVE_GIB * 2**30 + 3 * 4 * vocab_size * max(0, ce_chunk_size - DEFAULT_CHUNK_ROWS)
 
 
 def padded(per_row: list[torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
@@ -32,8 +39,8 @@ def padded(per_row: list[torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
 
 
 class FeatureCache:
-    def __init__(self, dataset, device: torch.device):
-        self.dataset, self.device = dataset, device
+    def __init__(self, dataset, device: torch.device, reserve_bytes: int = RESERVE_GIB * 2**30):
+        self.dataset, self.device, self.reserve_bytes = dataset, device, reserve_bytes
         self.rows: dict[int, torch.Tensor] = {}
         self.full = False
 
@@ -57,12 +64,12 @@ class FeatureCache:
         return fresh
 
     def has_room(self, nbytes: int) -> bool:
-        """Whether the cache may grow by `nbytes` and leave RESERVE_GIB free."""
+        """Whether the cache may grow by `nbytes` and leave `reserve_bytes` free."""
         if self.device.type != "cuda":
             return True
         free, _ = torch.cuda.mem_get_info(self.device)
         room = free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        if room - nbytes > RESERVE_GIB * 2**30:
+        if room - nbytes > self.reserve_bytes:
             return True
         if not self.full:
             self.full = True

@@ -34,7 +34,7 @@ from dflash_train.checkpoint import local as ckpt
 from dflash_train.train.batches import anchor_seed, collate_as_trained, take
 from dflash_train.train.build import autocast_for, compile_layers
 from dflash_train.train.accumulate import LocalSource, NoReduction, Reduction, Source, accumulate
-from dflash_train.train.feature_cache import FeatureCache, from_capture, from_target
+from dflash_train.train.feature_cache import FeatureCache, from_capture, from_target, step_reserve
 from dflash_train.train.heldout import HeldoutProbe, score_heldout
 from dflash_train.train.metrics import MetricsFile
 from dflash_train.checkpoint.storage import prune_local, resolve_resume
@@ -73,7 +73,10 @@ class Trainer:
         self.step = 0
         self.manifest: dict | None = None  # written at the start of fit(); checkpoints carry it
         self.cursor = (0, 0)  # (epoch, batch index) of the next micro-batch
-        self.feature_cache = FeatureCache(self.dataset, self.device) if cfg.data.cache_features else None
+        self.feature_cache = None
+        if cfg.data.cache_features:
+            self.feature_cache = FeatureCache(self.dataset, self.device,
+                                              step_reserve(cfg.objective.ce_chunk_size, self.target.vocab_size))
         # where the cache's missing rows come from (the target is looked up per call: tests swap it)
         self.make_rows = (from_capture(self.captured, self.device) if self.captured is not None else
                           from_target(self.dataset, self.device, lambda ids: self.target.features(ids, self.stream_layers)))
@@ -107,7 +110,8 @@ class Trainer:
         with self.autocast:
             return draft_loss(self.drafter, task, features, self.target.embed_weight, self.target.lm_head_weight,
                               self.use_flex, self.cfg.objective.ce_chunk_size, self.loss_mix, self.target.logits,
-                              compiled_loss=self.cfg.train.compile_loss, ce_kernel=self.cfg.train.ce_kernel)
+                              compiled_loss=self.cfg.train.compile_loss, ce_kernel=self.cfg.train.ce_kernel,
+                              even_chunks=bool(self.cfg.data.length_bucket))
 
     @property
     def attention_backend(self) -> str:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.config import ConfigError, ObjectiveConfig, build_config
-from dflash_train.draft.loss import LossMix, acceptance_metrics, block_loss
+from dflash_train.draft.loss import LossMix, acceptance_metrics, block_loss, chunk_rows
 from dflash_train.draft.objective import BlockTask, draft_loss, make_task
 from draft.helpers_draft import tiny_drafter
 
@@ -31,11 +31,12 @@ def reference(hidden, head, labels, weights):
     return (weights.double().reshape(-1) * ce).sum(), logits
 
 
+@pytest.mark.parametrize("even_chunks", [False, True])
 @pytest.mark.parametrize("chunk_size", [1, 7, 16, 4096])
-def test_block_loss_equals_float64_reference(chunk_size):
+def test_block_loss_equals_float64_reference(chunk_size, even_chunks):
     hidden, head, labels, weights = problem()
     ref, logits = reference(hidden, head, labels, weights)
-    out = block_loss(hidden, head, labels, weights, B, chunk_size)
+    out = block_loss(hidden, head, labels, weights, B, chunk_size, even_chunks=even_chunks)
     torch.testing.assert_close(out.weighted_ce_sum.double(), ref, rtol=1e-5, atol=1e-5)
     counted = (weights.reshape(-1) > 0).double()
     correct = (logits.argmax(-1) == labels.reshape(-1)).double() * counted
@@ -63,6 +64,23 @@ def test_block_loss_gradients_match_across_chunk_sizes():
         block_loss(h, w, labels, weights, B, chunk_size).weighted_ce_sum.backward()
         torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,max_rows,expected", [
+    (24576, 24576, 24576),   # the SmolLM2 step (48 x 32 anchors x 16): one chunk
+    (65536, 24576, 21888),   # 3 chunks of 21,845.3 -> 21,888 (a multiple of 64): 128 rows padded, not 8,192
+    (43008, 24576, 21504),   # 2 even chunks, nothing padded
+    (32768, 24576, 16384),
+    (8192, 4096, 4096),      # the 8B shape (512 anchors x 16): unchanged
+    (40, 24, 20),            # under 64: no rounding
+    (40, 16, 14),            # 3 chunks of 14, 14, 12
+    (5, 4096, 5), (0, 16, 1),
+])
+def test_chunk_rows_splits_evenly_under_the_bound(rows, max_rows, expected):
+    size = chunk_rows(rows, max_rows)
+    assert size == expected and size <= max_rows
+    chunks = -(-rows // size)
+    assert chunks == max(1, -(-rows // max_rows)) or rows == 0  # never more chunks than needed
 
 
 def test_zero_weight_tokens_get_no_gradient():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_train.draft import loss as loss_module
 from dflash_train.draft import masks
 from dflash_train.draft.loss import LossMix, block_loss
 from dflash_train.draft.objective import split_features
@@ -109,16 +110,23 @@ def test_split_features():
         split_features(feats[..., :20], 3, 8)
 
 
+@pytest.mark.parametrize("even_chunks", [False, True])
 @pytest.mark.parametrize("mix", [LossMix(), LossMix(ce=0.3, target_argmax=0.2, kl=0.5, temperature=0.7)], ids=str)
-def test_compiled_chunks_equal_eager(mix):
+def test_compiled_chunks_equal_eager(mix, even_chunks, monkeypatch):
     """compiled=True pads the last chunk with zero-weight rows and runs each chunk compiled: the same
-    loss, accuracy counts and gradients as eager (here 40 rows in chunks of 16: 8 padded rows)."""
+    loss, accuracy counts and gradients as eager (here 40 rows in chunks of at most 24: 24 + 16 and 8
+    padded rows, or with even_chunks 20 + 20 and none)."""
     hidden, head, labels, weights, t_hidden, t_head = problem(seed=5)
     target_fn = lambda x: x @ t_head.t()  # noqa: E731
+    chunks = []  # the rows of each checkpointed chunk, as the loss runs them
+    checkpoint = loss_module.checkpoint
+    monkeypatch.setattr(loss_module, "checkpoint",
+                        lambda fn, h, *a, **k: chunks.append(h.shape[0]) or checkpoint(fn, h, *a, **k))
     outs, grads = [], []
     for compiled in (False, True):
         h = hidden.clone().requires_grad_()
-        out = block_loss(h, head, labels, weights, B, 16, mix, t_hidden, target_fn, compiled=compiled)
+        out = block_loss(h, head, labels, weights, B, 24, mix, t_hidden, target_fn, compiled=compiled,
+                         even_chunks=even_chunks)
         out.weighted_ce_sum.backward()
         outs.append(out)
         grads.append(h.grad)
@@ -126,6 +134,8 @@ def test_compiled_chunks_equal_eager(mix):
     torch.testing.assert_close(outs[1].correct_per_slot, outs[0].correct_per_slot)
     torch.testing.assert_close(outs[1].counted_per_slot, outs[0].counted_per_slot)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+    # eager on CPU leaves out the zero-weight rows before chunking; compiled keeps every row
+    assert chunks[-2:] == ([20, 20] if even_chunks else [24, 24])
 
 
 def test_zero_weight_rows_are_skipped_and_a_batch_without_counted_rows_still_backpropagates():

@@ -219,3 +219,26 @@ def test_a_full_feature_cache_recomputes_the_rest_and_trains_the_same(make_run_c
     for _ in range(plain.total_steps):
         assert float(cached.train_step()["loss"]) == pytest.approx(float(plain.train_step()["loss"]), rel=1e-6)
     assert 0 < len(cached.feature_cache) < len(cached.dataset)
+
+
+def test_the_loss_chunks_are_even_with_length_buckets_and_the_cache_leaves_room_for_them(
+        make_run_config, shared_tiny_target, monkeypatch):
+    """Length buckets repeat the loss's row counts, so the Trainer asks for even chunks (one compiled
+    graph per bucket); without buckets it keeps every chunk at ce_chunk_size. A loss chunk over the
+    default 4,096 rows widens the feature cache's reserve by its fp32 logits (3 copies)."""
+    from dflash_train.draft import objective
+    from dflash_train.train import feature_cache
+
+    asked = []
+    real = objective.block_loss
+    monkeypatch.setattr(objective, "block_loss", lambda *a, **k: asked.append(a[-1]) or real(*a, **k))
+    for bucket in (0, 32):
+        Trainer(make_run_config(f"b{bucket}", ["train.max_steps=1", f"data.length_bucket={bucket}"]),
+                target=shared_tiny_target).train_step()
+    assert asked == [False, True]
+    gib = 2**30
+    assert feature_cache.step_reserve(4096, 49152) == feature_cache.step_reserve(1024, 49152) == 16 * gib
+    assert feature_cache.step_reserve(24576, 49152) == 16 * gib + 3 * 4 * 49152 * 20480  # +11.25 GiB
+    cached = Trainer(make_run_config("c", ["objective.ce_chunk_size=6096", "data.cache_features=true"]),
+                     target=shared_tiny_target)
+    assert cached.feature_cache.reserve_bytes == 16 * gib + 12 * shared_tiny_target.vocab_size * 2000
