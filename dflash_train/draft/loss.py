@@ -156,8 +156,8 @@ def block_loss(
     for start in range(0, h.shape[0], chunk_size):
         sl = slice(start, start + chunk_size)
         args = (h[sl], lm_head_weight, labels[sl], weights[sl], None if t_h is None else t_h[sl], target_logits_fn, mix)
-        if h.requires_grad:
-            s, c = checkpoint(chunk_loss, *args, use_reentrant=False)
+        if h.requires_grad:  # deterministic: no RNG state to save and restore around the recompute
+            s, c = checkpoint(chunk_loss, *args, use_reentrant=False, preserve_rng_state=False)
         else:
             s, c = chunk_loss(*args)
         total = total + s

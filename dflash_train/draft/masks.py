@@ -29,10 +29,14 @@ def upload(host: torch.Tensor, device) -> torch.Tensor:
     return host.to(device)
 
 
-def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random anchor positions inside responses, up to `num_anchors` per sequence.
+def anchor_keys(shape: tuple[int, int], generator: torch.Generator | None = None) -> torch.Tensor:
+    """The random keys [b, T] that pick a batch's anchors, drawn on CPU: the same anchors on every device."""
+    return torch.rand(*shape, generator=generator, device="cpu")
+
+
+def anchors_from_keys(loss_mask: torch.Tensor, keys: torch.Tensor, num_anchors: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random anchor positions inside responses, up to `num_anchors` per sequence, picked by the keys
+    [b, T] (`anchor_keys`, on the mask's device): device work only, so a CUDA graph can replay it.
 
     An anchor i needs loss_mask[i] and loss_mask[i+1]: the block starts on a response token and
     has at least one response token to predict. Returns (anchors [b, N] sorted, padded with 0;
@@ -42,9 +46,7 @@ def sample_anchors(
     lm = loss_mask.bool()
     eligible = torch.zeros_like(lm)
     eligible[:, :-1] = lm[:, :-1] & lm[:, 1:]
-    # Random keys; ineligible positions get +inf so a sort puts eligible ones first, in random order.
-    # Drawn on CPU: the same anchors on every device.
-    keys = upload(torch.rand(b, t, generator=generator, device="cpu"), loss_mask.device)
+    # Ineligible positions get +inf so a sort puts eligible ones first, in random order.
     keys = keys.masked_fill(~eligible, math.inf)
     n = min(num_anchors, t)
     picked = keys.argsort(dim=1)[:, :n]

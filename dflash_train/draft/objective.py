@@ -29,8 +29,19 @@ class BlockTask:
 
 def make_task(input_ids: torch.Tensor, loss_mask: torch.Tensor, objective: ObjectiveConfig, anchor_seed: int) -> BlockTask:
     """Anchors come from a generator seeded per micro-batch: resume and rank layout cannot change them."""
-    gen = torch.Generator().manual_seed(anchor_seed)
-    anchors, valid = masks.sample_anchors(loss_mask, objective.num_anchors, gen)
+    keys = masks.upload(task_keys(tuple(input_ids.shape), anchor_seed), input_ids.device)
+    return task_from_keys(input_ids, loss_mask, keys, objective)
+
+
+def task_keys(shape: tuple[int, int], anchor_seed: int) -> torch.Tensor:
+    """The micro-batch's anchor keys (CPU), from its seed."""
+    return masks.anchor_keys(shape, torch.Generator().manual_seed(anchor_seed))
+
+
+def task_from_keys(input_ids: torch.Tensor, loss_mask: torch.Tensor, keys: torch.Tensor,
+                   objective: ObjectiveConfig) -> BlockTask:
+    """`make_task` given its anchor keys on the device: device work only (a CUDA graph replays it)."""
+    anchors, valid = masks.anchors_from_keys(loss_mask, keys, objective.num_anchors)
     labels, weights = masks.block_labels(input_ids, loss_mask, anchors, valid, objective.block_size, objective.gamma)
     return BlockTask(input_ids, anchors, valid, labels, weights)
 

@@ -108,6 +108,12 @@ def test_anchor_never_sees_its_own_position():
     assert not m[4:8, 9:12].any() and m[4:8, :9].all()
 
 
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator):
+    """Anchors as training draws them: keys on the CPU from the generator, picked on the mask's device."""
+    keys = masks.upload(masks.anchor_keys(tuple(loss_mask.shape), generator), loss_mask.device)
+    return masks.anchors_from_keys(loss_mask, keys, num_anchors)
+
+
 def eligible_positions(loss_mask_row: torch.Tensor) -> set[int]:
     lm = loss_mask_row.tolist()
     return {i for i in range(len(lm) - 1) if lm[i] and lm[i + 1]}
@@ -117,7 +123,7 @@ def eligible_positions(loss_mask_row: torch.Tensor) -> set[int]:
 def test_sample_anchors_invariants(num_anchors):
     gen = torch.Generator().manual_seed(1)
     loss_mask = random_loss_mask(4, 24, gen)
-    anchors, valid = masks.sample_anchors(loss_mask, num_anchors, torch.Generator().manual_seed(7))
+    anchors, valid = sample_anchors(loss_mask, num_anchors, torch.Generator().manual_seed(7))
     assert anchors.shape == valid.shape == (4, num_anchors)
     for row in range(4):
         eligible = eligible_positions(loss_mask[row])
@@ -135,9 +141,9 @@ def test_sample_anchors_invariants(num_anchors):
 
 def test_sample_anchors_deterministic_per_seed_and_random_across_seeds():
     loss_mask = torch.ones(2, 64, dtype=torch.long)
-    a1, v1 = masks.sample_anchors(loss_mask, 8, torch.Generator().manual_seed(3))
-    a2, v2 = masks.sample_anchors(loss_mask, 8, torch.Generator().manual_seed(3))
-    a3, _ = masks.sample_anchors(loss_mask, 8, torch.Generator().manual_seed(4))
+    a1, v1 = sample_anchors(loss_mask, 8, torch.Generator().manual_seed(3))
+    a2, v2 = sample_anchors(loss_mask, 8, torch.Generator().manual_seed(3))
+    a3, _ = sample_anchors(loss_mask, 8, torch.Generator().manual_seed(4))
     assert torch.equal(a1, a2) and torch.equal(v1, v2)
     assert not torch.equal(a1, a3)
     assert not torch.equal(a1[0], a1[1]), "rows draw different anchors"
@@ -148,7 +154,7 @@ def test_sample_anchors_reach_every_eligible_position():
     loss_mask[0, 10:20] = 1
     seen = set()
     for seed in range(60):
-        a, v = masks.sample_anchors(loss_mask, 2, torch.Generator().manual_seed(seed))
+        a, v = sample_anchors(loss_mask, 2, torch.Generator().manual_seed(seed))
         seen |= set(a[v].tolist())
     assert seen == set(range(10, 19))
 
@@ -176,7 +182,7 @@ def test_block_labels_equal_brute_force(block_size, gamma):
     input_ids = torch.randint(0, 50, (b, t), generator=gen)
     loss_mask = random_loss_mask(b, t, gen)
     loss_mask[0, -6:] = 1  # blocks running past the sequence end
-    anchors, valid = masks.sample_anchors(loss_mask, 6, torch.Generator().manual_seed(0))
+    anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(0))
     labels, weights = masks.block_labels(input_ids, loss_mask, anchors, valid, block_size, gamma)
     ref_labels, ref_weights = reference_labels(input_ids, loss_mask, anchors, valid, block_size, gamma)
     assert labels.shape == weights.shape == (b, 6 * block_size)

@@ -12,6 +12,8 @@ import torch
 from dflash_train.draft import masks
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 
+from draft.test_masks import sample_anchors  # tests/ is on sys.path (conftest.py)
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -35,7 +37,7 @@ def batch():
     loss_mask = torch.zeros(2, T, dtype=torch.long)
     loss_mask[0, 40:] = 1
     loss_mask[1, 100:130] = 1  # few eligible positions: padded (invalid) anchors in row 1
-    anchors, valid = masks.sample_anchors(loss_mask, N, gen)
+    anchors, valid = sample_anchors(loss_mask, N, gen)
     assert not valid[1].all()
     ctx = torch.randn(2, T, 3 * 256, generator=gen)
     emb = torch.randn(2, N * BS, 256, generator=gen)

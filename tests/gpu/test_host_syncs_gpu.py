@@ -8,6 +8,8 @@ import torch
 
 from dflash_train.draft import masks
 
+from draft.test_masks import sample_anchors  # tests/ is on sys.path (conftest.py)
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -20,11 +22,11 @@ def test_anchor_sampling_and_labels_make_no_host_sync():
     loss_mask[1, 100:900] = 1
     ids = torch.randint(0, 1000, (2, 3072))
     loss_mask, ids = loss_mask.cuda(), ids.cuda()
-    cpu_anchors, _ = masks.sample_anchors(loss_mask.cpu(), 512, torch.Generator().manual_seed(3))
+    cpu_anchors, _ = sample_anchors(loss_mask.cpu(), 512, torch.Generator().manual_seed(3))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        anchors, valid = masks.sample_anchors(loss_mask, 512, torch.Generator().manual_seed(3))
+        anchors, valid = sample_anchors(loss_mask, 512, torch.Generator().manual_seed(3))
         masks.block_labels(ids, loss_mask, anchors, valid, 16, 7.0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
