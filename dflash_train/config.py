@@ -186,6 +186,11 @@ class TrainConfig(_Section):
     """torch.compile the loss chunks too (GPU): +31% steps/s for CE and 1.8x for KL at SmolLM2's
     shape in the benchmark (docs/benchmarks/throughput.md); not yet measured in a real run or at a
     152K vocabulary, hence opt-in."""
+    cuda_graphs: bool = False
+    """Capture each bucket shape's drafter step (anchors and labels, mask, forward, loss, backward)
+    as one CUDA graph and replay it (`train/step_graph.py`): a small target's step is bound by the
+    host's ~570 kernel launches (docs/benchmarks/throughput.md). Single-process `train` on CUDA with
+    data.length_bucket, grad_accum 1 and the chunked loss; `launch` refuses it."""
     ce_kernel: Literal["chunked", "liger", "cce"] = "chunked"
     """The LM head + CE of the drafter's loss: "chunked" (ours: one chunk of logits at a time,
     checkpointed; every device) or a fused Triton kernel of a maintained library, CUDA only, CE loss
@@ -285,6 +290,21 @@ class RunConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     drafters: list[DrafterSpec] = Field(default_factory=list)
     """Distributed training only: several drafters from one target stream; empty = one drafter."""
+
+    @model_validator(mode="after")
+    def _cuda_graphs_fit_the_run(self) -> RunConfig:
+        if not self.train.cuda_graphs:
+            return self
+        if self.device == "cpu":
+            raise ValueError("train.cuda_graphs runs on CUDA only: set device to cuda or train.cuda_graphs=false")
+        if not self.data.length_bucket:
+            raise ValueError("train.cuda_graphs captures one graph per static batch shape: set data.length_bucket (e.g. 256)")
+        if self.train.grad_accum != 1:
+            raise ValueError(f"train.cuda_graphs captures one micro-batch a step; train.grad_accum is {self.train.grad_accum}")
+        if self.train.ce_kernel != "chunked":
+            raise ValueError(f"train.ce_kernel={self.train.ce_kernel} syncs the host every micro-batch, which a CUDA "
+                             "graph cannot capture: use train.ce_kernel=chunked with train.cuda_graphs")
+        return self
 
     @model_validator(mode="after")
     def _fused_ce_fits_the_run(self) -> RunConfig:

@@ -157,6 +157,9 @@ def check_single_process_keys(cfg: RunConfig) -> None:
     if cfg.data.captured_features:
         raise ValueError("data.captured_features is read by `dflash-train train` (one process); under launch "
                          "the target ranks compute the features: remove it, or train with `dflash-train train`")
+    if cfg.train.cuda_graphs:
+        raise ValueError("train.cuda_graphs captures the whole step of `dflash-train train` (one process); a "
+                         "drafter rank of launch exchanges its sums between micro-batches: remove it")
 
 
 def check_lead_rank_evals(cfg: RunConfig, layout: Layout) -> None:

@@ -35,6 +35,7 @@ from dflash_train.train.batches import anchor_seed, collate_as_trained, take
 from dflash_train.train.build import autocast_for, compile_layers
 from dflash_train.train.accumulate import LocalSource, NoReduction, Reduction, Source, accumulate
 from dflash_train.train.feature_cache import FeatureCache, from_capture, from_target, step_reserve
+from dflash_train.train.step_graph import StepGraphs
 from dflash_train.train.heldout import HeldoutProbe, score_heldout
 from dflash_train.train.metrics import MetricsFile
 from dflash_train.checkpoint.storage import prune_local, resolve_resume
@@ -93,6 +94,7 @@ class Trainer:
         self.recompiles = RecompileWatch()
         if cfg.train.compile:
             compile_layers(self.drafter, len(self.bucket_shapes()) if cfg.data.length_bucket else None)
+        self.step_graphs = StepGraphs.for_trainer(self) if cfg.train.cuda_graphs else None
         self.autocast = autocast_for(self.device, self.target.embed_weight.dtype)
 
     def _activate_compile_cache(self) -> str | None:
@@ -210,7 +212,7 @@ class Trainer:
             feats = torch.randn(rows, length, len(self.stream_layers) * self.target.hidden_size,
                                 generator=gen).to(self.device, self.target.embed_weight.dtype)
             self.draft_forward(task, feats).weighted_ce_sum.backward()
-            self.drafter.zero_grad(set_to_none=True)
+            self.drafter.zero_grad(set_to_none=self.step_graphs is None)
         self.recompiles.mark_warm()
         return len(shapes)
 
@@ -226,6 +228,8 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches: the loss normalised by the step's global
         weight sum, gradients and statistics summed over the replicas (a plain sum, not DDP's mean:
         replicas may hold different numbers of micro-batches)."""
+        if self.step_graphs is not None:
+            return self._graphed_train_step()
         micro = self.source.micro_batches(self)
         weights = sum((mb.task.weights.sum() for mb in micro), torch.zeros((), device=self.device))
         denominator = self.reduction.sum(weights).clamp(min=1e-12)
@@ -237,13 +241,20 @@ class Trainer:
         return {"loss": stats[0] / denominator, "correct": correct, "counted": counted, "accepted": accepted,
                 **self.optimizer_step(), "tokens": tokens}
 
+    def _graphed_train_step(self) -> dict:
+        """`train_step` through the step's CUDA graph (train.cuda_graphs: one micro-batch, one process)."""
+        batch, seed = self.next_micro_batch()
+        out = self.step_graphs.run(batch, self.features(batch), seed)
+        return {"loss": out["loss_sum"] / out["weight_sum"], "correct": out["correct"], "counted": out["counted"],
+                "accepted": out["accepted"], **self.optimizer_step(), "tokens": batch["num_tokens"]}
+
     def optimizer_step(self) -> dict:
         """Clip, update, advance the schedule; the gradients must already be summed and normalised."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.train.grad_clip)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler then moves on)
         self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.step_graphs is None)  # the graphs write to fixed .grad
         self.step += 1
         if self.step == self.cfg.train.compile_warmup_steps and not self.cfg.data.length_bucket:
             self.recompiles.mark_warm()

@@ -1,0 +1,56 @@
+"""train.cuda_graphs' step (train/step_graph.py) on CPU, run on its static buffers without capturing:
+the same losses, statistics and weights as the plain step, batch after batch across bucket shapes;
+and every place it cannot run refused with the key named. The captured graphs: tests/gpu."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_train.config import ConfigError, build_config
+from dflash_train.distributed.roles import check_single_process_keys
+from dflash_train.train.loop import Trainer
+from dflash_train.train.step_graph import StepGraphs
+
+
+def test_the_static_buffer_step_trains_like_the_plain_step(make_run_config, shared_tiny_target):
+    over = ["train.epochs=2", "data.length_bucket=32", "train.lr=1e-2"]
+    plain = Trainer(make_run_config("plain", over), target=shared_tiny_target)
+    graphed = Trainer(make_run_config("graphed", over), target=shared_tiny_target)
+    graphed.step_graphs = StepGraphs(graphed, capture=False)
+    assert plain.total_steps >= 6
+    for _ in range(plain.total_steps):
+        a, b = plain.train_step(), graphed.train_step()
+        torch.testing.assert_close(b["loss"], a["loss"], rtol=1e-5, atol=1e-6)
+        for key in ("correct", "counted", "accepted", "grad_norm"):
+            torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
+        assert a["tokens"] == b["tokens"]
+    assert len(graphed.step_graphs.graphs) >= 2  # several bucket shapes, one set of buffers each
+    for (name, p), q in zip(plain.drafter.named_parameters(), graphed.drafter.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+        assert q.grad is not None and not q.grad.any()  # zeroed in place after each step, never None
+    graphed.drafter.layers[0].mlp.gate_proj.weight.grad = None
+    with pytest.raises(RuntimeError, match="was replaced or set to None"):
+        graphed.train_step()
+
+
+def test_cuda_graphs_are_refused_where_they_cannot_run(make_run_config, shared_tiny_target):
+    cuda = {"device": "cuda", "train": {"cuda_graphs": True}, "data": {"length_bucket": 256}}
+    assert build_config(cuda).train.cuda_graphs
+    for change, message in [({"device": "cpu"}, "runs on CUDA only"),
+                            ({"data": {"length_bucket": 0}}, "set data.length_bucket"),
+                            ({"train": {"cuda_graphs": True, "grad_accum": 2}}, "train.grad_accum is 2"),
+                            ({"train": {"cuda_graphs": True, "ce_kernel": "liger"}}, "use train.ce_kernel=chunked")]:
+        with pytest.raises(ConfigError, match=message):
+            build_config({**cuda, **change})
+    cfg = make_run_config(overrides=["device=auto", "train.cuda_graphs=true", "data.length_bucket=32"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="train.cuda_graphs runs on CUDA only; this run's device is cpu"):
+            Trainer(cfg, target=shared_tiny_target)
+    with pytest.raises(ValueError, match="train.cuda_graphs captures the whole step of `dflash-train train`"):
+        check_single_process_keys(build_config(cuda))  # launch refuses it on every rank, before loading
+    plain = Trainer(make_run_config("plain", ["data.length_bucket=32"]), target=shared_tiny_target)
+    plain.device = torch.device("cuda")  # as a GPU rank of `launch` would be, with its distributed parts
+    plain.source = object()
+    with pytest.raises(ValueError, match="single-process training"):
+        StepGraphs.for_trainer(plain)
