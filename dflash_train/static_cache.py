@@ -133,7 +133,15 @@ def forward_at(model, cache: Cache, ids: torch.Tensor, positions: torch.Tensor, 
 
 
 def graphed(step, device: torch.device):
-    """`step` captured as a CUDA graph (warmed up on a side stream first); returns its replay."""
+    """`step` captured as a CUDA graph; returns its replay."""
+    return capture_graph(step, device)[0].replay
+
+
+def capture_graph(step, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """`step` captured as a CUDA graph, after two eager runs on a side stream (cuBLAS workspaces,
+    compiled code's first calls: nothing may compile or allocate host memory inside a capture).
+    Returns the graph and what the captured call returned: its static outputs, rewritten by each
+    replay. `pool`: another graph's memory pool to share (`graph.pool()`)."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -141,9 +149,9 @@ def graphed(step, device: torch.device):
             step()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = step()
+    return graph, outputs
 
 
 RECOMPILE_LIMIT = 64

@@ -24,13 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_train.draft.objective import task_from_keys, task_keys
+from dflash_train.static_cache import capture_graph
 from dflash_train.train.accumulate import LocalSource, NoReduction
 
 log = logging.getLogger("dflash_train")
-
-WARMUP_RUNS = 2
-"""Eager runs on a side stream before a capture (cuBLAS workspaces, autograd's streams)."""
-
 
 @dataclass
 class _Graph:
@@ -114,16 +111,8 @@ class StepGraphs:
 
     def _capture(self, g: _Graph, shape: tuple) -> None:
         grads = [grad for _, grad in self.grads]
-        saved = [grad.clone() for grad in grads]  # the warm-up runs add to them
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                self._step(g)
-        torch.cuda.current_stream().wait_stream(side)
-        g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self.pool):
-            g.outputs = self._step(g)
+        saved = [grad.clone() for grad in grads]  # the warm-up runs before the capture add to them
+        g.graph, g.outputs = capture_graph(lambda: self._step(g), g.input_ids.device, self.pool)
         self.pool = g.graph.pool()
         torch._foreach_copy_(grads, saved)
         log.info("captured the drafter step of shape %s as a CUDA graph (%d so far)", shape, len(self.graphs))
