@@ -4,12 +4,16 @@ and every place it cannot run refused with the key named. The captured graphs: t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from dflash_train.checkpoint.local import latest_checkpoint
 from dflash_train.config import ConfigError, build_config
 from dflash_train.distributed.roles import check_single_process_keys
 from dflash_train.train.loop import Trainer
+from dflash_train.train.metrics import read_metrics
 from dflash_train.train.step_graph import StepGraphs
 
 
@@ -32,6 +36,37 @@ def test_the_static_buffer_step_trains_like_the_plain_step(make_run_config, shar
     graphed.drafter.layers[0].mlp.gate_proj.weight.grad = None
     with pytest.raises(RuntimeError, match="was replaced or set to None"):
         graphed.train_step()
+
+
+def test_a_whole_run_through_the_static_buffer_step(make_run_config, shared_tiny_target):
+    """fit with held-out probes and checkpoints between the steps: the same metrics, held-out scores
+    and final weights as the plain run's; a run resumed from a checkpoint continues alike."""
+    heldout = make_run_config().data.train_files[0]
+    over = ["train.max_steps=6", "data.length_bucket=32", "train.lr=1e-2", "checkpoint.every=3",
+            f"eval.heldout_files=[{heldout}]", "eval.heldout_every=3", "train.log_every=1"]
+    runs = {}
+    for name in ("plain", "graphed", "resumed"):
+        trainer = Trainer(make_run_config(name, over), target=shared_tiny_target)
+        if name != "plain":
+            trainer.step_graphs = StepGraphs(trainer, capture=False)
+        if name == "resumed":  # stop at step 3, then a new trainer resumes from that checkpoint
+            trainer.total_steps = 3
+            trainer.fit(progress=False)
+            trainer = Trainer(make_run_config(name, over), target=shared_tiny_target)
+            trainer.resume(latest_checkpoint(trainer.run_dir))
+            trainer.step_graphs = StepGraphs(trainer, capture=False)
+        trainer.fit(progress=False)
+        runs[name] = (trainer, read_metrics(trainer.run_dir), (trainer.run_dir / "heldout.jsonl").read_text())
+    plain, metrics, probes = runs["plain"]
+    for name in ("graphed", "resumed"):
+        trainer, got, got_probes = runs[name]
+        assert [r["step"] for r in got] == [r["step"] for r in metrics] == list(range(1, 7))
+        for a, b in zip(metrics, got):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["tau_hat"] == pytest.approx(a["tau_hat"], rel=1e-5)
+        for a, b in zip(probes.splitlines(), got_probes.splitlines()):
+            assert json.loads(b)["loss"] == pytest.approx(json.loads(a)["loss"], rel=1e-5)
+        for p, q in zip(plain.drafter.parameters(), trainer.drafter.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
 
 
 def test_cuda_graphs_are_refused_where_they_cannot_run(make_run_config, shared_tiny_target):
