@@ -95,7 +95,6 @@ class Trainer:
         if cfg.train.compile:
             compile_layers(self.drafter, len(self.bucket_shapes()) if cfg.data.length_bucket else None)
         self.step_graphs = StepGraphs.for_trainer(self) if cfg.train.cuda_graphs else None
-        self.autocast = autocast_for(self.device, self.target.embed_weight.dtype)
 
     def _activate_compile_cache(self) -> str | None:
         """Compiled paths (flex on GPU, train.compile) get the persistent keyed cache, never /tmp."""
@@ -107,9 +106,14 @@ class Trainer:
         self.compile_key = key
         return state
 
+    def autocast(self):
+        """The run's autocast, a new context each time: run_eval's wraps draft_forward's, and one
+        autocast object entered twice restores the wrong state on exit (left on after an eval)."""
+        return autocast_for(self.device, self.target.embed_weight.dtype)
+
     def draft_forward(self, task, features):
         """The drafter's loss on one micro-batch, in the run's precision and attention path."""
-        with self.autocast:
+        with self.autocast():
             return draft_loss(self.drafter, task, features, self.target.embed_weight, self.target.lm_head_weight,
                               self.use_flex, self.cfg.objective.ce_chunk_size, self.loss_mix, self.target.logits,
                               compiled_loss=self.cfg.train.compile_loss, ce_kernel=self.cfg.train.ce_kernel,
@@ -353,7 +357,7 @@ class Trainer:
         bf16 target features on GPU), then back to training."""
         self.drafter.eval()
         try:
-            with self.autocast:
+            with self.autocast():
                 return evaluator(self)
         finally:
             self.drafter.train()

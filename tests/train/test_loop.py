@@ -118,8 +118,14 @@ def test_cpu_step_with_a_bf16_target_matches_the_fp32_target(make_run_config):
     bf16.model.to(torch.bfloat16)
     assert bf16.embed_weight.dtype == torch.bfloat16
     reference = Trainer(cfg, target=fp32).train_step()["loss"].item()
-    loss = Trainer(make_run_config("bf16", overrides=["train.max_steps=1"]), target=bf16).train_step()["loss"].item()
+    trainer = Trainer(make_run_config("bf16", overrides=["train.max_steps=1"]), target=bf16)
+    loss = trainer.train_step()["loss"].item()
     assert abs(loss - reference) < 0.02 * reference, (loss, reference)
+    # An eval wraps draft_forward's autocast in its own: on the way out both are off again.
+    batch, seed = trainer.next_micro_batch()
+    task = make_task(batch["input_ids"], batch["loss_mask"], trainer.cfg.objective, seed)
+    inside = trainer.run_eval(lambda tr: (tr.draft_forward(task, tr.features(batch)), torch.is_autocast_enabled("cpu"))[1])
+    assert inside and not torch.is_autocast_enabled("cpu")
 
 
 def test_checkpoint_time_is_logged_apart_from_training_throughput(make_run_config, shared_tiny_target):
