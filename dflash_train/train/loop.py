@@ -201,20 +201,25 @@ class Trainer:
         return [bucket_shape(n, dc.length_bucket, dc.token_budget, dc.max_batch_size)
                 for n in range(dc.length_bucket, dc.max_length + dc.length_bucket, dc.length_bucket)]
 
+    def synthetic_batch(self, rows: int, length: int, gen: torch.Generator) -> tuple[dict, torch.Tensor]:
+        """Random tokens, a loss mask over the last 3/4 and random features of a bucket's shape: the
+        compiled and captured graphs depend on shapes only, and drafter-only ranks of distributed
+        training hold no target layers to make real features with."""
+        ids = torch.randint(0, self.target.vocab_size, (rows, length), generator=gen).to(self.device)
+        loss_mask = torch.zeros_like(ids)
+        loss_mask[:, length // 4 :] = 1
+        feats = torch.randn(rows, length, len(self.stream_layers) * self.target.hidden_size,
+                            generator=gen).to(self.device, self.target.embed_weight.dtype)
+        return {"input_ids": ids, "loss_mask": loss_mask}, feats
+
     def compile_buckets(self) -> int:
         """One forward+backward per bucket shape (synthetic tokens, no update): compiles every graph
         the run will need, so training itself never recompiles. Returns the shapes compiled."""
         gen = torch.Generator().manual_seed(0)
         shapes = self.bucket_shapes()
         for rows, length in shapes:
-            ids = torch.randint(0, self.target.vocab_size, (rows, length), generator=gen).to(self.device)
-            loss_mask = torch.zeros_like(ids)
-            loss_mask[:, length // 4 :] = 1
-            task = make_task(ids, loss_mask, self.cfg.objective, 0)
-            # Random features of the right shape and dtype: the graphs depend on shapes only, and
-            # drafter-only ranks of distributed training hold no target layers.
-            feats = torch.randn(rows, length, len(self.stream_layers) * self.target.hidden_size,
-                                generator=gen).to(self.device, self.target.embed_weight.dtype)
+            batch, feats = self.synthetic_batch(rows, length, gen)
+            task = make_task(batch["input_ids"], batch["loss_mask"], self.cfg.objective, 0)
             self.draft_forward(task, feats).weighted_ce_sum.backward()
             self.drafter.zero_grad(set_to_none=self.step_graphs is None)
         self.recompiles.mark_warm()
@@ -286,6 +291,8 @@ class Trainer:
             n = self.compile_buckets()
             log.info("compiled %d bucket shapes in %.1f s (cache was %s)", n, time.perf_counter() - t,
                      self.compile_state)
+        if self.step_graphs is not None:
+            self.step_graphs.prepare(self.bucket_shapes())
         window: list[dict] = []
         last_record: dict = {}
         if probe is not None:

@@ -34,7 +34,7 @@ def test_the_static_buffer_step_trains_like_the_plain_step(make_run_config, shar
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
         assert q.grad is not None and not q.grad.any()  # zeroed in place after each step, never None
     graphed.drafter.layers[0].mlp.gate_proj.weight.grad = None
-    with pytest.raises(RuntimeError, match="was replaced or set to None"):
+    with pytest.raises(RuntimeError, match="or its .grad was replaced"):
         graphed.train_step()
 
 
@@ -67,6 +67,10 @@ def test_a_whole_run_through_the_static_buffer_step(make_run_config, shared_tiny
             assert json.loads(b)["loss"] == pytest.approx(json.loads(a)["loss"], rel=1e-5)
         for p, q in zip(plain.drafter.parameters(), trainer.drafter.parameters()):
             torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+        # fit prepared every bucket shape first, largest first: one features buffer serves them all
+        graphs = trainer.step_graphs.graphs.values()
+        assert len(graphs) == len(trainer.bucket_shapes())
+        assert len({g.features.untyped_storage().data_ptr() for g in graphs}) == 1
 
 
 def test_cuda_graphs_are_refused_where_they_cannot_run(make_run_config, shared_tiny_target):
