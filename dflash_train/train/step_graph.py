@@ -80,7 +80,7 @@ class StepGraphs:
         if not self.capture:
             return
         torch.cuda.empty_cache()
-        kept = torch.cuda.memory_reserved(device) - before
+        kept = max(torch.cuda.memory_reserved(device) - before, 0)
         if self.trainer.feature_cache is not None:
             self.trainer.feature_cache.reserve_bytes += kept
         log.info("captured the drafter step of %d bucket shapes as CUDA graphs in %.1f s (%.1f GiB kept)",
