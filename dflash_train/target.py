@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,13 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: cuda requested but no CUDA GPU is visible")
     return torch.device(name)
+
+
+def synced_time(device: torch.device) -> float:
+    """perf_counter once the device has finished its queued work (GPU work is asynchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 EMBEDDED_TARGETS = {

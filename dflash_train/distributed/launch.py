@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from dataclasses import replace
 
 import torch
@@ -23,7 +22,7 @@ from transformers import AutoConfig
 from dflash_train.cli import HelpFormatter
 from dflash_train.config import load_config
 from dflash_train.data.dataset import load_training_data
-from dflash_train.target import load_target, resolve_device, resolve_target_path
+from dflash_train.target import load_target, resolve_device, resolve_target_path, synced_time
 from dflash_train.target_path import load_pretrained
 from dflash_train.distributed.run import build_layout, drafter_runs
 from dflash_train.distributed.layout import Plan, plan_split
@@ -77,13 +76,9 @@ def torchrun_command(args: argparse.Namespace, split: list[str]) -> list[str]:
 
 
 def _timed(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
+    t0 = synced_time(device)
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
+    return synced_time(device) - t0
 
 
 def measure(config: str, overrides: list[str], steps: int) -> tuple[float, list[float], float | None]:

@@ -32,8 +32,8 @@ from dflash_train.eval.config import DecodeSettings, EvalJobConfig
 from dflash_train.eval.prompts import Prompt, load_prompts
 from dflash_train.eval.ragged_cache import RaggedCache
 from dflash_train.eval.served_speed import first_difference, pick_speed_engine, served_speed
-from dflash_train.eval.spec_decode import speculative_generate, synced_time, target_greedy
-from dflash_train.target import Target, load_target, resolve_device
+from dflash_train.eval.spec_decode import speculative_generate, target_greedy
+from dflash_train.target import Target, load_target, resolve_device, synced_time
 
 log = logging.getLogger("dflash_train")
 

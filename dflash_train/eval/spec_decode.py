@@ -15,7 +15,6 @@ One round, with `start` = position of the last emitted token (the target has not
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +22,7 @@ from transformers import DynamicCache
 
 from dflash_train.draft.model import DFlashDraftModel, DraftKVCache
 from dflash_train.generate.backends import emit_tokens
-from dflash_train.target import Target
+from dflash_train.target import Target, synced_time
 
 
 @dataclass
@@ -50,13 +49,6 @@ class SpecResult(DecodeResult):
     @property
     def tau(self) -> float:
         return sum(self.acceptance_lengths) / max(1, self.num_rounds)
-
-
-def synced_time(device: torch.device) -> float:
-    """perf_counter once the device has finished its queued work (GPU work is asynchronous)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def check_budget(max_new_tokens: int) -> None:

@@ -29,7 +29,7 @@ from dflash_train.ops.guard import ThroughputGuard
 from dflash_train.ops.manifest import build_manifest, write_manifest
 from dflash_train.ops.profile import StepProfiler, extras_after
 from dflash_train.ops.recompiles import RecompileWatch
-from dflash_train.target import Target
+from dflash_train.target import Target, synced_time
 from dflash_train.checkpoint import local as ckpt
 from dflash_train.train.batches import anchor_seed, collate_as_trained, take
 from dflash_train.train.build import autocast_for, compile_layers
@@ -297,7 +297,7 @@ class Trainer:
         last_record: dict = {}
         if probe is not None:
             probe.restart()
-        t0 = time.perf_counter()
+        t0 = synced_time(self.device)
         paused = 0.0  # checkpoint saves and periodic evals: logged apart, not counted as training time
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not progress, desc="train", dynamic_ncols=True)
         planned = self.total_steps
@@ -319,10 +319,14 @@ class Trainer:
                     refit_scheduler(self.scheduler, fitted)
                 at_deadline = bool(deadline) and self.step < self.total_steps and deadline.reached()
                 if self.step % tc.log_every == 0 or self.step == self.total_steps or at_deadline:
-                    last_record = self._log(window, time.perf_counter() - t0, paused, metrics)
+                    # The window ends once the device has run its steps: a host that runs ahead of the
+                    # device (CUDA graph replays) would otherwise time its launches, and the windows
+                    # tile the run's wall time (logging's own time falls into the next one).
+                    now = synced_time(self.device)
+                    last_record = self._log(window, now - t0, paused, metrics)
                     bar.set_postfix(loss=f"{last_record['loss']:.3f}", tau_hat=f"{last_record['tau_hat']:.2f}",
                                     tok_s=f"{last_record['tokens_per_s']:.0f}")
-                    window, t0, paused = [], time.perf_counter(), 0.0
+                    window, t0, paused = [], now, 0.0
                 t_pause = time.perf_counter()
                 profiler.flush()
                 if self.periodic_eval is not None and self.cfg.eval.every and self.step % self.cfg.eval.every == 0:

@@ -148,6 +148,30 @@ def test_checkpoint_time_is_logged_apart_from_training_throughput(make_run_confi
         assert late["tokens"] / late["tokens_per_s"] < 1.0, late
 
 
+
+def test_a_window_counts_the_device_work_still_queued_when_it_ends(make_run_config, shared_tiny_target, monkeypatch):
+    """With CUDA graphs the host launches a step in ~2 ms and runs ahead of a device that needs 25:
+    a window timed on the host alone read 49 steps/s on an H200 that can run 40. The window ends once
+    the device has drained (here: a drain of 0.4 s stands for it), and its logging's time falls into
+    the next window, so the windows tile the run."""
+    import time
+
+    from dflash_train.train import loop
+
+    def draining(device):
+        time.sleep(0.4)
+        return time.perf_counter()
+
+    monkeypatch.setattr(loop, "synced_time", draining)
+    trainer = Trainer(make_run_config("drain", overrides=["train.max_steps=6", "train.log_every=2"]),
+                      target=shared_tiny_target)
+    trainer.tracker.log = lambda record, step: time.sleep(0.3)
+    trainer.fit(progress=False)
+    records = read_metrics(trainer.run_dir)
+    assert [r["step"] for r in records] == [2, 4, 6]
+    seconds = [r["tokens"] / r["tokens_per_s"] + r["paused_s"] for r in records]
+    assert seconds[0] >= 0.4 and all(s >= 0.7 for s in seconds[1:]), seconds  # drain; last logging + drain
+
 @pytest.mark.parametrize("loss", [{"kl": 1.0}, {"target_argmax": 1.0}, {"ce": 0.5, "kl": 0.5}], ids=str)
 def test_distilled_step_equals_reference_from_the_targets_own_logits(make_run_config, shared_tiny_target, loss):
     """The trainer's distilled loss on one micro-batch == the same loss computed from the HF model's own
