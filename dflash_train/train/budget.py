@@ -6,6 +6,10 @@ the step time of the last few estimate windows (not the whole run: with `data.ca
 first epoch also runs the target and later steps are much faster); the trainer then refits the
 schedule to that length without a jump (`optim.Schedule.refit`). Cutting a run by a timeout instead
 would stop it at a high learning rate.
+Pauses (held-out probes, checkpoint saves) are kept out of the step time and budgeted apart, at the
+run's average pause per step so far: a 16 s probe inside an 80-step estimate of 20 ms steps made
+each step look ten times slower, shrank the run to a tenth of what fitted, and the refitted cosine
+(which never climbs back) fell to ~0 and left the last 300 steps of a 4-minute run at no rate.
 Deadline (fixed-length runs): the trainer saves and exits when it is reached, and the next call
 resumes the SAME schedule; refitting in every call would push the learning rate back up each time.
 """
@@ -27,7 +31,8 @@ class TimeBudget:
         self.deadline = self.clock() + 60.0 * minutes * (1 - RESERVE)
         self.probe_step = first_step + warmup_steps  # compile-free steps only are timed
         self.every = max(1, every)
-        self.marks: deque[tuple[int, float]] = deque(maxlen=WINDOWS + 1)  # (step, clock) per estimate
+        self.marks: deque[tuple[int, float]] = deque(maxlen=WINDOWS + 1)  # (step, training clock) per estimate
+        self.paused_at_probe = 0.0
         self.reported: int | None = None
 
     def worth_reporting(self, fitted: int) -> bool:
@@ -38,19 +43,22 @@ class TimeBudget:
         self.reported = fitted
         return True
 
-    def steps_that_fit(self, step: int, planned: int) -> int | None:
+    def steps_that_fit(self, step: int, planned: int, paused: float = 0.0) -> int | None:
         """The run's total steps given the time left (never above `planned`), re-estimated every
-        `every` steps after the probe; None while the step time is not known yet."""
+        `every` steps after the probe; None while the step time is not known yet. `paused`: the
+        seconds the run has spent in pauses so far (they count against the budget, not the step)."""
         if step == self.probe_step:
-            self.marks.append((step, self.clock()))
+            self.marks.append((step, self.clock() - paused))
+            self.paused_at_probe = paused
             return None
         if not self.marks or (step - self.probe_step) % self.every:
             return None
         now = self.clock()
-        self.marks.append((step, now))
+        self.marks.append((step, now - paused))
         first_step, first_time = self.marks[0]
-        per_step = (now - first_time) / (step - first_step)
-        return min(planned, step + max(0, int((self.deadline - now) / per_step)))
+        per_step = (now - paused - first_time) / (step - first_step)
+        pause_per_step = (paused - self.paused_at_probe) / (step - self.probe_step)
+        return min(planned, step + max(0, int((self.deadline - now) / (per_step + pause_per_step))))
 
 
 class Deadline:

@@ -298,7 +298,7 @@ class Trainer:
         if probe is not None:
             probe.restart()
         t0 = synced_time(self.device)
-        paused = 0.0  # checkpoint saves and periodic evals: logged apart, not counted as training time
+        paused = paused_so_far = 0.0  # saves, evals, probes: logged apart, not counted as training time
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not progress, desc="train", dynamic_ncols=True)
         planned = self.total_steps
         budget = tc.time_budget_minutes and TimeBudget(tc.time_budget_minutes, self.step, tc.compile_warmup_steps,
@@ -311,7 +311,7 @@ class Trainer:
                 with profiler.step(self.step):
                     window.append(self.train_step())
                 bar.update(1)
-                fitted = budget and budget.steps_that_fit(self.step, planned)
+                fitted = budget and budget.steps_that_fit(self.step, planned, paused_so_far)
                 if fitted and fitted != self.total_steps:
                     log.log(logging.INFO if budget.worth_reporting(fitted) else logging.DEBUG,
                             "time budget: %d of %d planned steps fit; the schedule now ends there", fitted, planned)
@@ -344,7 +344,8 @@ class Trainer:
                     break
                 if self.step % self.cfg.checkpoint.every == 0 and self.step < self.total_steps:
                     self.save()
-                paused += time.perf_counter() - t_pause
+                pause = time.perf_counter() - t_pause
+                paused, paused_so_far = paused + pause, paused_so_far + pause
         except BaseException:
             profiler.abort()
             raise

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from dflash_train.train.budget import RESERVE, TimeBudget
@@ -82,3 +84,59 @@ def test_the_estimate_follows_a_step_time_that_drops():
         fitted = budget.steps_that_fit(step, planned=100_000)
     deadline = 600 * (1 - RESERVE)
     assert fitted == step + int((deadline - clock.now) / 0.25)
+
+
+def test_pauses_are_budgeted_apart_from_the_step_time():
+    """A held-out probe is not step time: once it left the estimate windows, the old estimate read
+    the bare step time and overran the budget by the probes still to come; while it was inside them,
+    each step looked up to ten times slower."""
+    clock = FakeClock()
+    budget = TimeBudget(minutes=10, first_step=0, warmup_steps=5, every=10, clock=clock)
+    clock.now = 30.0
+    budget.steps_that_fit(5, planned=10_000, paused=1.0)  # paused during the warm-up: not the run's rate
+    clock.now += 10 * 0.5 + 60.0  # 10 steps of 0.5 s and a 60 s probe among them
+    deadline = 600 * (1 - RESERVE)
+    for step in range(15, 66, 10):
+        fitted = budget.steps_that_fit(step, planned=10_000, paused=61.0)
+        assert fitted == step + int((deadline - clock.now) / (0.5 + 60 / (step - 5))), step
+        clock.now += 10 * 0.5
+
+
+def test_a_run_with_slow_pauses_decays_smoothly_and_ends_on_time(make_run_config, shared_tiny_target, monkeypatch):
+    """Every 10th step a 20 s save (a held-out probe in a real run): the run ends at its budget and its
+    lr falls along one cosine. Read as step time, each pause shrank the run's length for the next
+    estimates, and the refitted cosine, which never climbs back, fell steeply after every probe."""
+    import types
+
+    from dflash_train.train import loop
+
+    clock = FakeClock()
+    monkeypatch.setattr("dflash_train.train.budget.perf_counter", clock)
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=clock))
+    cfg = make_run_config(overrides=["train.epochs=40", "train.time_budget_minutes=10", "train.log_every=1",
+                                     "train.compile_warmup_steps=2", "train.warmup_ratio=0.05", "checkpoint.every=10"])
+    trainer = Trainer(cfg, target=shared_tiny_target)
+    assert trainer.total_steps > 300
+    step, save = trainer.train_step, trainer.save
+
+    def timed_step():
+        clock.now += 2.0
+        return step()
+
+    def slow_save(**kw):
+        clock.now += 20.0
+        return save(**kw)
+
+    monkeypatch.setattr(trainer, "train_step", timed_step)
+    monkeypatch.setattr(trainer, "save", slow_save)
+    summary = trainer.fit(progress=False)
+    deadline = 600 * (1 - RESERVE)
+    assert deadline - 22 <= clock.now - 20 <= deadline  # the last save (20 s) after the final step
+    lrs = [r["lr"] for r in read_metrics(cfg.run_dir)]
+    assert len(lrs) == summary["steps"]
+    peak = lrs.index(max(lrs))
+    decay = len(lrs) - peak
+    drops = [a - b for a, b in zip(lrs[peak:], lrs[peak + 1:])]
+    # A cosine over `decay` steps falls at most pi / 2 / decay of the peak a step; the estimate's
+    # saw-tooth between saves may steepen it a little, a pause read as step time did 10x.
+    assert max(drops) <= 1.5 * math.pi / 2 / decay * cfg.train.lr, (max(drops), decay)
