@@ -202,3 +202,25 @@ def _batches_of(lengths, expected_batches):
     batches = make_batches(np.array(lengths), 64, 4, 0, 0, 0)
     assert len(batches) == expected_batches
     return [[lengths[i] for i in b] for b in batches]
+
+
+def test_budget_replay_fills_the_budget_around_a_pause_and_follows_the_known_length(tmp_path):
+    from budget_replay import main as replay_main
+
+    def metrics(pause_after: int | None) -> Path:
+        rows = [{"step": s, "tokens": 2000, "tokens_per_s": 1000.0, "paused_s": 20.0 if s == pause_after else 0.0,
+                 "lr": 1e-3} for s in range(20, 2001, 20)]  # 20 steps of 0.1 s a window
+        path = tmp_path / f"metrics_{pause_after}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    args = ["-c", str(Path(__file__).resolve().parents[1] / "configs/smollm2-h200.yaml"), "train.time_budget_minutes=1", "train.log_every=20",
+            "train.compile_warmup_steps=10", "--planned", "600"]
+    steady = replay_main([*args, "--metrics", str(metrics(None))])
+    assert abs(steady["steps"] - 582) <= 1 and steady["seconds"] <= 58.2 + 0.1  # 60 s x 0.97 of 0.1 s steps
+    assert steady["lr_factor_at"][500]["run"] == 1.0  # the lr the run logged, over its peak
+    assert steady["mean_gap"] < 0.01  # the length is known from the first estimate on, after the warmup
+    paused = replay_main([*args, "--metrics", str(metrics(100))])
+    # The 20 s pause budgeted: 382 steps fit. The estimate expects more pauses at the run's average
+    # (none come), so the last estimates leave up to a window's share of it unused.
+    assert 370 <= paused["steps"] <= 382 and 58.2 - 1.5 <= paused["seconds"] <= 58.2 + 0.1
