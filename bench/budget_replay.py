@@ -90,9 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"metrics": args.metrics, "overrides": args.overrides, "queued_seconds": args.queued_seconds,
               "run_steps": records[-1]["step"],
               "run_mean_gap": round(sum(abs(f - own(step - 1)) for step, f in run.items()) / len(run), 4), **replayed}
-    print(json.dumps(result, indent=2))
+    text = json.dumps(result, indent=2) + "\n"
+    print(text, end="")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.out).write_text(text)
     return result
 
 
