@@ -62,9 +62,10 @@ def replay(cfg, logged: list[tuple[int, float, float]], planned: int) -> dict:
         clock.now += pause
         paused += pause
     ideal = schedule_of(tc, step)
-    gaps = [abs(f - ideal(i)) for i, f in enumerate(factors)]
+    known = [ideal(i) for i in range(step)]
+    gaps = [abs(f - k) for f, k in zip(factors, known)]
     return {"steps": step, "seconds": round(clock.now, 1), "deadline": round(budget.deadline, 1),
-            "factors": factors, "known_length": [ideal(i) for i in range(step)],
+            "factors": factors, "known_length": known,
             "mean_gap": round(sum(gaps) / len(gaps), 4), "max_gap": round(max(gaps), 4)}
 
 
