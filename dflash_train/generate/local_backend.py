@@ -316,6 +316,9 @@ class LocalBackend:
                 self._fail_all(loop, inflight, err)
                 return
         except Exception as err:  # noqa: BLE001 -- a bug must reach the callers, not kill the worker
+            # the waiting requests too: an engine that cannot start (a model it refuses) serves none
+            inflight.update((id(r), r) for r in self._queue)
+            self._queue.clear()
             self._fail_all(loop, inflight, err)
             self._graphed = None
             return

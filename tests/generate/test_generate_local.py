@@ -201,3 +201,28 @@ def test_continuous_batching_on_cpu_reserves_pages_for_its_prompts_not_a_share_o
     config = _cpu_cache_config(SimpleNamespace(device=torch.device("cpu")), prompts, gen)
     assert (config.page_size, config.num_blocks) == (CPU_PAGE, 1 + 1 + 2 + 1)
     assert _cpu_cache_config(SimpleNamespace(device=torch.device("meta")), prompts, gen) is None
+
+
+def test_an_engine_that_cannot_start_fails_every_waiting_request(tiny_target, monkeypatch):
+    """The graphed engine refusing a model (or failing to build) must answer every queued request
+    with its error; it once failed only the rows in flight (none yet), and generate hung."""
+    import asyncio
+
+    import dflash_train.generate.local_backend as local_backend
+
+    def refuse(*args, **kwargs):
+        raise ValueError("engine 'graphed' cannot run this model")
+
+    monkeypatch.setattr(local_backend, "GraphedEngine", refuse)
+    backend = LocalBackend.load(str(tiny_target), LocalConfig(device="cpu", engine="graphed", batch_size=2))
+    params = GenParams(temperature=0.0, top_p=1.0, max_tokens=4)
+
+    async def ask_all():
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(backend.complete(m, params) for m in PROMPTS),
+                                                         return_exceptions=True), timeout=60)
+        finally:
+            await backend.aclose()
+
+    results = asyncio.run(ask_all())
+    assert len(results) == len(PROMPTS) and all("cannot run this model" in str(r) for r in results)
