@@ -4,6 +4,10 @@ The loss mask covers assistant tokens only. Spans are found by rendering prefixe
 conversation: the tokens between "everything before turn i + the generation prompt" and
 "everything through turn i" are turn i's answer. This works for any template that renders
 prefixes as prefixes (checked, with a clear error when a template does not).
+
+A target without a chat template (a base model) is given `PLAIN_TEXT` when it loads: turns as plain
+text after its BOS, a blank line between them, a prompt continued where it ends. `{"text": ...}`
+rows are a corpus for any target: every token is learned, no template.
 """
 
 from __future__ import annotations
@@ -13,6 +17,24 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from dflash_train.data.formats import DataError
+
+
+PLAIN_TEXT = (
+    "{{ bos_token or '' }}{% for m in messages %}{% if not loop.first %}{{ '\\n\\n' }}{% endif %}"
+    "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}{{ '\\n\\n' }}{% endif %}"
+)
+"""The chat template given to a tokenizer that has none."""
+
+
+def give_plain_template(tokenizer) -> None:
+    """A tokenizer without a chat template (a base model's) renders conversations as PLAIN_TEXT."""
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = PLAIN_TEXT
+
+
+def text_format(tokenizer) -> str:
+    """How conversations reach the target: its own chat template, or plain text (a base model)."""
+    return "plain text (no chat template)" if tokenizer.chat_template == PLAIN_TEXT else "chat template"
 
 
 @dataclass
@@ -44,6 +66,8 @@ def _trailing_whitespace(tokenizer, ids: list[int], start: int, end: int) -> int
 def tokenize_conversation(
     tokenizer, messages: list[dict], max_length: int, where: str = "", template_kwargs: dict | None = None
 ) -> TokenizedConversation:
+    if tokenizer.chat_template == PLAIN_TEXT:
+        return _plain_conversation(tokenizer, messages, max_length)
     kwargs = dict(template_kwargs or {})
     full = _render(tokenizer, messages, False, kwargs, where)
     loss_mask = [0] * len(full)
@@ -63,3 +87,36 @@ def tokenize_conversation(
         for p in range(len(before), end):
             loss_mask[p] = 1
     return TokenizedConversation(input_ids=full[:max_length], loss_mask=loss_mask[:max_length])
+
+
+def _plain_conversation(tokenizer, messages: list[dict], max_length: int) -> TokenizedConversation:
+    """PLAIN_TEXT's rendering, encoded span by span: each answer alone, the text between answers
+    (turns and the blank lines after them) together, as generation encoded the prompt and then
+    appended the answer's tokens. One whole-text encoding would merge a prompt's last blank line
+    with an answer's first characters (SentencePiece has tokens for runs of newlines)."""
+    ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    mask = [0] * len(ids)
+    context = ""
+    for i, message in enumerate(messages):
+        last = i == len(messages) - 1
+        if message["role"] == "assistant" and i > 0:
+            ids += (new := tokenizer(context, add_special_tokens=False)["input_ids"])
+            mask += [0] * len(new)
+            answer = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+            end = _trailing_whitespace(tokenizer, answer, 0, len(answer))
+            ids += answer
+            mask += [1] * end + [0] * (len(answer) - end)
+            context = "" if last else "\n\n"
+        else:
+            context += message["content"] + ("" if last else "\n\n")
+    if context:
+        ids += (new := tokenizer(context, add_special_tokens=False)["input_ids"])
+        mask += [0] * len(new)
+    return TokenizedConversation(input_ids=ids[:max_length], loss_mask=mask[:max_length])
+
+
+def tokenize_text(tokenizer, text: str, max_length: int) -> TokenizedConversation:
+    """A corpus row: the tokenizer's own encoding (its BOS included), every ordinary token learned."""
+    ids = tokenizer(text)["input_ids"][:max_length]
+    special = set(tokenizer.all_special_ids)
+    return TokenizedConversation(input_ids=ids, loss_mask=[int(t not in special) for t in ids])

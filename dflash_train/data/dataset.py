@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_train.atomic import write_atomic, write_json_atomic
-from dflash_train.data.chat import tokenize_conversation
+from dflash_train.data.chat import tokenize_conversation, tokenize_text
 from dflash_train.data.formats import DataError, RowStats, expand_paths, iter_conversations, iter_rows, normalise_messages
 
 log = logging.getLogger("dflash_train")
@@ -75,7 +75,8 @@ CHUNK_ROWS = 256
 
 def _tokenize_one(tokenizer, conv, max_length: int, template_kwargs) -> tuple[np.ndarray, np.ndarray] | DataError:
     try:
-        tok = tokenize_conversation(tokenizer, conv.messages, max_length, conv.source, template_kwargs)
+        tok = tokenize_text(tokenizer, conv.text, max_length) if conv.text is not None else \
+            tokenize_conversation(tokenizer, conv.messages, max_length, conv.source, template_kwargs)
     except DataError as err:
         return err
     # An anchor needs two consecutive response tokens; a row without them teaches nothing.

@@ -1,4 +1,5 @@
-"""Reading conversations: JSONL or Parquet, OpenAI `messages` or ShareGPT `conversations`.
+"""Reading conversations: JSONL or Parquet, OpenAI `messages` or ShareGPT `conversations`, or
+plain `text` rows (a corpus: every token is learned, no template).
 
 Rows stream one at a time (a million-row file never sits in memory as a list). A bad row raises
 `DataError` naming file, line and problem; with `skip_invalid` it is skipped and counted in
@@ -36,7 +37,9 @@ class Conversation:
     """file:line of the row."""
     id: str
     messages: list[dict]
-    """[{"role": system|user|assistant, "content": str}, ...]"""
+    """[{"role": system|user|assistant, "content": str}, ...]; empty for a text row"""
+    text: str | None = None
+    """A `{"text": ...}` row: plain text, learned whole, never rendered through a chat template."""
 
 
 @dataclass
@@ -78,7 +81,7 @@ def normalise_messages(row: dict, where: str) -> list[dict]:
     elif "conversations" in row:
         turns, role_key, text_key, field_name = row["conversations"], "from", "value", "conversations"
     else:
-        raise DataError(f"{where}: no 'messages' or 'conversations' field (keys: {sorted(row)[:8]})")
+        raise DataError(f"{where}: no 'messages', 'conversations' or 'text' field (keys: {sorted(row)[:8]})")
     if not isinstance(turns, list) or not turns:
         raise DataError(f"{where}: field '{field_name}' is empty or not a list")
     messages = []
@@ -93,6 +96,13 @@ def normalise_messages(row: dict, where: str) -> list[dict]:
         content = turn.get(text_key, turn.get("content"))
         messages.append({"role": role, "content": _text(content, at)})
     return messages
+
+
+def text_row(row) -> str | None:
+    """The text of a `{"text": ...}` row (no messages), else None."""
+    if isinstance(row, dict) and "text" in row and "messages" not in row and "conversations" not in row:
+        return row["text"]
+    return None
 
 
 def normalise_text(text: str) -> str:
@@ -238,8 +248,11 @@ def iter_conversations(
             try:
                 if isinstance(row, DataError):
                     raise row
-                messages = normalise_messages(row, where)
-                if require_assistant and not any(m["role"] == "assistant" for m in messages):
+                text = text_row(row)
+                if text is not None and (not isinstance(text, str) or not text.strip()):
+                    raise DataError(f"{where}: field 'text' must be a non-empty string")
+                messages = [] if text is not None else normalise_messages(row, where)
+                if text is None and require_assistant and not any(m["role"] == "assistant" for m in messages):
                     raise DataError(f"{where}: no assistant turn to learn from")
             except DataError as err:
                 if not skip_invalid:
@@ -247,4 +260,4 @@ def iter_conversations(
                 stats.skip(err)
                 continue
             stats.ok += 1
-            yield Conversation(source=where, id=row_id(row, where), messages=messages)
+            yield Conversation(source=where, id=row_id(row, where), messages=messages, text=text)

@@ -117,3 +117,33 @@ def test_template_exception_becomes_a_data_error_naming_the_row():
     tok = tiny_tokenizer(strict)
     with pytest.raises(DataError, match="f.jsonl:9.*no system role"):
         tokenize_conversation(tok, MULTI_TURN, max_length=100, where="f.jsonl:9")
+
+
+def test_a_base_model_continues_its_prompts_as_plain_text():
+    """A tokenizer without a chat template gets PLAIN_TEXT: the turns after its BOS, a blank line
+    between them; the answer's tokens (and only they) are learned, and they are the tokenizer's own
+    encoding of the plain text."""
+    from dflash_train.data.chat import PLAIN_TEXT, give_plain_template, text_format
+
+    tok = tiny_tokenizer(chat_template=None)
+    tok.add_special_tokens({"bos_token": "<s>"})
+    give_plain_template(tok)
+    assert tok.chat_template == PLAIN_TEXT and text_format(tok) == "plain text (no chat template)"
+    messages = [{"role": "user", "content": "Once upon a time"}, {"role": "assistant", "content": "there was a fox."}]
+    out = tokenize_conversation(tok, messages, max_length=256)
+    assert out.input_ids == [tok.bos_token_id] + tok("Once upon a time\n\nthere was a fox.", add_special_tokens=False)["input_ids"]
+    assert tok.decode([t for t, m in zip(out.input_ids, out.loss_mask) if m]) == "there was a fox."
+    prompt = tok.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=False)
+    assert prompt == "<s>Once upon a time\n\n"
+    chat = tiny_tokenizer()
+    give_plain_template(chat)  # a template of its own is kept
+    assert chat.chat_template == CHATML and text_format(chat) == "chat template"
+
+
+def test_text_rows_learn_every_ordinary_token():
+    from dflash_train.data.chat import tokenize_text
+
+    tok = tiny_tokenizer()
+    out = tokenize_text(tok, "<|im_start|>plain corpus text", max_length=10)
+    assert out.input_ids == tok("<|im_start|>plain corpus text")["input_ids"][:10]
+    assert out.loss_mask == [0] + [1] * 9  # the special token is context only

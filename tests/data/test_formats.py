@@ -60,7 +60,7 @@ BAD_ROWS = [
     ("unknown role", {"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}, "unknown role 'robot'"),
     ("empty conversation", {"messages": []}, "empty"),
     ("non utf-8", b"{\"messages\": \"\xff\xfe\"}", "UTF-8"),
-    ("missing field", {"text": "hello"}, "no 'messages' or 'conversations'"),
+    ("missing field", {"prompt": "hello"}, "no 'messages', 'conversations' or 'text'"),
     ("missing content", {"messages": [{"role": "user"}, {"role": "assistant", "content": "y"}]}, "content must be a string"),
     ("no assistant", {"messages": [{"role": "user", "content": "x"}]}, "no assistant turn"),
 ]
@@ -106,3 +106,14 @@ def test_unsupported_format_and_missing_file(tmp_path):
         list(iter_conversations(tmp_path / "d.csv"))
     with pytest.raises(DataError, match="not found"):
         list(iter_conversations(tmp_path / "nope.jsonl"))
+
+
+def test_text_rows_are_a_corpus_and_an_empty_one_is_named(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text(json.dumps({"id": "t1", "text": "some plain text"}) + "\n" + json.dumps({"text": " "}) + "\n")
+    rows = iter_conversations([path], skip_invalid=True, stats=(stats := RowStats()))
+    [row] = list(rows)
+    assert (row.id, row.text, row.messages) == ("t1", "some plain text", [])
+    assert stats.to_dict() == {"rows": 2, "ok": 1, "skipped": {"field 'text' must be a non-empty string": 1}}
+    with pytest.raises(DataError, match=r"corpus.jsonl:2: field 'text'"):
+        list(iter_conversations([path]))
