@@ -108,3 +108,15 @@ def test_a_moved_key_is_refused_naming_its_new_place(old, new):
         build_config(overrides=[f"{old}.kl=1.0" if key == "loss" else f"{old}=8"])
     with pytest.raises(ConfigError, match=rf"drafters\[0\].{old} has moved to drafters\[0\].{new}"):
         build_config({"drafters": [{"name": "a", section: {key: value}}]})
+
+
+def test_the_loss_chunk_adapts_to_large_vocabularies():
+    """Unset, objective.ce_chunk_size keeps 4096 rows up to Qwen3's 151,936-token vocabulary and
+    shrinks above it so a chunk's logits never exceed 4096 x 151,936 (Gemma's 262,144: 2,368 rows);
+    a value set by the user is kept as given."""
+    from dflash_train.config import CHUNK_LOGITS, ObjectiveConfig
+
+    auto = ObjectiveConfig()
+    assert [auto.chunk_rows_for(v) for v in (49_152, 151_936, 262_144)] == [4096, 4096, 2368]
+    assert 2368 * 262_144 <= CHUNK_LOGITS < (2368 + 64) * 262_144
+    assert ObjectiveConfig(ce_chunk_size=24_576).chunk_rows_for(262_144) == 24_576

@@ -13,15 +13,14 @@ from typing import Callable
 
 import torch
 
-from dflash_train.config import ObjectiveConfig
+from dflash_train.config import DEFAULT_CHUNK_ROWS
 from dflash_train.train.batches import collate
 
 log = logging.getLogger("dflash_train")
 
 RESERVE_GIB = 16
-"""GPU memory the cache leaves free for the training step itself, at the default loss chunk."""
-DEFAULT_CHUNK_ROWS = ObjectiveConfig.model_fields["ce_chunk_size"].default
-"""The loss chunk RESERVE_GIB was sized at: objective.ce_chunk_size's default."""
+"""GPU memory the cache leaves free for the training step itself, at the default loss chunk
+(config.DEFAULT_CHUNK_ROWS)."""
 
 
 def step_reserve(ce_chunk_size: int, vocab_size: int) -> int:

@@ -67,6 +67,7 @@ class Trainer:
         self.loss_mix, self.stream_layers, self.use_flex = parts.loss_mix, parts.stream_layers, parts.use_flex
         self.epoch_batches, self.total_steps = parts.epoch_batches, parts.total_steps
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
+        self.chunk_rows = cfg.objective.chunk_rows_for(self.target.vocab_size)  # LM-head rows per loss chunk
         self.captured = None  # data.captured_features: the target's features read from disk
         if cfg.data.captured_features:
             self.captured = CapturedFeatures(cfg.data.captured_features,
@@ -77,7 +78,7 @@ class Trainer:
         self.feature_cache = None
         if cfg.data.cache_features:
             self.feature_cache = FeatureCache(self.dataset, self.device,
-                                              step_reserve(cfg.objective.ce_chunk_size, self.target.vocab_size))
+                                              step_reserve(self.chunk_rows, self.target.vocab_size))
         # where the cache's missing rows come from (the target is looked up per call: tests swap it)
         self.make_rows = (from_capture(self.captured, self.device) if self.captured is not None else
                           from_target(self.dataset, self.device, lambda ids: self.target.features(ids, self.stream_layers)))
@@ -115,7 +116,7 @@ class Trainer:
         """The drafter's loss on one micro-batch, in the run's precision and attention path."""
         with self.autocast():
             return draft_loss(self.drafter, task, features, self.target.embed_weight, self.target.lm_head_weight,
-                              self.use_flex, self.cfg.objective.ce_chunk_size, self.loss_mix, self.target.logits,
+                              self.use_flex, self.chunk_rows, self.loss_mix, self.target.logits,
                               compiled_loss=self.cfg.train.compile_loss, ce_kernel=self.cfg.train.ce_kernel,
                               even_chunks=bool(self.cfg.data.length_bucket))
 
@@ -278,7 +279,8 @@ class Trainer:
         tc = self.cfg.train
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
-        self.manifest = manifest = build_manifest(self.cfg.model_dump(mode="json"), sys.argv, self.run_dir)
+        self.manifest = manifest = build_manifest(self.cfg.model_dump(mode="json"), sys.argv, self.run_dir,
+                                                  target=self.target.description)
         write_manifest(self.run_dir, manifest)
         self.guard = ThroughputGuard(self.run_dir.parent, manifest, warmup_steps=self.step + 2 * tc.log_every)
         self.tracking_run_id = self.tracker.start(
