@@ -1,7 +1,8 @@
-"""Targets with sliding-window layers (and gpt-oss's attention sinks) through the static decoder
-(greedy and speculative), against a plain cache-free greedy loop and the decisions of the
-cache-free batched decode. Prompts and answers are longer than the window (8): a path that masks
-it wrongly, or drops the sinks, drifts from the reference."""
+"""Targets with sliding-window layers (and gpt-oss's attention sinks) through the decode paths with
+caches: the static decoder (greedy and speculative) and the ragged cache of batched acceptance
+decoding, against a plain cache-free greedy loop and the decisions of the cache-free batched
+decode. Prompts and answers are longer than the window (8): a path that masks it wrongly, or drops
+the sinks, drifts from the reference."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from tiny import tiny_windowed
 
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.batched import batched_speculative
+from dflash_train.eval.ragged_cache import RaggedCache
 from dflash_train.eval.static_decode import StaticDecoder, static_cache_problem
 
 from .test_spec_decode import reference_greedy
@@ -74,4 +76,13 @@ def test_static_decoder_greedy_and_speculative(case, cache_free):
     spec = decoder.speculative(prompts, NEW).results
     assert [r.tokens for r in spec] == answers
     assert [r.acceptance_lengths for r in spec] == [r.acceptance_lengths for r in cache_free]
+
+
+def test_ragged_cache_batched_decode(case, cache_free):
+    target, drafter, prompts, answers = case
+    assert RaggedCache.supports(target) is None
+    ragged = batched_speculative(target, drafter, prompts, NEW, cached=True)
+    assert [r.tokens for r in ragged] == answers
+    assert [(r.acceptance_lengths, r.position_accepts) for r in ragged] == [
+        (r.acceptance_lengths, r.position_accepts) for r in cache_free]
 
