@@ -1,8 +1,8 @@
 """Targets with sliding-window layers (and gpt-oss's attention sinks) through the decode paths with
-caches: the static decoder (greedy and speculative) and the ragged cache of batched acceptance
-decoding, against a plain cache-free greedy loop and the decisions of the cache-free batched
-decode. Prompts and answers are longer than the window (8): a path that masks it wrongly, or drops
-the sinks, drifts from the reference."""
+caches: the static decoder (greedy and speculative), the ragged cache of batched acceptance
+decoding and `speculative_generate` on transformers' dynamic cache, against a plain cache-free
+greedy loop and the decisions of the cache-free batched decode. Prompts and answers are longer
+than the window (8): a path that masks it wrongly, or drops the sinks, drifts from the reference."""
 
 import pytest
 import torch
@@ -11,6 +11,7 @@ from tiny import tiny_windowed
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.batched import batched_speculative
 from dflash_train.eval.ragged_cache import RaggedCache
+from dflash_train.eval.spec_decode import speculative_generate
 from dflash_train.eval.static_decode import StaticDecoder, static_cache_problem
 
 from .test_spec_decode import reference_greedy
@@ -86,3 +87,10 @@ def test_ragged_cache_batched_decode(case, cache_free):
     assert [(r.acceptance_lengths, r.position_accepts) for r in ragged] == [
         (r.acceptance_lengths, r.position_accepts) for r in cache_free]
 
+
+def test_speculative_generate_crops_sliding_layers(case, cache_free):
+    """One prompt at a time on transformers' dynamic cache: its sliding layers drop rejected K/V."""
+    target, drafter, prompts, answers = case
+    for p, reference in zip(prompts, cache_free):
+        alone = speculative_generate(target, drafter, torch.tensor([p]), NEW)
+        assert (alone.tokens, alone.acceptance_lengths) == (reference.tokens, reference.acceptance_lengths)
