@@ -376,8 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first turns decoded one at a time, with caches, for the speedup (0: no speed figures)")
     p.add_argument("--speed-engine", choices=["auto", "static", "eager"],
                    help="speed decoder: static (static KV caches, CUDA graphs on a GPU: as a server runs it; "
-                        "greedy, targets with full-attention layers, else eager with the reason logged) or eager "
-                        "(transformers' dynamic cache); auto = static on cuda, eager on cpu")
+                        "greedy, targets with full or sliding-window layers, else eager with the reason logged) "
+                        "or eager (transformers' dynamic cache); auto = static on cuda, eager on cpu")
     p.set_defaults(func=cmd_eval)
 
     p = add("curve", "chart of held-out acceptance against device-minutes for one or more runs (eval.heldout_files)")

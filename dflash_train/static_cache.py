@@ -2,14 +2,18 @@
 
 Shared by the regeneration engine (generate/graphed_engine.py) and the speculative decoder
 (eval/static_decode.py). Rows are independent: each writes its K/V at the positions it is given, a
-query at position p sees the keys at positions <= p of its own row, and nothing is ever cropped, so
-a stale K/V above a row's position is invisible and gets overwritten before it could be seen. The
-shapes never change, so a decode step over all rows can be captured once as a CUDA graph.
+query at position p sees the keys at positions <= p of its own row (in a sliding-window layer only
+those in (p - window, p]: every layer's cache is full length, windows are masks, windows.py), and
+nothing is ever cropped, so a stale K/V above a row's position is invisible and gets overwritten
+before it could be seen. The shapes never change, so a decode step over all rows can be captured
+once as a CUDA graph. Attention sinks (gpt-oss) and logit soft-capping (Gemma 2) go through the
+model's own eager attention, under the same masks (`packed_gqa_attention`).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,6 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from dflash_train.ops import compile_cache
+from dflash_train.windows import layer_windows, window_masks, windows_problem
 
 log = logging.getLogger("dflash_train")
 
@@ -35,10 +40,9 @@ def static_cache_problem(model) -> str | None:
     name = type(model).__name__
     if not getattr(model, "_can_compile_fullgraph", False):
         return f"transformers does not support a static cache for {name} (_can_compile_fullgraph is False)"
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"} or getattr(config, "sliding_window", None):
-        return f"{name} has {sorted(layer_types)} layers (sliding window {getattr(config, 'sliding_window', None)}); " \
-               "the static cache holds full-attention layers only"
+    problem = windows_problem(config)
+    if problem:
+        return f"{name}: {problem}"
     if config._attn_implementation not in ("sdpa", "eager"):
         return f"attention '{config._attn_implementation}' ignores 4D masks (use sdpa or eager)"
     return None
@@ -69,18 +73,27 @@ class PositionedLayer(StaticLayer):
         return self.keys, self.values
 
 
-def positioned_cache(num_layers: int, length: int) -> Cache:
-    """Allocated by the first forward through it (its batch size is that forward's)."""
-    return Cache(layers=[PositionedLayer(length) for _ in range(num_layers)])
+class PositionedCache(Cache):
+    """A full-length PositionedLayer for every layer of `config`'s model, sliding ones included,
+    and the windows of its layer types (`windows`, read once here: `forward_at` masks with them).
+    Allocated by the first forward through it (its batch size is that forward's)."""
+
+    def __init__(self, config, length: int):
+        super().__init__(layers=[PositionedLayer(length) for _ in range(config.num_hidden_layers)])
+        self.windows = layer_windows(config)
 
 
-def causal_bias(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [R, 1, Q, L]: query at position p sees cache positions <= p (eager adds it,
-    SDPA takes it as is)."""
+def position_masks(positions: torch.Tensor, length: int, windows: dict[str, int | None], dtype: torch.dtype):
+    """The masks of a forward at `positions` [R, Q] over cache positions 0..length-1: a query at
+    position p sees those <= p, a sliding layer's only the window below it (windows.window_masks)."""
     keys = torch.arange(length, device=positions.device)
-    visible = keys <= positions[:, None, :, None]
-    return torch.zeros((), dtype=dtype, device=positions.device).masked_fill(~visible, torch.finfo(dtype).min)
+    return window_masks(keys <= positions[..., None], positions, keys, windows, dtype)
 
+
+OWN_ATTENTION_KWARGS = ("s_aux", "softcap")
+"""What an attention module may pass beyond plain attention: sinks (gpt-oss and others) and logit
+soft-capping (Gemma 2). SDPA applies neither (transformers' SDPA drops sinks and refuses
+soft-capping), so such a module runs its model's own eager attention, which applies them."""
 
 PACKED_GQA = "dflash_packed_gqa"
 PACK_MAX_QUERIES = 64
@@ -93,7 +106,11 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
     every K/V head for each query head of its group, which for SmolLM2 (9 query, 3 K/V heads)
     triples the cache traffic of a decode step, the step's main cost at large batches, and lands in
     SDPA's math kernel. Here the group's query heads become extra query rows of their K/V head, with
-    the mask repeated for them: the same attention, one read of the cache by the efficient kernel."""
+    the mask repeated for them: the same attention, one read of the cache by the efficient kernel.
+    A module with sinks or soft-capping (OWN_ATTENTION_KWARGS) gets its model's eager attention."""
+    if any(kwargs.get(name) is not None for name in OWN_ATTENTION_KWARGS):
+        eager = sys.modules[type(module).__module__].eager_attention_forward  # the one its `eager` runs
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     rows, heads, queries, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
@@ -106,7 +123,7 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
 
 
 AttentionInterface.register(PACKED_GQA, packed_gqa_attention)
-AttentionMaskInterface.register(PACKED_GQA, sdpa_mask)  # masks come built (causal_bias); never called
+AttentionMaskInterface.register(PACKED_GQA, sdpa_mask)  # masks come built (position_masks); never called
 
 
 @contextmanager
@@ -121,7 +138,7 @@ def packed_gqa(model):
         config._attn_implementation = before
 
 
-def forward_at(model, cache: Cache, ids: torch.Tensor, positions: torch.Tensor, **kwargs):
+def forward_at(model, cache: PositionedCache, ids: torch.Tensor, positions: torch.Tensor, **kwargs):
     """The HF model's output for `ids` [R, Q] at `positions` [R, Q], their K/V written into `cache`."""
     for layer in cache.layers:
         layer.positions = positions
@@ -129,7 +146,7 @@ def forward_at(model, cache: Cache, ids: torch.Tensor, positions: torch.Tensor, 
     dtype = model.get_input_embeddings().weight.dtype
     with packed_gqa(model):
         return model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                     attention_mask=causal_bias(positions, length, dtype), **kwargs)
+                     attention_mask=position_masks(positions, length, cache.windows, dtype), **kwargs)
 
 
 def graphed(step, device: torch.device):

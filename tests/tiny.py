@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from dflash_train.target import Target
 
@@ -71,3 +73,37 @@ def tiny_llama(num_layers: int = 3, hidden: int = 32, vocab: int = 272, seed: in
     )
     model = LlamaForCausalLM(config).eval().requires_grad_(False)
     return Target(model=model, tokenizer=tiny_tokenizer(), name=f"tiny-llama-v{vocab}", device=torch.device("cpu"))
+
+
+WINDOW = 8
+"""The sliding window of the windowed tiny targets: shorter than their tests' prompts and answers."""
+
+
+def tiny_windowed(family: str, hidden: int = 64, seed: int = 0) -> Target:
+    """A random target whose layers slide: `mistral` (every layer, no layer_types), `gemma3`
+    (sliding and full layers alternating, its own query scaling and local RoPE) or `gpt_oss` (a
+    sliding and a full layer, MoE, attention sinks: made far from zero, so ignoring them changes the
+    tokens). Peaked init and eager attention as tiny_target (gpt-oss has no SDPA in transformers).
+    The vocabulary is `hidden` tokens: a square LM head, so a scripted drafter can propose any token."""
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=hidden, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, initializer_range=0.1,
+                 tie_word_embeddings=False)
+    alternating = ["sliding_attention", "full_attention"] * 2
+    if family == "mistral":
+        config = MistralConfig(num_hidden_layers=2, **shape)
+        model = MistralForCausalLM(config)
+    elif family == "gemma3":
+        config = Gemma3TextConfig(num_hidden_layers=4, layer_types=alternating, query_pre_attn_scalar=16, **shape)
+        model = Gemma3ForCausalLM(config)
+    elif family == "gpt_oss":
+        config = GptOssConfig(num_hidden_layers=2, layer_types=alternating[:2], num_local_experts=4,
+                              num_experts_per_tok=2, **shape)
+        model = GptOssForCausalLM(config)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data = 3 * torch.randn(config.num_attention_heads)
+    else:
+        raise ValueError(family)
+    model.config._attn_implementation = "eager"
+    model.eval().requires_grad_(False)
+    return Target(model=model, tokenizer=None, name=f"tiny-{family}", device=torch.device("cpu"))

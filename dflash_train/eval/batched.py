@@ -4,10 +4,10 @@ Every round runs the drafter, then the target, over all unfinished rows together
 different numbers of tokens. By default the target runs through a ragged KV cache (`RaggedCache`:
 one cache for rows of different lengths, a round costs the block alone) and the drafter keeps its
 context keys/values in the same layout (`RaggedDraftCache`: each context position projected once).
-Where the target cannot take one (other attention kernels, sliding-window layers) each round
-re-runs the target over each row's whole sequence instead (committed tokens + the new block,
-right-padded, causal: no mask) and the drafter over each row's whole context, which costs rounds x
-sequence length.
+Where the target cannot take one (`RaggedCache.supports`: other attention kernels, layers no mask
+expresses) each round re-runs the target over each row's whole sequence instead (committed tokens +
+the new block, right-padded, causal: no mask, or the model's own where its layers slide) and the
+drafter over each row's whole context, which costs rounds x sequence length.
 
 Decisions are `speculative_generate`'s, round by round: same block, same context features (the
 target's, of every committed position before the block), same acceptance rule (the tests hold

@@ -29,14 +29,14 @@ class DecodeSettings(_Section):
     acceptance_cache: Literal["auto", "ragged", "none"] = "auto"
     """How batched acceptance decoding runs the target: ragged = through one KV cache for rows of
     different lengths (a round costs the block alone); none = each round re-runs every row's whole
-    sequence; auto = ragged where the target supports it (eager or SDPA attention, no
+    sequence; auto = ragged where the target supports it (eager or SDPA attention; full or
     sliding-window layers), else none."""
     speed_prompts: int = Field(8, ge=0)
     """First turns decoded one at a time, with caches, for the speedup (0: no speed figures)."""
     speed_engine: Literal["auto", "static", "eager"] = "auto"
-    """static: static KV caches, CUDA graphs on a GPU (as a server runs it; greedy, full-attention
-    targets, else eager with the reason logged); eager: transformers' dynamic cache; auto = static on
-    cuda, eager on cpu."""
+    """static: static KV caches, CUDA graphs on a GPU (as a server runs it; greedy, targets with
+    full or sliding-window layers, else eager with the reason logged); eager: transformers' dynamic
+    cache; auto = static on cuda, eager on cpu."""
 
 
 class EvalJobConfig(_Section):

@@ -10,18 +10,21 @@ own cached positions and, causally, itself. Once accepted counts are known, `adv
 row's kept block columns down to their positions and drops finished rows: one gather per layer,
 the copy transformers' dynamic cache already makes each round when it appends.
 
-Rows carry explicit positions, so RoPE sees the same positions as in an unpadded decode. Only
-plain full-attention caches (every layer a `DynamicLayer`) with eager or SDPA attention take
-custom masks this way; `RaggedCache.supports` says so, and the caller falls back otherwise.
+Rows carry explicit positions, so RoPE sees the same positions as in an unpadded decode. Every
+layer keeps every column, sliding-window layers too: their window is a mask over each row's
+positions (windows.py), so one layout and one gather serve all layers. Attention sinks (gpt-oss)
+and soft-capping (Gemma 2) need nothing here: the target runs its own eager attention, which applies
+them under these masks. Eager or SDPA attention takes custom masks this way; `RaggedCache.supports`
+names what does not, and the caller falls back.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from dflash_train.target import Target
+from dflash_train.windows import layer_windows, window_masks, windows_problem
 
 MASKABLE_ATTENTION = ("eager", "sdpa")
 """Attention implementations that apply a custom 4D additive mask as given."""
@@ -30,7 +33,8 @@ MASKABLE_ATTENTION = ("eager", "sdpa")
 class RaggedCache:
     def __init__(self, target: Target, layer_ids: list[int]):
         self.target, self.layer_ids = target, layer_ids
-        self.cache = DynamicCache(config=target.model.config)
+        self.cache = DynamicCache()  # no config: a plain, uncropped DynamicLayer for every layer
+        self.windows = layer_windows(target.model.config)
         self.starts: torch.Tensor | None = None  # [R] each row's next block position = its cached length
         self.block_at = 0  # the column where the last `extend` put its block
 
@@ -41,20 +45,16 @@ class RaggedCache:
         attn = getattr(config, "_attn_implementation", None)
         if attn not in MASKABLE_ATTENTION:
             return f"attention implementation {attn!r} takes no custom 4D mask (needs one of {MASKABLE_ATTENTION})"
-        kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
-        if kinds - {DynamicLayer.__name__}:
-            return f"cache layers {sorted(kinds)}: sliding-window or other non-plain layers"
-        return None
+        return windows_problem(config)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, key_positions: torch.Tensor):
         """Final-normed hidden states [R, T, H] and features [R, T, K*H] of `ids` at `positions`,
-        each query seeing the key columns `visible` [R, T, W+T] marks."""
-        dtype = self.target.embed_weight.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype, device=ids.device)
-        mask.masked_fill_(~visible, torch.finfo(dtype).min)
+        each query seeing the key columns `visible` [R, T, W+T] marks (in a sliding layer, those of
+        them in its window: the columns hold `key_positions` [R, W+T])."""
+        mask = window_masks(visible, positions, key_positions, self.windows, self.target.embed_weight.dtype)
         with self.target.capture(self.layer_ids) as store:
             hidden = self.target.model.get_decoder()(
-                input_ids=ids, position_ids=positions, attention_mask=mask[:, None], past_key_values=self.cache,
+                input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache,
                 use_cache=True,
             ).last_hidden_state
         return hidden, torch.cat([store[i] for i in self.layer_ids], dim=-1)
@@ -67,7 +67,8 @@ class RaggedCache:
         visible = (col[None, :] <= col[:, None])[None] & (col < lengths[:, None])[:, None, :]
         visible |= torch.eye(width, dtype=torch.bool, device=ids.device)[None]  # a padding query sees itself
         self.starts = lengths.clone()
-        return self._forward(ids, col.expand(rows, width), visible)
+        positions = col.expand(rows, width)
+        return self._forward(ids, positions, visible, positions)
 
     def extend(self, block: torch.Tensor):
         """Block tokens [R, B] at each row's positions start..start+B-1: hidden states and features."""
@@ -77,7 +78,9 @@ class RaggedCache:
         cached = torch.arange(width, device=block.device)[None, None, :] < self.starts[:, None, None]
         causal = (offsets[None, :] <= offsets[:, None]).expand(rows, size, size)
         visible = torch.cat([cached.expand(rows, size, width), causal], dim=2)
-        return self._forward(block, self.starts[:, None] + offsets, visible)
+        positions = self.starts[:, None] + offsets
+        key_positions = torch.cat([torch.arange(width, device=block.device).expand(rows, width), positions], dim=1)
+        return self._forward(block, positions, visible, key_positions)
 
     def advance(self, kept: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """After `extend`: keep the first kept[r] block columns of each row (slot 0 and the accepted

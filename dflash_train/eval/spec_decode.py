@@ -180,6 +180,7 @@ def speculative_generate(
     device = input_ids.device
 
     target_cache = DynamicCache(config=target.model.config)
+    target_cache.activate_past_recording()  # a sliding layer keeps the block until `crop`, so it can drop rejections
     logits, context_new = _target_forward(target, input_ids, target_cache, layer_ids, keep=1)  # no [P, V] logits
     out: list[int] = []
     result = SpecResult(tokens=out, decode_seconds=0.0, block_size=block_size, position_accepts=[0] * (block_size - 1))

@@ -30,8 +30,7 @@ import torch
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.spec_decode import DecodeResult, SpecResult, check_budget
 from dflash_train.generate.backends import emit_tokens
-from dflash_train.static_cache import (ALIGN, forward_at, positioned_cache, prepare_steps, static_cache_problem,
-                                       write_at)
+from dflash_train.static_cache import ALIGN, PositionedCache, forward_at, prepare_steps, static_cache_problem, write_at
 from dflash_train.target import Target, synced_time
 
 class DraftStaticCache:
@@ -94,7 +93,7 @@ class StaticDecoder:
         self.block_size = b = block_size or (drafter.config.block_size if drafter else 1)
         device, self.dtype = target.device, target.embed_weight.dtype
         self.length = -(-(max_len + b) // ALIGN) * ALIGN  # a clamped row's block ends below max_len + B
-        self.cache = positioned_cache(target.num_layers, self.length)
+        self.cache = PositionedCache(target.model.config.get_text_config(decoder=True), self.length)
         self.cap = torch.zeros(rows, dtype=torch.long, device=device)
         self.offsets = torch.arange(b, device=device)
         self.step_ids = torch.zeros(rows, 1, dtype=torch.long, device=device)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_train.generate.backends import emit_tokens
-from dflash_train.static_cache import ALIGN, Steps, forward_at, positioned_cache, prepare_steps, static_cache_problem
+from dflash_train.static_cache import ALIGN, PositionedCache, Steps, forward_at, prepare_steps, static_cache_problem
 
 log = logging.getLogger("dflash_train")
 
@@ -72,8 +72,8 @@ class GraphedEngine:
         self.device = next(model.parameters()).device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.compile = compile
-        config = model.config.get_text_config(decoder=True)
-        self.num_layers, self.kv_heads = config.num_hidden_layers, config.num_key_value_heads
+        self.config = config = model.config.get_text_config(decoder=True)
+        self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.dtype = model.get_input_embeddings().weight.dtype
         self.length = 0
@@ -103,7 +103,7 @@ class GraphedEngine:
         old, self.step, self.steps = self.cache, None, None  # the old graph goes before the new one is captured
         length = max(-(-positions // LENGTH_STEP) * LENGTH_STEP, self.length * 3 // 2)  # few regrowths
         length = -(-length // ALIGN) * ALIGN
-        self.cache = positioned_cache(self.num_layers, length)
+        self.cache = PositionedCache(self.config, length)
         probe = torch.zeros(self.rows, self.kv_heads, 1, self.head_dim, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.cache.layers):
             layer.lazy_initialization(probe, probe)
@@ -137,7 +137,7 @@ class GraphedEngine:
             n = len(job.prompt)
             ids[i, width - n:] = torch.tensor(job.prompt)
             positions[i] = torch.cat([torch.arange(n, width), torch.arange(n)])
-        prefill = positioned_cache(self.num_layers, width)
+        prefill = PositionedCache(self.config, width)
         logits = forward_at(self.model, prefill, ids.to(self.device), positions.to(self.device), logits_to_keep=1).logits
         index = torch.tensor(rows, device=self.device)
         temperature = torch.tensor([j.temperature for j in jobs], device=self.device)

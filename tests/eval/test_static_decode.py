@@ -101,8 +101,8 @@ def test_refusals(target, drafter):
     with pytest.raises(ValueError, match="1..1 prompts"):
         decoder.greedy([[1], [2]], 2)
     assert static_cache_problem(target.model) is None
-    sliding = tiny_target(num_layers=2)
-    sliding.model.config.sliding_window, sliding.model.config.layer_types = 8, ["sliding_attention"] * 2
-    assert "full-attention layers only" in static_cache_problem(sliding.model)
+    chunked = tiny_target(num_layers=2)
+    chunked.model.config.layer_types, chunked.model.config.attention_chunk_size = ["chunked_attention"] * 2, 8
+    assert "chunked_attention" in static_cache_problem(chunked.model)
     with pytest.raises(ValueError, match="no static decoding for tiny-qwen3"):
-        StaticDecoder(sliding, None, rows=1, max_len=10)
+        StaticDecoder(chunked, None, rows=1, max_len=10)
