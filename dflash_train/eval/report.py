@@ -174,7 +174,7 @@ def evaluate(target: Target, drafter: DFlashDraftModel, prompts: list[Prompt],
     t0 = synced_time(target.device)
     decoded = decode_turns(target, drafter, prompts, s.max_new_tokens, s.temperature, block_size, generator,
                            s.batch_size, cached)
-    acceptance = {"acceptance_cache": "ragged" if cached else "none",
+    acceptance = {"acceptance_cache": "ragged" if cached else "none", "ragged_unavailable": why_not,
                   "acceptance_seconds": round(synced_time(target.device) - t0, 2)}
     speed = {"speed_prompts": 0, "spec_tokens_per_s": None, "target_tokens_per_s": None, "speedup": None}
     if s.speed_prompts:

@@ -72,10 +72,8 @@ class GraphedEngine:
         self.device = next(model.parameters()).device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.compile = compile
-        self.config = config = model.config.get_text_config(decoder=True)
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.dtype = model.get_input_embeddings().weight.dtype
+        self.config = model.config.get_text_config(decoder=True)
+        self.kv_shapes = self._kv_shapes()
         self.length = 0
         self.cache = None
         self.steps: Steps | None = None
@@ -86,6 +84,16 @@ class GraphedEngine:
         self.temperature = torch.zeros(r, device=self.device)
         self.history = torch.zeros(r, chunk, dtype=torch.long, device=self.device)
         self.column = torch.zeros(1, dtype=torch.long, device=self.device)
+
+    @torch.no_grad()
+    def _kv_shapes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's key and value of one token (shape and dtype): read from a one-token forward,
+        since layers may store other shapes than the config's K/V heads (MLA: every head, keys and
+        values of different sizes)."""
+        probe = PositionedCache(self.config, ALIGN)
+        one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        forward_at(self.model, probe, one, one, logits_to_keep=1)
+        return [(layer.keys[:, :, :1], layer.values[:, :, :1]) for layer in probe.layers]
 
     # --------------------------------------------------------------- the fixed-shape step
 
@@ -104,9 +112,8 @@ class GraphedEngine:
         length = max(-(-positions // LENGTH_STEP) * LENGTH_STEP, self.length * 3 // 2)  # few regrowths
         length = -(-length // ALIGN) * ALIGN
         self.cache = PositionedCache(self.config, length)
-        probe = torch.zeros(self.rows, self.kv_heads, 1, self.head_dim, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.cache.layers):
-            layer.lazy_initialization(probe, probe)
+        for i, (layer, (key, value)) in enumerate(zip(self.cache.layers, self.kv_shapes)):
+            layer.lazy_initialization(key.expand(self.rows, -1, -1, -1), value.expand(self.rows, -1, -1, -1))
             if old is not None:
                 layer.keys[:, :, : self.length] = old.layers[i].keys
                 layer.values[:, :, : self.length] = old.layers[i].values

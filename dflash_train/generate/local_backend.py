@@ -27,6 +27,7 @@ from dflash_train.config import TargetConfig
 from dflash_train.generate.backends import Completion, GenParams
 from dflash_train.generate.config import LocalConfig
 from dflash_train.generate.graphed_engine import GraphedEngine, Job
+from dflash_train.static_cache import static_cache_problem
 from dflash_train.target import load_target, resolve_device
 
 log = logging.getLogger("dflash_train")
@@ -150,6 +151,19 @@ def _continuous_generate(model, prompts: list[list[int]], gen: GenerationConfig)
     return [r.generated_tokens for r in results]
 
 
+def engine_problem(engine: str, model) -> str | None:
+    """Why `engine` cannot run `model` (said before any request is queued), or None."""
+    if engine == "graphed":
+        problem = static_cache_problem(model)
+        return problem and f"{problem} (use --engine padded or static)"
+    config = model.config.get_text_config(decoder=True)
+    if engine == "continuous" and getattr(config, "kv_lora_rank", None):
+        # transformers' paged cache holds keys and values of one head size; MLA's differ
+        return "multi-head latent attention (kv_lora_rank) has no paged cache in transformers' continuous " \
+               "batching (use --engine padded, static or graphed)"
+    return None
+
+
 def graphed_generate(model, prompts: list[list[int]], params: GenParams, stops: set[int], pad_id: int,
                       rows: int | None = None) -> list[tuple[list[int], bool]]:
     jobs = [Job(p, params.max_tokens, params.temperature) for p in prompts]
@@ -228,6 +242,8 @@ class LocalBackend:
     @classmethod
     def load(cls, path: str, cfg: LocalConfig) -> LocalBackend:
         target = load_target(TargetConfig(path=path, dtype=cfg.dtype), resolve_device(cfg.device))
+        if (problem := engine_problem(cfg.engine, target.model)) is not None:
+            raise ValueError(f"generate engine '{cfg.engine}' cannot run {type(target.model).__name__}: {problem}")
         return cls(target.model, target.tokenizer, name=path, batch_size=cfg.batch_size, identity=target.identity,
                    engine=cfg.engine, compile_step=cfg.compile_step)
 
