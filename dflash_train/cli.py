@@ -15,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from dflash_train import __version__
 from dflash_train.config import ConfigError, load_config
+from dflash_train.disk import as_disk_error, require_writable
 from dflash_train.generate import config as gc
 from dflash_train.errors import UserError
 
@@ -74,6 +75,7 @@ def cmd_launch(args) -> int:
 
 def cmd_prepare(args) -> int:
     cfg = load_config(args.config, args.overrides)
+    require_writable(args.out, "the prepared dataset")
     from dflash_train.data.dataset import check_training_files, save_prepared, tokenize_files
     from dflash_train.target import resolve_target_path, tokenizer_fingerprint
     from dflash_train.target_path import load_pretrained
@@ -418,4 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose:  # -v: the full traceback, for a bug rather than bad input
             raise
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # a full disk or a read-only mount met by a writer without a check of its own
+        if args.verbose or (disk := as_disk_error(err)) is None:
+            raise
+        print(f"error: {disk}", file=sys.stderr)
         return 2

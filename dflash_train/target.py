@@ -25,6 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dflash_train.atomic import new_temp_dir, swap_dir
 from dflash_train.config import TargetConfig
+from dflash_train.disk import require_writable
 from dflash_train.target_path import check_target_path, load_pretrained
 from dflash_train.distributed.tensor_parallel import shard_decoder
 from dflash_train.package_data import SMOLLM2_GGUF, cache_home, packaged_file
@@ -62,6 +63,7 @@ def _convert_embedded(name: str) -> Path:
     out = cache_home() / "models" / f"{model_name}.v{CONVERSION_VERSION}"
     if (out / "config.json").is_file():
         return out
+    require_writable(out.parent, f"the converted {model_name}")
     out.parent.mkdir(parents=True, exist_ok=True)
     # One converter at a time (ranks of one launch, parallel test workers): the others wait, then
     # find it done. Swapping a second copy in would pull the directory from under a reader.

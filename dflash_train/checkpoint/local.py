@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_train.atomic import swap_dir
+from dflash_train.disk import DiskError, writes_to
 from dflash_train.errors import UserError
 
 STEP_DIR = re.compile(r"step_(\d{8})")
@@ -112,19 +113,28 @@ def snapshot(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
 
 
 def write_checkpoint(run_dir: str | Path, step: int, snap: dict) -> Path:
+    """Write `snap` as checkpoint `step`; on any failure (a full disk) its temp dir is removed and
+    the checkpoints already there are untouched."""
     root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(run_dir, step)
     tmp = root / f".tmp_{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(snap["weights"], tmp / "model.safetensors", metadata={"format": "pt"})
-    (tmp / "draft_config.json").write_text(json.dumps(snap["draft_config"], indent=2))
-    torch.save(snap["optim"], tmp / "optimizer.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(dict(snap["state"], step=step), indent=2, default=str))
-    for name, text in snap["extra_files"].items():
-        (tmp / name).write_text(text)
-    return swap_dir(tmp, final)  # re-saving a step (final == periodic) replaces it atomically
+    with writes_to(final):
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp_step_*"):  # a killed write's: one writer per run, so none is live
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            save_file(snap["weights"], tmp / "model.safetensors", metadata={"format": "pt"})
+            (tmp / "draft_config.json").write_text(json.dumps(snap["draft_config"], indent=2))
+            with open(tmp / "optimizer.pt", "wb") as f:  # a full disk then shows as the OSError it is
+                torch.save(snap["optim"], f)
+            (tmp / "trainer_state.json").write_text(json.dumps(dict(snap["state"], step=step), indent=2, default=str))
+            for name, text in snap["extra_files"].items():
+                (tmp / name).write_text(text)
+            return swap_dir(tmp, final)  # re-saving a step (final == periodic) replaces it atomically
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 class CheckpointWriter:
@@ -147,6 +157,9 @@ class CheckpointWriter:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, DiskError):  # already one line naming the path
+                message = f"writing a checkpoint failed: {error}; the checkpoints before it are intact"
+                raise DiskError(message) from error
             raise RuntimeError(f"writing a checkpoint failed: {error}") from error
 
     def _run(self, write: Callable[[], object]) -> None:

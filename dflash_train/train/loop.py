@@ -42,7 +42,8 @@ from dflash_train.checkpoint.storage import prune_local, resolve_resume
 from dflash_train.train.tracking import Tracker
 from dflash_train.train.budget import Deadline, TimeBudget
 from dflash_train.train.optim import refit_scheduler, retarget_scheduler
-from dflash_train.train.parts import build
+from dflash_train.train.parts import build, check_write_locations
+from dflash_train.disk import writes_to
 
 log = logging.getLogger("dflash_train")
 
@@ -62,6 +63,7 @@ class Trainer:
         self.reduction = reduction or NoReduction()
         self.devices_held = devices_held  # for device-seconds (distributed ranks: the world size)
         self.run_dir = Path(cfg.run_dir)
+        check_write_locations(cfg)
         parts = build(cfg, target, dataset)  # data -> target -> drafter -> objective -> plan -> optimizer
         self.device, self.target, self.dataset, self.drafter = parts.device, parts.target, parts.dataset, parts.drafter
         self.loss_mix, self.stream_layers, self.use_flex = parts.loss_mix, parts.stream_layers, parts.use_flex
@@ -429,4 +431,5 @@ def train(cfg: RunConfig, resume: str | None = None, target: Target | None = Non
             log.info("--resume auto: no checkpoint in %s, starting fresh", cfg.run_dir)
         else:
             trainer.resume(path)
-    return trainer.fit(progress=progress)
+    with writes_to(cfg.run_dir):  # a write that fails for want of space names at least the run
+        return trainer.fit(progress=progress)
