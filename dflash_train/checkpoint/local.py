@@ -5,6 +5,7 @@ Layout: <run_dir>/checkpoints/step_00000100/
   draft_config.json   enough to rebuild the drafter without the run config
   optimizer.pt        optimizer + scheduler state
   trainer_state.json  step, data cursor, RNG states, target identity, config
+  integrity.json      every other file's size and sha256, written last (checkpoint/integrity.py)
 A checkpoint is written into a hidden temp dir, fsynced, then renamed: a crash at any moment
 leaves either the previous checkpoints or a complete new one, never a half-written one.
 Saving is two halves: `snapshot` copies the state to CPU (training waits for this only), then
@@ -28,8 +29,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_train.atomic import swap_dir
+from dflash_train.checkpoint.integrity import CheckpointError, write_record
 from dflash_train.disk import DiskError, writes_to
-from dflash_train.errors import UserError
 
 STEP_DIR = re.compile(r"step_(\d{8})")
 
@@ -131,6 +132,7 @@ def write_checkpoint(run_dir: str | Path, step: int, snap: dict) -> Path:
             (tmp / "trainer_state.json").write_text(json.dumps(dict(snap["state"], step=step), indent=2, default=str))
             for name, text in snap["extra_files"].items():
                 (tmp / name).write_text(text)
+            write_record(tmp)  # last: a checkpoint under its final name always has its record
             return swap_dir(tmp, final)  # re-saving a step (final == periodic) replaces it atomically
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -175,18 +177,15 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
         raise FileNotFoundError(f"{path} is not a checkpoint (no trainer_state.json)")
     return {
         "path": path,
-        "model": _read(path / "model.safetensors", lambda f: load_file(f, device=str(map_location))),
-        "draft_config": _read(path / "draft_config.json", lambda f: json.loads(f.read_text())),
-        "optim": _read(path / "optimizer.pt", lambda f: torch.load(f, map_location=map_location, weights_only=False)),
-        "state": _read(path / "trainer_state.json", lambda f: json.loads(f.read_text())),
+        "model": read_checkpoint_file(path / "model.safetensors", lambda f: load_file(f, device=str(map_location))),
+        "draft_config": read_checkpoint_file(path / "draft_config.json", lambda f: json.loads(f.read_text())),
+        "optim": read_checkpoint_file(path / "optimizer.pt",
+                                      lambda f: torch.load(f, map_location=map_location, weights_only=False)),
+        "state": read_checkpoint_file(path / "trainer_state.json", lambda f: json.loads(f.read_text())),
     }
 
 
-class CheckpointError(UserError):
-    pass
-
-
-def _read(file: Path, read: Callable[[Path], object]):
+def read_checkpoint_file(file: Path, read: Callable[[Path], object]):
     """One checkpoint file; a missing, truncated or corrupt one is one line naming it (safetensors,
     pickle and json each fail in their own way, all of them as tracebacks)."""
     try:

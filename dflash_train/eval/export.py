@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_train.atomic import new_temp_dir, swap_dir
+from dflash_train.checkpoint.integrity import require_intact
+from dflash_train.checkpoint.local import read_checkpoint_file
 from dflash_train.disk import require_writable, writes_to
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 from dflash_train.target import Target
@@ -97,13 +99,14 @@ def read_drafter_folder(path: str | Path) -> tuple[DraftModelConfig, dict[str, t
     if not (path / WEIGHTS).is_file():
         raise FileNotFoundError(f"{path}: no {WEIGHTS} (expected a drafter checkpoint or export folder)")
     if (path / CHECKPOINT_CONFIG).is_file():
+        require_intact(path, [WEIGHTS, CHECKPOINT_CONFIG])  # only the files read here are hashed
         cfg = DraftModelConfig(**json.loads((path / CHECKPOINT_CONFIG).read_text()))
     elif (path / "config.json").is_file():
         cfg = draft_config_from_export(path)
     else:
         raise FileNotFoundError(f"{path}: neither {CHECKPOINT_CONFIG} (checkpoint) nor config.json (export)")
     # SGLang accepts a `model.` prefix on every name; so do we.
-    state = {name.removeprefix("model."): t for name, t in load_file(path / WEIGHTS).items()}
+    state = {name.removeprefix("model."): t for name, t in read_checkpoint_file(path / WEIGHTS, load_file).items()}
     return cfg, state
 
 
