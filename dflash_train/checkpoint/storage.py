@@ -3,21 +3,82 @@
 Local layout (written by the trainer): `<run_dir>/checkpoints/step_00000100/`, complete once it
 exists under that name. This module adds, next to a checkpoint directory, a receipt
 `step_00000100.uploaded.json` once its upload is verified; retention only deletes a local
-checkpoint that is safe to delete (no remote, or its receipt exists).
+checkpoint that is safe to delete (no remote, or its receipt exists). A checkpoint that differs
+from its integrity record is renamed `step_00000100.corrupt` by `--resume auto`, never deleted.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from dflash_train.atomic import write_json_atomic
-from dflash_train.checkpoint.local import step_of
-from dflash_train.checkpoint.s3 import FileEntry, RemoteStorageError, S3Store, S3Url, sha256_file
+from dflash_train.checkpoint.integrity import CheckpointError, find_fault, has_record, require_intact, sha256_file
+from dflash_train.checkpoint.local import checkpoints_dir, list_checkpoints, step_of
+from dflash_train.checkpoint.s3 import FileEntry, RemoteStorageError, S3Store, S3Url
+
+log = logging.getLogger(__name__)
 
 # ---- resume ----------------------------------------------------------------------------------
+
+
+def checkpoint_to_resume(resume: str, run_dir: str | Path, *, endpoint_url: str | None = None,
+                         region: str | None = None) -> Path | None:
+    """The checkpoint `--resume` names, checked against its integrity record.
+
+    - `auto`: the newest intact checkpoint of `run_dir` (newer corrupt ones are moved aside, each
+      with a warning), None when there is none;
+    - a local path or an `s3://` location (see resolve_resume): that checkpoint, or a one-line
+      CheckpointError naming the file that differs (the user chose it: nothing else is tried).
+    """
+    if resume == "auto":
+        return newest_intact(run_dir)
+    path = resolve_resume(resume, checkpoints_dir(run_dir), endpoint_url=endpoint_url, region=region)
+    if path.is_dir() and not _verified(path):
+        log.warning("%s has no integrity record (written before checkpoints had one): resuming from it "
+                    "unverified", path)
+    return path
+
+
+def newest_intact(run_dir: str | Path) -> Path | None:
+    """The newest checkpoint that matches its integrity record (or has none: an older format, used
+    with a warning). A newer one that differs is moved aside, never deleted: a job restarted on
+    failure must go on from the newest good checkpoint, not fail on the same bad file forever."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            if not _verified(path):
+                log.warning("%s has no integrity record (written before checkpoints had one): resuming from "
+                            "it unverified", path)
+            return path
+        except CheckpointError as err:
+            aside = move_aside(path)
+            log.warning("%s; moved aside to %s, resuming from the newest intact checkpoint before it", err, aside.name)
+    return None
+
+
+def _verified(path: Path) -> bool:
+    """require_intact, timed: hashing a large checkpoint takes a while, and the log says why."""
+    start = time.perf_counter()
+    verified = require_intact(path)
+    if verified:
+        log.info("%s matches its integrity record (checked in %.1f s)", path, time.perf_counter() - start)
+    return verified
+
+
+def move_aside(ckpt_dir: Path) -> Path:
+    """Rename a corrupt checkpoint out of the step_NNNNNNNN names that resume and retention see."""
+    aside = ckpt_dir.with_name(f"{ckpt_dir.name}.corrupt")
+    n = 1
+    while aside.exists():
+        aside, n = ckpt_dir.with_name(f"{ckpt_dir.name}.corrupt-{n}"), n + 1
+    ckpt_dir.rename(aside)
+    if has_receipt(ckpt_dir):  # it vouches for the upload of what was at that name
+        receipt_path(ckpt_dir).rename(receipt_path(aside))
+    return aside
 
 
 def resolve_resume(
@@ -60,6 +121,9 @@ def download_checkpoint(store: S3Store, name: str, dest_dir: Path) -> Path:
     try:
         store.download_checkpoint(name, entries, tmp)
         _verify(tmp, entries, store, name)
+        # The marker vouches for the upload; the record for the checkpoint as it was written.
+        if has_record(tmp) and (fault := find_fault(tmp)) is not None:
+            raise CheckpointError(f"{store.where(name)}: corrupt checkpoint (damaged before its upload): {fault}")
         tmp.rename(final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -13,7 +13,8 @@ import queue
 import threading
 from pathlib import Path
 
-from dflash_train.checkpoint.s3 import RemoteStorageError, S3Store, hash_checkpoint
+from dflash_train.checkpoint.integrity import hash_checkpoint
+from dflash_train.checkpoint.s3 import RemoteStorageError, S3Store
 from dflash_train.checkpoint.storage import has_receipt, prune_remote, write_receipt
 
 log = logging.getLogger(__name__)

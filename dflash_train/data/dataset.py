@@ -151,6 +151,8 @@ def _collect(ds: TokenizedDataset, results, skip_invalid: bool) -> None:
 
 def save_prepared(ds: TokenizedDataset, out_dir: str | Path, fingerprint: str, max_length: int) -> Path:
     out = Path(out_dir)
+    if not len(ds):  # an empty dataset would only fail later, in train, as "no usable training rows"
+        raise DataError(f"no usable rows ({ds.stats.describe()}): {out} not written")
     out.mkdir(parents=True, exist_ok=True)
     shards = []
     for i, start in enumerate(range(0, max(len(ds), 1), SHARD_ROWS)):
@@ -233,5 +235,6 @@ def load_training_data(data_cfg, tokenizer, fingerprint: str) -> TokenizedDatase
             data_cfg.tokenize_workers,
         ))
     if not len(total):
-        raise DataError(f"no usable training rows in {data_cfg.train_files} ({total.stats.to_dict()})")
+        raise DataError(f"no usable training rows in {data_cfg.train_files} ({total.stats.describe()})")
+    log.info("training data: %s", total.stats.describe())
     return total

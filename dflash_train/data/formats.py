@@ -58,6 +58,12 @@ class RowStats:
     def to_dict(self) -> dict:
         return {"rows": self.total, "ok": self.ok, "skipped": dict(self.skipped)}
 
+    def describe(self) -> str:
+        """One line for the log: '24 rows: 21 used, 3 skipped (no assistant turn to learn from: 2, ...)'."""
+        reasons = ", ".join(f"{reason}: {n}" for reason, n in self.skipped.most_common())
+        skipped = sum(self.skipped.values())
+        return f"{self.total} rows: {self.ok} used, {skipped} skipped" + (f" ({reasons})" if reasons else "")
+
 
 def _text(content, where: str) -> str:
     if isinstance(content, str):
@@ -157,10 +163,19 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
             except UnicodeDecodeError as err:
                 yield where, DataError(f"{where}: not valid UTF-8 ({err.reason} at byte {err.start})")
                 continue
+            text = text.rstrip("\r\n")
             try:
                 yield where, json.loads(text)
             except json.JSONDecodeError as err:
-                yield where, DataError(f"{where}: not valid JSON: {err.msg} (column {err.colno})")
+                yield where, DataError(f"{where}: not valid JSON: {_json_problem(err, text)}")
+
+
+def _json_problem(err: json.JSONDecodeError, line: str) -> str:
+    """A line cut short ends inside its value; json then reports the end of input, which on a line
+    with its newline read as "line 2 column 1": say that the line ends early instead."""
+    if err.pos >= len(line.rstrip()) or err.msg.startswith("Unterminated string"):
+        return f"the line ends at column {len(line)} before its JSON value does (cut short?)"
+    return f"{err.msg} (column {err.colno})"
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:

@@ -17,6 +17,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_train.atomic import new_temp_dir, swap_dir
+from dflash_train.checkpoint.integrity import require_intact
+from dflash_train.checkpoint.local import read_checkpoint_file
+from dflash_train.disk import require_writable, writes_to
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 from dflash_train.target import Target
 
@@ -96,13 +99,14 @@ def read_drafter_folder(path: str | Path) -> tuple[DraftModelConfig, dict[str, t
     if not (path / WEIGHTS).is_file():
         raise FileNotFoundError(f"{path}: no {WEIGHTS} (expected a drafter checkpoint or export folder)")
     if (path / CHECKPOINT_CONFIG).is_file():
+        require_intact(path, [WEIGHTS, CHECKPOINT_CONFIG])  # only the files read here are hashed
         cfg = DraftModelConfig(**json.loads((path / CHECKPOINT_CONFIG).read_text()))
     elif (path / "config.json").is_file():
         cfg = draft_config_from_export(path)
     else:
         raise FileNotFoundError(f"{path}: neither {CHECKPOINT_CONFIG} (checkpoint) nor config.json (export)")
     # SGLang accepts a `model.` prefix on every name; so do we.
-    state = {name.removeprefix("model."): t for name, t in load_file(path / WEIGHTS).items()}
+    state = {name.removeprefix("model."): t for name, t in read_checkpoint_file(path / WEIGHTS, load_file).items()}
     return cfg, state
 
 
@@ -154,15 +158,17 @@ def export_drafter(checkpoint_dir: str | Path, out_dir: str | Path, mask_token: 
 
     `mask_token`: the text of the mask token, for servers that look it up by name (see export_config).
     """
+    out_dir = Path(out_dir)
+    require_writable(out_dir.parent, f"the export {out_dir}")  # written beside it, then renamed
     cfg, state = read_drafter_folder(checkpoint_dir)
     check_state_dict(cfg, state, str(checkpoint_dir))
     weights = {name: t.to(torch.bfloat16).contiguous() for name, t in state.items()}
-    out_dir = Path(out_dir)
 
-    tmp = new_temp_dir(out_dir)
-    try:
-        (tmp / "config.json").write_text(json.dumps(export_config(cfg, mask_token), indent=2) + "\n")
-        save_file(weights, tmp / WEIGHTS, metadata={"format": "pt"})
-        return swap_dir(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with writes_to(out_dir):
+        tmp = new_temp_dir(out_dir)
+        try:
+            (tmp / "config.json").write_text(json.dumps(export_config(cfg, mask_token), indent=2) + "\n")
+            save_file(weights, tmp / WEIGHTS, metadata={"format": "pt"})
+            return swap_dir(tmp, out_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

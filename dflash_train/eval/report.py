@@ -23,6 +23,7 @@ from rich.table import Table
 
 from dflash_train.atomic import write_atomic
 from dflash_train.config import EvalConfig
+from dflash_train.disk import require_writable
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.export import load_drafter
 from dflash_train.generate.backends import GenParams
@@ -280,6 +281,8 @@ def run_eval(cfg: EvalJobConfig) -> dict:
     target.dtype: the target's (and drafter's) compute dtype; float32 makes the lossless check exact
     where bf16 rounding can flip near-ties between a 16-token verification and a 1-token decode.
     """
+    if cfg.out is not None:
+        require_writable(cfg.out, "the eval report")
     chosen = load_prompts(cfg.prompts, cfg.num_prompts)
     dev = resolve_device(cfg.device)
     loaded = load_target(cfg.target, dev)

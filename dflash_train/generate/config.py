@@ -84,8 +84,10 @@ class GenerateConfig(_Section):
     """Conversations in flight; for the local backend it should be >= batch_size."""
     shard_size: int = Field(1000, ge=1)
     """Rows per committed shard: at most this much work is redone after a crash..."""
-    shard_interval_s: float = Field(300.0, gt=0)
-    """...or at most this many seconds of it, whichever comes first."""
+    shard_interval_s: float = Field(60.0, gt=0)
+    """...or at most this many seconds of it, whichever comes first: finished rows are committed at
+    least this often from the run's start, also while no row finishes, so a job killed every few
+    minutes still progresses (`--commit-interval`)."""
     skip_invalid: bool = False
     """Record malformed input rows as `skipped` with the reason instead of stopping at the first."""
     limit: int | None = Field(None, ge=1)
@@ -122,6 +124,7 @@ FLAG_KEYS = {
     "model": "model",
     "concurrency": "concurrency",
     "shard_size": "shard_size",
+    "commit_interval": "shard_interval_s",
     "skip_invalid": "skip_invalid",
     "limit": "limit",
     "progress": "progress",

@@ -19,6 +19,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import shlex
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -31,6 +32,7 @@ from dflash_train.generate.backends import Backend, GenerationError, GenParams, 
 from dflash_train.data.formats import DataError, row_id, iter_rows, normalise_messages
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.atomic import write_json_atomic
+from dflash_train.disk import require_writable, writes_to
 from dflash_train.generate.shards import (
     OutputLock,
     ShardWriter,
@@ -65,6 +67,20 @@ class Job:
     """Why the input row is malformed (only with skip_invalid)."""
 
 
+class BadInputRow(DataError):
+    """A malformed input row stopped the run (no skip_invalid); `where` is its `file:line`."""
+
+    def __init__(self, message: str, where: str):
+        super().__init__(message)
+        self.where = where
+
+    def how_to_go_on(self, command: list[str]) -> str:
+        path, _, line = self.where.rpartition(":")
+        row = f"line {line} of {path}" if line.isdigit() else f"{line} of {path}"  # JSONL line, Parquet row
+        return (f"to go on, fix {row} and run the same command again, or record malformed rows as skipped:\n"
+                f"  {shlex.join([*command, '--skip-invalid'])}")
+
+
 def check_turns(messages: list[dict], where: str) -> None:
     roles = [m["role"] for m in messages if m["role"] != "system"]
     if "user" not in roles:
@@ -85,7 +101,7 @@ def iter_jobs(paths: list[str], skip_invalid: bool) -> Iterator[Job]:
                 check_turns(messages, where)
             except DataError as err:
                 if not skip_invalid:
-                    raise
+                    raise BadInputRow(str(err), where) from None
                 yield Job(key, key, where, invalid=str(err).removeprefix(f"{where}: "))
                 continue
             yield Job(key, row_id(row, key), where, messages=messages)
@@ -228,6 +244,7 @@ async def _pump(cfg: GenerateConfig, backend: Backend, writer: ShardWriter, done
             raise failures[0]
 
     bad_input: DataError | None = None
+    ticker = asyncio.create_task(writer.commit_on_time())
     try:
         try:
             for job in iter_jobs(cfg.inputs, cfg.skip_invalid):
@@ -251,20 +268,23 @@ async def _pump(cfg: GenerateConfig, backend: Backend, writer: ShardWriter, done
             raise bad_input
     finally:
         # On a bug or an interrupt: keep what is finished, drop what is in flight (redone next run).
-        for task in pending:
+        for task in (*pending, ticker):
             task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*pending, ticker, return_exceptions=True)
         writer.commit()
         bar.close()
 
 
 async def _generate(cfg: GenerateConfig) -> dict:
     out_dir = Path(cfg.output_dir)
+    require_writable(out_dir, "generate's output")
     out_dir.mkdir(parents=True, exist_ok=True)
-    with OutputLock(out_dir):
+    with OutputLock(out_dir), writes_to(out_dir):
         if removed := remove_temp_files(out_dir):
             log.info("removed %d uncommitted temporary file(s) of an earlier run", removed)
         done = read_done_keys(committed_shards(out_dir, cfg.output_format))
+        # Its commit clock starts now: a model load that takes part of a short-lived job counts.
+        writer = ShardWriter(out_dir, cfg.output_format, shard_size=cfg.shard_size, interval_s=cfg.shard_interval_s)
         backend = make_backend(cfg)
         stats = RunStats()
         try:
@@ -277,7 +297,6 @@ async def _generate(cfg: GenerateConfig) -> dict:
                 "inputs": [str(Path(p).resolve()) for p in cfg.inputs],
             }
             _check_meta(out_dir, meta)
-            writer = ShardWriter(out_dir, cfg.output_format, shard_size=cfg.shard_size, interval_s=cfg.shard_interval_s)
             await _pump(cfg, backend, writer, done, stats)
         finally:
             await backend.aclose()
@@ -307,6 +326,17 @@ def _summary(cfg: GenerateConfig, out_dir: Path, stats: RunStats, done: set[str]
     if summary["rows_out"] != stats.rows_in:
         log.warning("output holds %d rows for %d input rows", summary["rows_out"], stats.rows_in)
     return summary
+
+
+def stop_advice(cfg: GenerateConfig, err: BaseException, command: list[str]) -> str | None:
+    """What a stopped run kept and how to go on: a malformed row stops every rerun at the same row
+    until it is fixed or skipped; any other stop is resumed by the same command."""
+    held = describe_partial(cfg)
+    if isinstance(err, BadInputRow):
+        return f"generate stopped at a malformed input row{f'; {held}' if held else ''}; {err.how_to_go_on(command)}"
+    if held is None:
+        return None
+    return f"generate stopped: {held}; the same command resumes after them:\n  {shlex.join(command)}"
 
 
 def describe_partial(cfg: GenerateConfig) -> str | None:

@@ -10,6 +10,7 @@ The training reader (`formats.iter_conversations`) takes the directory and reads
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
@@ -124,7 +125,10 @@ def _write_jsonl(rows: list[dict], f) -> None:
 
 
 class ShardWriter:
-    """Buffers finished rows and commits them as a shard every `shard_size` rows or `interval_s`."""
+    """Buffers finished rows and commits them as a shard every `shard_size` rows or `interval_s`
+    seconds, whichever comes first (`commit_on_time` keeps the clock when no row finishes). The
+    clock starts with the writer: create it when the run starts, so that a slow start (a model
+    load) counts towards the first commit."""
 
     def __init__(self, out_dir: Path, fmt: str, *, shard_size: int, interval_s: float):
         self.out_dir = out_dir
@@ -139,8 +143,21 @@ class ShardWriter:
 
     def add(self, row: dict) -> None:
         self.buffer.append(row)
-        if len(self.buffer) >= self.shard_size or time.monotonic() - self.last_commit >= self.interval_s:
+        if len(self.buffer) >= self.shard_size or self._due():
             self.commit()
+
+    def _due(self) -> bool:
+        return bool(self.buffer) and time.monotonic() - self.last_commit >= self.interval_s
+
+    async def commit_on_time(self) -> None:
+        """Commit what is buffered once `interval_s` passed since the last commit, also while no
+        other row finishes (a large batch of the local backend, long answers): a job killed at any
+        moment loses at most the last `interval_s` of finished rows. Runs until cancelled."""
+        while True:
+            # Until the clock's deadline; past it with nothing waiting, `add` commits the next row at once.
+            await asyncio.sleep(max(self.last_commit + self.interval_s - time.monotonic(), 0.0) or self.interval_s)
+            if self._due():
+                self.commit()
 
     def commit(self) -> Path | None:
         self.last_commit = time.monotonic()

@@ -38,11 +38,12 @@ from dflash_train.train.feature_cache import FeatureCache, from_capture, from_ta
 from dflash_train.train.step_graph import StepGraphs
 from dflash_train.train.heldout import HeldoutProbe, score_heldout
 from dflash_train.train.metrics import MetricsFile
-from dflash_train.checkpoint.storage import prune_local, resolve_resume
+from dflash_train.checkpoint.storage import checkpoint_to_resume, prune_local
 from dflash_train.train.tracking import Tracker
 from dflash_train.train.budget import Deadline, TimeBudget
 from dflash_train.train.optim import refit_scheduler, retarget_scheduler
-from dflash_train.train.parts import build
+from dflash_train.train.parts import build, check_write_locations
+from dflash_train.disk import writes_to
 
 log = logging.getLogger("dflash_train")
 
@@ -62,6 +63,7 @@ class Trainer:
         self.reduction = reduction or NoReduction()
         self.devices_held = devices_held  # for device-seconds (distributed ranks: the world size)
         self.run_dir = Path(cfg.run_dir)
+        check_write_locations(cfg)
         parts = build(cfg, target, dataset)  # data -> target -> drafter -> objective -> plan -> optimizer
         self.device, self.target, self.dataset, self.drafter = parts.device, parts.target, parts.dataset, parts.drafter
         self.loss_mix, self.stream_layers, self.use_flex = parts.loss_mix, parts.stream_layers, parts.use_flex
@@ -420,15 +422,14 @@ class Trainer:
 
 def train(cfg: RunConfig, resume: str | None = None, target: Target | None = None, progress: bool = True,
           periodic_eval: Callable[[Trainer], dict] | None = None) -> dict:
-    trainer = Trainer(cfg, target=target, periodic_eval=periodic_eval)
+    path = None  # checked before the target loads: a corrupt checkpoint chosen by hand fails at once
     if resume:
-        if resume == "auto":
-            path = ckpt.latest_checkpoint(cfg.run_dir)
-        else:
-            path = resolve_resume(resume, ckpt.checkpoints_dir(cfg.run_dir),
-                                  endpoint_url=cfg.checkpoint.endpoint_url, region=cfg.checkpoint.region)
-        if path is None:
-            log.info("--resume auto: no checkpoint in %s, starting fresh", cfg.run_dir)
-        else:
-            trainer.resume(path)
-    return trainer.fit(progress=progress)
+        path = checkpoint_to_resume(resume, cfg.run_dir, endpoint_url=cfg.checkpoint.endpoint_url,
+                                    region=cfg.checkpoint.region)
+    trainer = Trainer(cfg, target=target, periodic_eval=periodic_eval)
+    if resume and path is None:
+        log.info("--resume auto: no intact checkpoint in %s, starting fresh", cfg.run_dir)
+    elif path is not None:
+        trainer.resume(path)
+    with writes_to(cfg.run_dir):  # a write that fails for want of space names at least the run
+        return trainer.fit(progress=progress)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from dflash_train.atomic import write_atomic
+from dflash_train.disk import writes_to
 
 
 class MetricsFile:
@@ -14,24 +15,33 @@ class MetricsFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():  # step 0 too: a run that crashed before its first checkpoint starts over
             self._truncate_after(resume_step)
-        self._f = self.path.open("a")
+        # Unbuffered: a write that fails (a full disk) leaves nothing behind for a later flush to fail on.
+        self._f = self.path.open("ab", buffering=0)
 
     def _truncate_after(self, step: int) -> None:
         """A (re)started run rewrites the steps after its checkpoint (all of them from step 0): drop
         the old lines for them, so no step is recorded twice."""
-        kept = [
-            line for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
+        kept = [line for line in self.path.read_text().splitlines()
+                if (record := _record(line)) is not None and record.get("step", 0) <= step]
         text = "".join(line + "\n" for line in kept)
         write_atomic(self.path, lambda f: f.write(text.encode()))
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
+        data = (json.dumps(record) + "\n").encode()
+        with writes_to(self.path):  # a full disk fails in write(), whose error names no file
+            while data:  # a nearly full disk may take part of the line first
+                data = data[self._f.write(data):]
 
     def close(self) -> None:
         self._f.close()
+
+
+def _record(line: str) -> dict | None:
+    """The record on one line; None for a blank line or one cut short by a crash or a full disk."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -15,8 +15,10 @@ import torch
 
 from dflash_train.config import RunConfig
 from dflash_train.data.dataset import TokenizedDataset, check_training_files, load_training_data
+from dflash_train.disk import require_writable
 from dflash_train.draft.loss import LossMix
 from dflash_train.draft.model import DFlashDraftModel
+from dflash_train.ops import compile_cache
 from dflash_train.target import Target, load_target, resolve_device
 from dflash_train.train.batches import epoch_plan
 from dflash_train.train.build import stream_layer_ids
@@ -38,6 +40,14 @@ class RunParts:
     total_steps: int
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+def check_write_locations(cfg: RunConfig) -> None:
+    """Before the target loads (minutes for a big one): the run directory can be written, and the
+    persistent compile cache when a compiled path (train.compile, flex attention on CUDA) will be."""
+    require_writable(cfg.run_dir, "the run's checkpoints and metrics")
+    if cfg.train.compile or (cfg.draft.attention != "sdpa" and resolve_device(cfg.device).type == "cuda"):
+        require_writable(compile_cache.cache_root(), "the compile cache")
 
 
 def load_inputs(cfg: RunConfig, target: Target | None = None, dataset: TokenizedDataset | None = None

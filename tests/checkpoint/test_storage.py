@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from dflash_train.checkpoint.s3 import MARKER, RemoteStorageError, S3Store, S3Url, hash_checkpoint
+from dflash_train.checkpoint.integrity import hash_checkpoint
+from dflash_train.checkpoint.s3 import MARKER, RemoteStorageError, S3Store, S3Url
 from dflash_train.checkpoint.storage import resolve_resume
 
 MiB = 1024 * 1024

@@ -120,3 +120,23 @@ def test_worker_processes_tokenise_like_one_process(tmp_path, monkeypatch):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(DataError, match="c.jsonl:6.*max_length"):
         tokenize_files([src], tok, 128, skip_invalid=False, workers=2)
+
+
+def test_prepare_with_no_usable_row_writes_nothing(tmp_path):
+    tok = tiny_tokenizer()
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "no answer"}]}, {"bad": 1}])
+    ds = tokenize_files([src], tok, 128, skip_invalid=True)
+    with pytest.raises(DataError, match=r"no usable rows \(2 rows: 0 used, 2 skipped \(.*: 1, .*: 1\)\): .*prep not "
+                                        "written"):
+        save_prepared(ds, tmp_path / "prep", tokenizer_fingerprint(tok), 128)
+    assert not (tmp_path / "prep").exists()
+
+
+def test_training_data_logs_its_skip_counts(tmp_path, caplog):
+    tok = tiny_tokenizer()
+    src = write_jsonl(tmp_path / "c.jsonl", conversations(3) + [{"bad": 1}, {"bad": 2}])
+    cfg = SimpleNamespace(train_files=[src], max_length=256, skip_invalid=True, chat_template_kwargs={},
+                          tokenize_workers=0)
+    with caplog.at_level("INFO", logger="dflash_train"):
+        load_training_data(cfg, tok, tokenizer_fingerprint(tok))
+    assert "training data: 5 rows: 3 used, 2 skipped (no 'messages' or 'conversations' field: 2)" in caplog.text

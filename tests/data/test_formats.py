@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_train.data.formats import DataError, RowStats, iter_conversations
+from dflash_train.data.formats import DataError, RowStats, iter_conversations, iter_rows
 
 GOOD_OPENAI = {
     "id": "c1",
@@ -117,3 +117,15 @@ def test_text_rows_are_a_corpus_and_an_empty_one_is_named(tmp_path):
     assert stats.to_dict() == {"rows": 2, "ok": 1, "skipped": {"field 'text' must be a non-empty string": 1}}
     with pytest.raises(DataError, match=r"corpus.jsonl:2: field 'text'"):
         list(iter_conversations([path]))
+
+
+def test_a_line_cut_short_is_reported_as_such_not_at_column_1(tmp_path):
+    """json reports the end of a cut line as "line 2 column 1" (the newline read): the message says
+    where the line ends instead. An error inside the line keeps its own column."""
+    whole = json.dumps(GOOD_OPENAI)
+    path = write_lines(tmp_path / "d.jsonl", [whole[:30], whole[:-1] + "\r", whole[:13], '{"messages": x}'])
+    errors = [str(row) for _, row in iter_rows(path)]
+    assert errors[0] == f"{path}:1: not valid JSON: the line ends at column 30 before its JSON value does (cut short?)"
+    assert errors[1].startswith(f"{path}:2: not valid JSON: the line ends at column {len(whole) - 1} before")
+    assert "ends at column 13" in errors[2]  # cut between two members (line 1: inside a string)
+    assert errors[3] == f"{path}:4: not valid JSON: Expecting value (column 14)"

@@ -122,3 +122,34 @@ def test_missing_input_file_is_an_error(tmp_path, start_server):
     )
     with pytest.raises(DataError, match="data file not found"):
         generate(cfg)
+
+
+def test_a_stop_on_a_bad_row_says_how_to_go_on(tmp_path, monkeypatch, capsys):
+    """The same command would stop on the same row again: the message names the row to fix and the
+    flag that skips such rows, and either way of going on then works."""
+    import dflash_train.generate.job as job
+    from dflash_train.cli import main
+    from dflash_train.generate.backends import Completion
+
+    class Echo:
+        async def identity(self):
+            return {"model": "echo"}
+
+        async def complete(self, messages, params):
+            return Completion(text="ok", prompt_tokens=1, completion_tokens=1, finish_reason="stop")
+
+        async def aclose(self):
+            pass
+
+    monkeypatch.setattr(job, "make_backend", lambda cfg: Echo())
+    inputs = write_jsonl(tmp_path / "bad.jsonl", [GOOD, "{not json", GOOD])
+    argv = ["generate", "--input", str(inputs), "--output", str(tmp_path / "out"), "--server-url", "http://x:1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "the same command resumes" not in err
+    assert f"to go on, fix line 2 of {inputs} and run the same command again" in err
+    assert f"  dflash-train {' '.join(argv)} --skip-invalid\n" in err
+    assert err.strip().splitlines()[-1] == f"error: {inputs}:2: not valid JSON: Expecting property name enclosed " \
+                                           "in double quotes (column 2)"
+    assert main(argv + ["--skip-invalid"]) == 0
+    assert [r["status"] for r in read_rows(tmp_path / "out")] == ["ok", "skipped", "ok"]

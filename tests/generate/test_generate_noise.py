@@ -38,4 +38,5 @@ def test_failed_generate_says_what_is_kept_and_how_to_resume(tmp_path, tiny_targ
     err = capsys.readouterr().err
     assert f"error: {inputs}:3: not valid JSON" in err
     assert f"{tmp_path / 'out'} keeps 2 committed rows (2 ok, 0 error, 0 skipped) in 1 shard(s)" in err
-    assert f"  {shlex.join(['dflash-train', *argv])}" in err.splitlines()
+    assert f"fix line 3 of {inputs}" in err  # the same command alone would stop on the same row
+    assert f"  {shlex.join(['dflash-train', *argv, '--skip-invalid'])}" in err.splitlines()
