@@ -113,11 +113,6 @@ class DataConfig(_Section):
         return self
 
 
-DEFAULT_CHUNK_ROWS = 4096
-CHUNK_LOGITS = DEFAULT_CHUNK_ROWS * 151_936
-"""Logits one LM-head chunk may hold when ce_chunk_size is unset (2.3 GiB in fp32)."""
-
-
 class ObjectiveConfig(_Section):
     """What the drafter learns: blocks, anchors, slot weights and the loss. One section, read by the
     trainer, the held-out probe and the distributed drafter ranks alike."""
@@ -141,15 +136,9 @@ class ObjectiveConfig(_Section):
     kd_temperature: float = Field(1.0, gt=0)
     """Softmax temperature of both distributions in `kl` (the loss is scaled by T^2)."""
     ce_chunk_size: int | None = Field(None, ge=16)
-    """Query tokens per LM-head chunk: bounds the logits ever materialised. None = `chunk_rows_for`
-    the target's vocabulary: 4096 rows, fewer above 151,936 tokens (Qwen3's vocabulary, where 4096
-    rows were measured), so a chunk never holds more logits than that (2,368 rows at Gemma's 262K)."""
-
-    def chunk_rows_for(self, vocab_size: int) -> int:
-        """ce_chunk_size, or the rows whose logits fit CHUNK_LOGITS (a multiple of 64: the matmuls' tile)."""
-        if self.ce_chunk_size is not None:
-            return self.ce_chunk_size
-        return max(64, min(DEFAULT_CHUNK_ROWS, CHUNK_LOGITS // vocab_size) // 64 * 64)
+    """Query tokens per LM-head chunk: bounds the logits ever materialised. None = by the target's
+    vocabulary (draft/loss.py `loss_chunk_rows`): 4096 rows up to 151,936 tokens (Qwen3's, where 4096
+    was measured), fewer above so a chunk holds no more logits (2,368 rows at Gemma's 262,144)."""
 
     @model_validator(mode="after")
     def _loss_mix(self) -> ObjectiveConfig:

@@ -114,9 +114,8 @@ def test_the_loss_chunk_adapts_to_large_vocabularies():
     """Unset, objective.ce_chunk_size keeps 4096 rows up to Qwen3's 151,936-token vocabulary and
     shrinks above it so a chunk's logits never exceed 4096 x 151,936 (Gemma's 262,144: 2,368 rows);
     a value set by the user is kept as given."""
-    from dflash_train.config import CHUNK_LOGITS, ObjectiveConfig
+    from dflash_train.draft.loss import CHUNK_LOGITS, loss_chunk_rows
 
-    auto = ObjectiveConfig()
-    assert [auto.chunk_rows_for(v) for v in (49_152, 151_936, 262_144)] == [4096, 4096, 2368]
+    assert [loss_chunk_rows(None, v) for v in (49_152, 151_936, 262_144)] == [4096, 4096, 2368]
     assert 2368 * 262_144 <= CHUNK_LOGITS < (2368 + 64) * 262_144
-    assert ObjectiveConfig(ce_chunk_size=24_576).chunk_rows_for(262_144) == 24_576
+    assert loss_chunk_rows(24_576, 262_144) == 24_576

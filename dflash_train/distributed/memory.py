@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_train.config import RunConfig
+from dflash_train.draft.loss import loss_chunk_rows
 
 GiB = 1024**3
 CONTEXT = 2 * GiB
@@ -70,7 +71,7 @@ def plan_memory(cfg: RunConfig, hf, *, num_features: int, tensor_parallel: int, 
         # saved per layer for backward: block activations, and K/V over context + blocks
         "activations": d.num_layers * (block_tokens * (6 * h + 3 * d_inter)
                                        + 2 * (tokens + block_tokens) * kv * hd) * 2,
-        "logit chunks": 3 * cfg.objective.chunk_rows_for(v) * v * 4,
+        "logit chunks": 3 * loss_chunk_rows(cfg.objective.ce_chunk_size, v) * v * 4,
     }
     if colocated:  # one context; the drafter's parts join the target's
         return [RoleMemory("colocated GPU (target + drafter)", {**target, **drafter})]

@@ -72,6 +72,19 @@ def _compiled_chunk_loss():
     return torch.compile(_chunk_loss, dynamic=False)
 
 
+DEFAULT_CHUNK_ROWS = 4096
+CHUNK_LOGITS = DEFAULT_CHUNK_ROWS * 151_936
+"""Logits one LM-head chunk may hold when objective.ce_chunk_size is unset (2.3 GiB in fp32)."""
+
+
+def loss_chunk_rows(ce_chunk_size: int | None, vocab_size: int) -> int:
+    """objective.ce_chunk_size, or the rows whose logits fit CHUNK_LOGITS (a multiple of 64: the
+    matmuls' tile): a 262K vocabulary must not make a chunk's logits 1.7x larger than Qwen3's."""
+    if ce_chunk_size is not None:
+        return ce_chunk_size
+    return max(64, min(DEFAULT_CHUNK_ROWS, CHUNK_LOGITS // vocab_size) // 64 * 64)
+
+
 def chunk_rows(rows: int, max_rows: int) -> int:
     """Rows per LM-head chunk: the fewest chunks of at most `max_rows`, split evenly (rounded up to
     a multiple of 64, the matmuls' tile) so that the compiled loss pads its last chunk by little.

@@ -30,6 +30,7 @@ def draft_model_config(cfg: RunConfig, target: Target) -> DraftModelConfig:
     tc = target.model.config
     heads = tc.num_attention_heads
     rope = getattr(tc, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers' base
     layer_ids = target_layer_ids(cfg.draft, target.num_layers)
     target.check_layer_ids(layer_ids)
     return DraftModelConfig(

@@ -13,14 +13,14 @@ from typing import Callable
 
 import torch
 
-from dflash_train.config import DEFAULT_CHUNK_ROWS
+from dflash_train.draft.loss import DEFAULT_CHUNK_ROWS
 from dflash_train.train.batches import collate
 
 log = logging.getLogger("dflash_train")
 
 RESERVE_GIB = 16
 """GPU memory the cache leaves free for the training step itself, at the default loss chunk
-(config.DEFAULT_CHUNK_ROWS)."""
+(draft/loss.py DEFAULT_CHUNK_ROWS)."""
 
 
 def step_reserve(ce_chunk_size: int, vocab_size: int) -> int:

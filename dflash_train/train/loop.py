@@ -22,7 +22,7 @@ from dflash_train.capture import CapturedFeatures, fingerprint
 from dflash_train.config import RunConfig, dump_config
 from dflash_train.data.batching import bucket_shape
 from dflash_train.data.dataset import TokenizedDataset
-from dflash_train.draft.loss import LossTally, acceptance_metrics
+from dflash_train.draft.loss import LossTally, acceptance_metrics, loss_chunk_rows
 from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.ops import compile_cache
 from dflash_train.ops.guard import ThroughputGuard
@@ -69,7 +69,7 @@ class Trainer:
         self.loss_mix, self.stream_layers, self.use_flex = parts.loss_mix, parts.stream_layers, parts.use_flex
         self.epoch_batches, self.total_steps = parts.epoch_batches, parts.total_steps
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
-        self.chunk_rows = cfg.objective.chunk_rows_for(self.target.vocab_size)  # LM-head rows per loss chunk
+        self.chunk_rows = loss_chunk_rows(cfg.objective.ce_chunk_size, self.target.vocab_size)
         self.captured = None  # data.captured_features: the target's features read from disk
         if cfg.data.captured_features:
             self.captured = CapturedFeatures(cfg.data.captured_features,
@@ -406,6 +406,8 @@ class Trainer:
             "recompiles_since_warmup": self.recompiles.since_warm,
             **acceptance_metrics(correct, counted, accepted),
         }
+        if self.device.type == "cuda":  # the run's peak so far: what a larger vocabulary or batch costs
+            record["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
         for reason in self.recompiles.new_reasons():
             tqdm.write(f"WARNING: recompiled after warm-up (step {self.step}): {reason}")
         metrics.write(record)

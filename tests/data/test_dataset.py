@@ -139,4 +139,4 @@ def test_training_data_logs_its_skip_counts(tmp_path, caplog):
                           tokenize_workers=0)
     with caplog.at_level("INFO", logger="dflash_train"):
         load_training_data(cfg, tok, tokenizer_fingerprint(tok))
-    assert "training data: 5 rows: 3 used, 2 skipped (no 'messages' or 'conversations' field: 2)" in caplog.text
+    assert "training data: 5 rows: 3 used, 2 skipped (no 'messages', 'conversations' or 'text' field: 2)" in caplog.text
