@@ -22,11 +22,16 @@ pytestmark = [
 T, N, BS = 512, 64, 16
 
 
-def drafter() -> DFlashDraftModel:
+HEADS = {"default": (8, 2, 32), "gemma3": (4, 1, 256)}
+"""(query heads, K/V heads, head size): a drafter takes its target's; Gemma 3 270M's heads are 256 wide."""
+
+
+def drafter(heads: str = "default") -> DFlashDraftModel:
     torch.manual_seed(0)
+    q_heads, kv_heads, head_dim = HEADS[heads]
     cfg = DraftModelConfig(
-        hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32, intermediate_size=512,
-        num_hidden_layers=2, vocab_size=1000, block_size=BS, target_layer_ids=[1, 3, 5], num_target_layers=8,
+        hidden_size=256, num_attention_heads=q_heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=512, num_hidden_layers=2, vocab_size=1000, block_size=BS, target_layer_ids=[1, 3, 5], num_target_layers=8,
         mask_token_id=999,
     )
     return DFlashDraftModel(cfg).cuda()
@@ -63,11 +68,12 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
 
 
+@pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-def test_flex_compiled_equals_sdpa_dense_forward_and_grads(dtype, tol):
+def test_flex_compiled_equals_sdpa_dense_forward_and_grads(dtype, tol, heads):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    model = drafter()
+    model = drafter(heads)
     data = batch()
     out_f, grads_f = run(model, *data, use_flex=True, dtype=dtype)
     out_d, grads_d = run(model, *data, use_flex=False, dtype=dtype)
