@@ -20,10 +20,13 @@
 # Each stage reads what the one before wrote under $RUN; each can be rerun (generate resumes).
 # The eval stages are independent: on two GPUs, run them side by side with CUDA_VISIBLE_DEVICES
 # (EVAL_SETS picks the sets of eval-sets).
-# The variables below shrink it (CI runs it on CPU with a dozen prompts: tests/test_examples.py).
+# The variables below shrink it (CI runs it on CPU with a dozen prompts: tests/test_examples.py);
+# TARGET, CONFIG and GEN_CONFIG run the same chain for another target (examples/gemma3_h200.sh).
 set -euo pipefail
+TARGET=${TARGET:-smollm2}
 RUN=${RUN:-runs/smollm2-h200}
 CONFIG=${CONFIG:-configs/smollm2-h200.yaml}
+GEN_CONFIG=${GEN_CONFIG:-configs/generate/smollm2-local.yaml}
 DEVICE=${DEVICE:-cuda}
 DATA=${DATA:-$RUN/data}            # prompts and answers (another run can train on the same data)
 NUM_PROMPTS=${NUM_PROMPTS:-13704}  # held-out ones included; all the package has (distinct ignoring case and spaces)
@@ -59,7 +62,7 @@ generate_code() {
 
 generate() {  # $1: output directory, $2: prompt file; extra generate flags follow
   local out=$1 input=$2; shift 2
-  "${DT[@]}" generate -c configs/generate/smollm2-local.yaml --input "$input" \
+  "${DT[@]}" generate -c "$GEN_CONFIG" --model "$TARGET" --input "$input" \
     --output "$out" --max-tokens "$ANSWER_TOKENS" --device "$DEVICE" --batch-size "$BATCH" \
     --concurrency $((2 * BATCH)) --engine "$ENGINE" "$@"
 }
@@ -75,7 +78,7 @@ train() {
 
 evaluate() {  # $1: drafter dir, $2: prompt set, $3: report dir; extra args follow (the last --num-prompts wins)
   local drafter=$1 set=$2 out=$3; shift 3
-  "${DT[@]}" eval --target smollm2 --drafter "$drafter" --prompts "$set" --max-new-tokens "$NEW_TOKENS" \
+  "${DT[@]}" eval --target "$TARGET" --drafter "$drafter" --prompts "$set" --max-new-tokens "$NEW_TOKENS" \
     --device "$DEVICE" --batch-size "$EVAL_BATCH" ${EVAL_PROMPTS:+--num-prompts "$EVAL_PROMPTS"} --out "$out" "$@"
 }
 

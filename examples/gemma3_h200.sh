@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Gemma 3 270M end to end on one GPU: the chain of examples/smollm2_h200.sh (prompts, regenerate,
+# train, export, evaluate) with Gemma's recipe, configs/gemma3-270m-h200.yaml. Gemma 3 270M is a base
+# model: it has no chat template, so each prompt is continued as plain text (its turns after <bos>,
+# a blank line between them), and it seldom ends an answer: answers are capped at 256 tokens.
+# Figures and the exact commands: docs/benchmarks/gemma3.md.
+# Usage: bash examples/gemma3_h200.sh [stage]   (the stages of smollm2_h200.sh; default: all)
+set -euo pipefail
+export TARGET=gemma3-270m
+export RUN=${RUN:-runs/gemma3-h200}
+export CONFIG=${CONFIG:-configs/gemma3-270m-h200.yaml}
+export ANSWER_TOKENS=${ANSWER_TOKENS:-256}
+export NEW_TOKENS=${NEW_TOKENS:-256}
+export EVAL_SETS=${EVAL_SETS:-sharegpt humaneval}
+exec bash "$(dirname "$0")/smollm2_h200.sh" "$@"
