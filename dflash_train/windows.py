@@ -14,7 +14,6 @@ A model takes one prepared 4D mask for all its layers; one with several layer ty
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.masking_utils import sliding_window_overlay
 
 MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -22,9 +21,13 @@ MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 def _layers(config) -> tuple[list[str], list[int | None]]:
     """Each decoder layer's type and window (None: full), as transformers derives them for its own
-    caches: `layer_types`, else a `sliding_window` on every layer (Mistral)."""
-    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    return types, [k.get("sliding_window") if t == "sliding_attention" else None for t, k in zip(types, kwargs)]
+    caches: `layer_types`, else a `sliding_window` on every layer (Mistral). Read from the config
+    itself: transformers' helper for this changed its return type between 5.17 and 5.24."""
+    text = config.get_text_config(decoder=True)
+    window = getattr(text, "sliding_window", None)
+    types = list(getattr(text, "layer_types", None) or
+                 ["sliding_attention" if window else "full_attention"] * text.num_hidden_layers)
+    return types, [window if t == "sliding_attention" else None for t in types]
 
 
 def windows_problem(config) -> str | None:

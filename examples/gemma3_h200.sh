@@ -10,6 +10,6 @@ export TARGET=gemma3-270m
 export RUN=${RUN:-runs/gemma3-h200}
 export CONFIG=${CONFIG:-configs/gemma3-270m-h200.yaml}
 export ANSWER_TOKENS=${ANSWER_TOKENS:-256}
-export NEW_TOKENS=${NEW_TOKENS:-256}
+export NEW_TOKENS=${NEW_TOKENS:-128}
 export EVAL_SETS=${EVAL_SETS:-sharegpt humaneval}
 exec bash "$(dirname "$0")/smollm2_h200.sh" "$@"
