@@ -105,7 +105,8 @@ def test_the_whole_chain_works_on_every_family(family, tmp_path, capsys):
     prepared = tmp_path / "prepared"
     _stage(outcomes, family, "prepare", ["prepare", "-c", str(config), "--out", str(prepared)], capsys)
     target = load_target(TargetConfig(path=str(model_dir)), torch.device("cpu"))
-    assert len(load_prepared(prepared, tokenizer_fingerprint(target.tokenizer))) == len(PROMPTS)
+    dataset = load_prepared(prepared, tokenizer_fingerprint(target.tokenizer))
+    assert len(dataset) == len(PROMPTS)
 
     # train: the drafter memorises six answers
     _stage(outcomes, family, "train", ["train", "-c", str(config), f"data.train_files=[{prepared}]"], capsys)
@@ -120,7 +121,6 @@ def test_the_whole_chain_works_on_every_family(family, tmp_path, capsys):
     captured = tmp_path / "captured"
     _stage(outcomes, family, "capture", ["capture", "-c", str(config), f"data.train_files=[{prepared}]",
                                          "--out", str(captured)], capsys)
-    dataset = load_prepared(prepared, tokenizer_fingerprint(target.tokenizer))
     layer_ids = json.loads((captured / "capture.json").read_text())["fingerprint"]["layer_ids"]
     stored = CapturedFeatures(captured, fingerprint(target, layer_ids, dataset)).row(0)
     expected = target.features(torch.as_tensor(dataset.input_ids[0]).long()[None], layer_ids)[0]
