@@ -17,11 +17,11 @@ import torch
 
 from dflash_train.config import TargetConfig
 from dflash_train.eval.export import load_drafter
-from dflash_train.eval.prompts import load_prompts
+from dflash_train.data.prompts import load_prompts
 from dflash_train.eval.replay import accepted_prefixes
 from dflash_train.eval.report import encode, stop_token_ids
 from dflash_train.eval.spec_decode import speculative_generate
-from dflash_train.target import load_target
+from dflash_train.targets.model import load_target
 
 
 def slot1_hits(target, drafter, seq: torch.Tensor, first: int) -> torch.Tensor:

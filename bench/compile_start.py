@@ -25,7 +25,7 @@ def first_step() -> dict:
     from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
     from dflash_train.config import ObjectiveConfig
     from dflash_train.draft.objective import draft_loss, make_task
-    from dflash_train.ops import compile_cache
+    from dflash_train.checks import compile_cache
 
     key = compile_cache.cache_key()
     state = compile_cache.cache_state(key)

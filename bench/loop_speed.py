@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from dflash_train.capture import MANIFEST, capture
+from dflash_train.train.capture import MANIFEST, capture
 from dflash_train.config import load_config
-from dflash_train.target import resolve_device
+from dflash_train.targets.model import resolve_device
 from dflash_train.train.loop import Trainer
 
 SKIPPED_WINDOWS = 2

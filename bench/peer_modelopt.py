@@ -48,10 +48,10 @@ from dflash_train.config import RunConfig, load_config
 from dflash_train.data.dataset import load_training_data
 from dflash_train.draft.model import DraftModelConfig
 from dflash_train.eval.export import CHECKPOINT_CONFIG, WEIGHTS, check_state_dict
-from dflash_train.target import load_target, resolve_device
+from dflash_train.targets.model import load_target, resolve_device
 from dflash_train.train.batches import collate_as_trained, epoch_plan, take
 from dflash_train.train.budget import TimeBudget
-from dflash_train.train.build import autocast_for
+from dflash_train.train.shapes import autocast_for
 from dflash_train.train.heldout import HeldoutProbe
 from dflash_train.train.loop import Trainer
 from dflash_train.train.optim import build_optimizer, build_scheduler, refit_scheduler

@@ -23,7 +23,7 @@ from tiny import tiny_tokenizer  # noqa: E402
 
 from dflash_train.config import build_config  # noqa: E402
 from dflash_train.data.dataset import TokenizedDataset  # noqa: E402
-from dflash_train.target import Target  # noqa: E402
+from dflash_train.targets.model import Target  # noqa: E402
 from dflash_train.train.loop import Trainer  # noqa: E402
 from dflash_train.train.metrics import read_metrics  # noqa: E402
 

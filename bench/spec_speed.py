@@ -27,10 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_train.config import RunConfig, TargetConfig  # noqa: E402
 from dflash_train.eval.export import load_drafter  # noqa: E402
-from dflash_train.eval.prompts import load_prompts  # noqa: E402
+from dflash_train.data.prompts import load_prompts  # noqa: E402
 from dflash_train.eval.report import encode, stop_token_ids  # noqa: E402
 from dflash_train.eval.served_speed import served_speed  # noqa: E402
-from dflash_train.target import load_target  # noqa: E402
+from dflash_train.targets.model import load_target  # noqa: E402
 from dflash_train.train.drafter_init import build_drafter  # noqa: E402
 
 log = logging.getLogger("dflash_train")

@@ -31,10 +31,10 @@ from dflash_train.config import build_config
 from dflash_train.draft import masks
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.draft.objective import draft_loss, make_task
-from dflash_train.target import Target
+from dflash_train.targets.model import Target
 from dflash_train.draft.loss import LossMix
-from dflash_train.ops.profile import profile_callable
-from dflash_train.train.build import draft_model_config, stream_layer_ids
+from dflash_train.checks.profile import profile_callable
+from dflash_train.train.shapes import draft_model_config, stream_layer_ids
 from dflash_train.train.optim import build_optimizer
 
 SHAPES = {
@@ -156,7 +156,7 @@ def main(argv=None):
                     help="per-slot loss (objective.loss): the target kinds also run the target's last layers and head")
     ap.add_argument("--ce-kernel", default="chunked", choices=["chunked", "liger", "cce"],
                     help="LM head + CE of the loss (train.ce_kernel): ours, or a fused library kernel (CUDA)")
-    ap.add_argument("--profile", action="store_true", help="time of one end-to-end step by kernel family, device busy and idle (dflash_train/ops/profile.py)")
+    ap.add_argument("--profile", action="store_true", help="time of one end-to-end step by kernel family, device busy and idle (dflash_train/checks/profile.py)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     shape = "tiny" if args.tiny else args.shape

@@ -31,7 +31,7 @@ from tiny import tiny_tokenizer  # noqa: E402
 
 from dflash_train.config import TargetConfig  # noqa: E402
 from dflash_train.draft.model import default_target_layer_ids  # noqa: E402
-from dflash_train.target import load_target  # noqa: E402
+from dflash_train.targets.model import load_target  # noqa: E402
 
 
 def save_target(path: Path, shape: dict, dtype: torch.dtype, device: torch.device) -> None:

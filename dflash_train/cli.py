@@ -51,7 +51,7 @@ def cmd_train(args) -> int:
 
 def cmd_capture(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    from dflash_train.capture import capture
+    from dflash_train.train.capture import capture
 
     manifest = capture(cfg, args.out, args.rows_per_shard)
     print(json.dumps({"out": args.out, **manifest["fingerprint"], "shards": len(manifest["shards"])}, indent=2))
@@ -76,7 +76,7 @@ def cmd_prepare(args) -> int:
     cfg = load_config(args.config, args.overrides)
     require_writable(args.out, "the prepared dataset")
     from dflash_train.data.dataset import check_training_files, save_prepared, tokenize_files
-    from dflash_train.target import load_tokenizer, resolve_target_path, tokenizer_fingerprint
+    from dflash_train.targets.model import load_tokenizer, resolve_target_path, tokenizer_fingerprint
 
     check_training_files(cfg.data)
     tokenizer = load_tokenizer(resolve_target_path(cfg.target.path))
@@ -99,7 +99,7 @@ def cmd_quickstart(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from dflash_train.ops.doctor import format_report, run_doctor
+    from dflash_train.checks.doctor import format_report, run_doctor
 
     report = run_doctor(load_config(args.config, args.overrides) if args.config else None)
     print(report.to_json() if args.json else format_report(report))
@@ -107,7 +107,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_diff_runs(args) -> int:
-    from dflash_train.ops.diff_runs import diff_runs
+    from dflash_train.checks.diff_runs import diff_runs
 
     print(diff_runs(args.run_a, args.run_b))
     return 0
@@ -132,7 +132,7 @@ def cmd_generate(args) -> int:
 
 def cmd_corpus(args) -> int:
     from dflash_train.data.corpus import build_corpus, sharegpt_conversations, write_corpus
-    from dflash_train.eval.prompts import turns_of
+    from dflash_train.data.prompts import turns_of
 
     heldout = turns_of(args.exclude)
     rows, stats = build_corpus(sharegpt_conversations(), heldout, args.max_chars, args.max_total_chars)
@@ -153,7 +153,7 @@ def cmd_curve(args) -> int:
 
 
 def cmd_prompts(args) -> int:
-    from dflash_train.eval.prompts import every_turn, first_turns, prompt_source, split_prompt_files, turns_of
+    from dflash_train.data.prompts import every_turn, first_turns, prompt_source, split_prompt_files, turns_of
 
     source, exclude = prompt_source(args.source), turns_of(args.exclude)
     prompts = first_turns(every_turn(source, exclude) if args.every_turn else source, args.num, args.max_chars, exclude)

@@ -23,10 +23,10 @@ from dflash_train.config import RunConfig, load_config
 from dflash_train.data.dataset import tokenize_files
 from dflash_train.generate.job import generate
 from dflash_train.generate.config import build_generate_config
-from dflash_train.eval.prompts import Prompt, first_turns, load_prompts, sharegpt, split_prompt_files
+from dflash_train.data.prompts import Prompt, first_turns, load_prompts, sharegpt, split_prompt_files
 from dflash_train.eval.report import encode, stop_token_ids
 from dflash_train.eval.spec_decode import speculative_generate, target_greedy
-from dflash_train.target import load_target, resolve_device
+from dflash_train.targets.model import load_target, resolve_device
 from dflash_train.train.loop import Trainer
 
 # Shipped inside the package (an installed copy has no repo configs/; configs/quickstart.yaml links here).

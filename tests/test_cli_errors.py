@@ -94,7 +94,7 @@ def test_corrupt_checkpoint_on_resume_names_the_file(tmp_path, tiny_target_dir, 
 
 
 def test_train_checks_data_files_before_loading_the_target(tmp_path, monkeypatch, capsys):
-    import dflash_train.train.parts as parts
+    import dflash_train.train.build as parts
 
     monkeypatch.setattr(parts, "load_target", lambda *a: pytest.fail("the target loaded before the data check"))
     cfg = _config(tmp_path, "smollm2", train_files=[str(tmp_path / "answers.jsonl")])
@@ -106,7 +106,7 @@ def test_train_checks_data_files_before_loading_the_target(tmp_path, monkeypatch
 
 
 def test_train_eval_every_without_prompts_fails_before_loading_the_target(tmp_path, monkeypatch, capsys):
-    import dflash_train.train.parts as parts
+    import dflash_train.train.build as parts
 
     monkeypatch.setattr(parts, "load_target", lambda *a: pytest.fail("the target loaded before the eval check"))
     cfg = _config(tmp_path, "smollm2")

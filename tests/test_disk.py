@@ -143,8 +143,8 @@ def _run_config(tmp_path: Path, run_dir: Path) -> Path:
 
 
 def test_read_only_locations_fail_in_one_line_before_any_loading(tmp_path, read_only, monkeypatch, capsys):
-    import dflash_train.target as target
-    import dflash_train.train.parts as parts
+    import dflash_train.targets.model as target
+    import dflash_train.train.build as parts
 
     never = lambda *a, **k: pytest.fail("a model loaded before the write check")  # noqa: E731
     monkeypatch.setattr(parts, "load_target", never)

@@ -15,11 +15,11 @@ import yaml
 from families import FAMILIES, tiny_model
 from tiny import tiny_tokenizer
 
-from dflash_train.capture import CapturedFeatures, fingerprint
+from dflash_train.train.capture import CapturedFeatures, fingerprint
 from dflash_train.cli import main
 from dflash_train.config import TargetConfig
 from dflash_train.data.dataset import load_prepared
-from dflash_train.target import load_target, tokenizer_fingerprint
+from dflash_train.targets.model import load_target, tokenizer_fingerprint
 
 BASE_MODELS = {"gemma3"}
 """Saved without a chat template: a base model, whose prompts are continued as plain text."""

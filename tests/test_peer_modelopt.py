@@ -22,7 +22,7 @@ from dflash_train.config import build_config  # noqa: E402
 from dflash_train.draft.masks import dense_mask  # noqa: E402
 from dflash_train.draft.model import DraftModelConfig  # noqa: E402
 from dflash_train.eval.export import load_drafter  # noqa: E402
-from dflash_train.target import Target  # noqa: E402
+from dflash_train.targets.model import Target  # noqa: E402
 
 VOCAB, BLOCK = 96, 4
 

@@ -8,7 +8,7 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, Gpt
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen3Config,
                           Qwen3ForCausalLM)
 
-from dflash_train.target import Target
+from dflash_train.targets.model import Target
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -16,7 +16,7 @@ from typing import Iterable, Iterator
 
 from dflash_train.atomic import write_atomic
 from dflash_train.data.formats import DataError, normalise_messages, normalise_text
-from dflash_train.eval.prompts import sharegpt_rows
+from dflash_train.data.prompts import sharegpt_rows
 
 
 @dataclass

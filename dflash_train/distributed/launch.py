@@ -22,12 +22,12 @@ from transformers import AutoConfig
 from dflash_train.cli import HelpFormatter
 from dflash_train.config import load_config
 from dflash_train.data.dataset import load_training_data
-from dflash_train.target import load_target, resolve_device, resolve_target_path, synced_time
-from dflash_train.target_path import load_pretrained
+from dflash_train.targets.model import load_target, resolve_device, resolve_target_path, synced_time
+from dflash_train.targets.path import load_pretrained
 from dflash_train.distributed.run import build_layout, drafter_runs
 from dflash_train.distributed.layout import Plan, plan_split
 from dflash_train.distributed.memory import GiB, check_fits, plan_memory
-from dflash_train.train.build import target_layer_ids
+from dflash_train.train.shapes import target_layer_ids
 from dflash_train.train.loop import Trainer
 
 

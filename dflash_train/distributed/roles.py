@@ -24,7 +24,7 @@ from dflash_train.config import RunConfig
 from dflash_train.data.dataset import TokenizedDataset
 from dflash_train.draft.objective import make_task
 from dflash_train.eval.report import check_periodic_eval, periodic_eval_for
-from dflash_train.target import Target
+from dflash_train.targets.model import Target
 from dflash_train.distributed.layout import Layout
 from dflash_train.train.batches import anchor_seed, collate_as_trained, epoch_plan, take
 from dflash_train.train.accumulate import MicroBatch

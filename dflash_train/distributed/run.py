@@ -29,10 +29,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dflash_train.config import RunConfig, build_config, load_config
 from dflash_train.data.dataset import load_training_data
-from dflash_train.target import load_target, resolve_device
+from dflash_train.targets.model import load_target, resolve_device
 from dflash_train.checkpoint import local as ckpt
 from dflash_train.distributed.layout import Layout
-from dflash_train.train.build import stream_layer_ids
+from dflash_train.train.shapes import stream_layer_ids
 from dflash_train.distributed.roles import (Link, TargetFeeder, check_lead_rank_evals, check_single_process_keys,
                                             drafter_rank, run_drafter)
 

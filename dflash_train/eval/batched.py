@@ -23,7 +23,7 @@ from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.ragged_cache import RaggedCache, RaggedDraftCache
 from dflash_train.eval.spec_decode import SpecResult, accept_sampled, check_budget, sample_tokens
 from dflash_train.generate.backends import emit_tokens
-from dflash_train.target import Target
+from dflash_train.targets.model import Target
 
 
 def _right_padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -21,7 +21,7 @@ from dflash_train.checkpoint.integrity import require_intact
 from dflash_train.checkpoint.local import read_checkpoint_file
 from dflash_train.disk import require_writable, writes_to
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
-from dflash_train.target import Target
+from dflash_train.targets.model import Target
 
 CHECKPOINT_CONFIG = "draft_config.json"
 WEIGHTS = "model.safetensors"

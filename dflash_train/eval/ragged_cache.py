@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from dflash_train.target import Target
-from dflash_train.windows import layer_windows, window_masks, windows_problem
+from dflash_train.targets.model import Target
+from dflash_train.targets.windows import layer_windows, window_masks, windows_problem
 
 MASKABLE_ATTENTION = ("eager", "sdpa")
 """Attention implementations that apply a custom 4D additive mask as given."""

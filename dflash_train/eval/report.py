@@ -30,11 +30,11 @@ from dflash_train.generate.backends import GenParams
 from dflash_train.generate.local_backend import generate_ids, pad_token_id
 from dflash_train.eval.batched import batched_speculative
 from dflash_train.eval.config import DecodeSettings, EvalJobConfig
-from dflash_train.eval.prompts import Prompt, load_prompts
+from dflash_train.data.prompts import Prompt, load_prompts
 from dflash_train.eval.ragged_cache import RaggedCache
 from dflash_train.eval.served_speed import first_difference, pick_speed_engine, served_speed
 from dflash_train.eval.spec_decode import speculative_generate, target_greedy
-from dflash_train.target import Target, load_target, resolve_device, synced_time
+from dflash_train.targets.model import Target, load_target, resolve_device, synced_time
 
 log = logging.getLogger("dflash_train")
 

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from dflash_train.draft.model import DFlashDraftModel, DraftKVCache
 from dflash_train.generate.backends import emit_tokens
-from dflash_train.target import Target, synced_time
+from dflash_train.targets.model import Target, synced_time
 
 
 @dataclass

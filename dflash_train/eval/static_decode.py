@@ -30,8 +30,8 @@ import torch
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.spec_decode import DecodeResult, SpecResult, check_budget
 from dflash_train.generate.backends import emit_tokens
-from dflash_train.static_cache import ALIGN, PositionedCache, forward_at, prepare_steps, static_cache_problem, write_at
-from dflash_train.target import Target, synced_time
+from dflash_train.targets.static_cache import ALIGN, PositionedCache, forward_at, prepare_steps, static_cache_problem, write_at
+from dflash_train.targets.model import Target, synced_time
 
 class DraftStaticCache:
     """DraftKVCache's interface over preallocated [R, kv_heads, L, D] buffers written at `positions`."""

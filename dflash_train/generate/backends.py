@@ -58,18 +58,3 @@ class Backend(Protocol):
         """Answer `messages` (last one a user turn); raises GenerationError."""
 
     async def aclose(self) -> None: ...
-
-
-def make_backend(cfg) -> Backend:
-    """The backend `cfg` (a GenerateConfig) asks for.
-
-    Imported here so that an HTTP run never loads transformers and a local run never needs
-    aiohttp (the `generate` extra).
-    """
-    if cfg.backend == "http":
-        from dflash_train.generate.http_backend import HttpBackend
-
-        return HttpBackend(cfg.http, model=cfg.model, max_connections=cfg.concurrency)
-    from dflash_train.generate.local_backend import LocalBackend
-
-    return LocalBackend.load(cfg.model or "smollm2", cfg.local)

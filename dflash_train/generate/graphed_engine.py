@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_train.generate.backends import emit_tokens
-from dflash_train.static_cache import ALIGN, PositionedCache, Steps, forward_at, prepare_steps, static_cache_problem
+from dflash_train.targets.static_cache import ALIGN, PositionedCache, Steps, forward_at, prepare_steps, static_cache_problem
 
 log = logging.getLogger("dflash_train")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from dflash_train.generate.backends import Backend, GenerationError, GenParams, make_backend
+from dflash_train.generate.backends import Backend, GenerationError, GenParams
 from dflash_train.data.formats import DataError, row_id, iter_rows, normalise_messages
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.atomic import write_json_atomic
@@ -43,6 +43,21 @@ from dflash_train.generate.shards import (
 )
 
 log = logging.getLogger("dflash_train")
+
+
+def make_backend(cfg) -> Backend:
+    """The backend `cfg` (a GenerateConfig) asks for.
+
+    Imported here so that an HTTP run never loads transformers and a local run never needs
+    aiohttp (the `generate` extra).
+    """
+    if cfg.backend == "http":
+        from dflash_train.generate.http_backend import HttpBackend
+
+        return HttpBackend(cfg.http, model=cfg.model, max_connections=cfg.concurrency)
+    from dflash_train.generate.local_backend import LocalBackend
+
+    return LocalBackend.load(cfg.model or "smollm2", cfg.local)
 
 
 def row_key(where: str) -> str:

@@ -27,8 +27,8 @@ from dflash_train.config import TargetConfig
 from dflash_train.generate.backends import Completion, GenParams
 from dflash_train.generate.config import LocalConfig
 from dflash_train.generate.graphed_engine import GraphedEngine, Job
-from dflash_train.static_cache import static_cache_problem
-from dflash_train.target import load_target, resolve_device
+from dflash_train.targets.static_cache import static_cache_problem
+from dflash_train.targets.model import load_target, resolve_device
 
 log = logging.getLogger("dflash_train")
 

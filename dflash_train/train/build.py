@@ -1,80 +1,82 @@
-"""Building a run's parts from the config: the device, and the drafter's shape from the target."""
+"""`build(cfg)`: a run's components, constructed in the order the data flows through them.
+
+data files (checked first: a typo fails before a big target loads) -> target -> tokenized data ->
+drafter -> objective (loss mix, captured layers) -> epoch plan -> optimizer and schedule. The
+Trainer (train/loop.py) adds the loop, records and checkpoints around these; the warm-up, the
+benchmarks and the distributed ranks get the same parts from the same function.
+"""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from dflash_train.config import DraftConfig, RunConfig
-from dflash_train.draft.model import DraftModelConfig, default_target_layer_ids
-from dflash_train.target import Target, resolve_mask_token_id
+from dflash_train.config import RunConfig
+from dflash_train.data.dataset import TokenizedDataset, check_training_files, load_training_data
+from dflash_train.disk import require_writable
+from dflash_train.draft.loss import LossMix
+from dflash_train.draft.model import DFlashDraftModel
+from dflash_train.checks import compile_cache
+from dflash_train.targets.model import Target, load_target, resolve_device
+from dflash_train.train.batches import epoch_plan
+from dflash_train.train.shapes import stream_layer_ids
+from dflash_train.train.drafter_init import build_drafter
+from dflash_train.train.optim import build_optimizer, build_scheduler
 
 
-def target_layer_ids(draft: DraftConfig, num_target_layers: int) -> list[int]:
-    """The captured target layers: `draft.target_layer_ids` as listed, else `draft.num_target_features`
-    (default: the drafter's depth) evenly spaced layers."""
-    if draft.target_layer_ids:
-        return list(draft.target_layer_ids)
-    count = draft.num_target_features or draft.num_layers
-    ids = default_target_layer_ids(num_target_layers, count)
-    if draft.num_target_features is not None and len(set(ids)) < count:
-        raise ValueError(
-            f"draft.num_target_features={count}: a {num_target_layers}-layer target has no {count} distinct "
-            f"evenly spaced layers (got {ids}); capture fewer or list draft.target_layer_ids"
-        )
-    return ids
+@dataclass
+class RunParts:
+    device: torch.device
+    target: Target
+    dataset: TokenizedDataset
+    drafter: DFlashDraftModel
+    loss_mix: LossMix
+    stream_layers: list[int]
+    """Target layers captured per micro-batch (the drafter's, plus the last when the loss distils)."""
+    use_flex: bool
+    epoch_batches: list[list[np.ndarray]]
+    total_steps: int
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
 
 
-def draft_model_config(cfg: RunConfig, target: Target) -> DraftModelConfig:
-    tc = target.model.config
-    heads = tc.num_attention_heads
-    rope = getattr(tc, "rope_parameters", None) or {}
-    rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers' base
-    layer_ids = target_layer_ids(cfg.draft, target.num_layers)
-    target.check_layer_ids(layer_ids)
-    return DraftModelConfig(
-        hidden_size=target.hidden_size,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-        head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
-        intermediate_size=cfg.draft.intermediate_size or tc.intermediate_size,
-        num_hidden_layers=cfg.draft.num_layers,
-        vocab_size=target.vocab_size,
-        block_size=cfg.objective.block_size,
-        target_layer_ids=list(layer_ids),
-        num_target_layers=target.num_layers,
-        mask_token_id=resolve_mask_token_id(cfg.objective.mask_token_id, target.tokenizer, target.vocab_size),
-        rms_norm_eps=tc.rms_norm_eps,
-        rope_theta=rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)),
-        max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
+def check_write_locations(cfg: RunConfig) -> None:
+    """Before the target loads (minutes for a big one): the run directory can be written, and the
+    persistent compile cache when a compiled path (train.compile, flex attention on CUDA) will be."""
+    require_writable(cfg.run_dir, "the run's checkpoints and metrics")
+    if cfg.train.compile or (cfg.draft.attention != "sdpa" and resolve_device(cfg.device).type == "cuda"):
+        require_writable(compile_cache.cache_root(), "the compile cache")
+
+
+def load_inputs(cfg: RunConfig, target: Target | None = None, dataset: TokenizedDataset | None = None
+                ) -> tuple[torch.device, Target, TokenizedDataset]:
+    """The run's device, target and tokenized data (`target`, `dataset` when the caller holds them):
+    the data files are checked before the target loads, then tokenized with its tokenizer."""
+    device = resolve_device(cfg.device)
+    if dataset is None:
+        check_training_files(cfg.data)
+    target = target or load_target(cfg.target, device)
+    dataset = dataset or load_training_data(cfg.data, target.tokenizer, target.identity["tokenizer"])
+    return device, target, dataset
+
+
+def build(cfg: RunConfig, target: Target | None = None, dataset: TokenizedDataset | None = None) -> RunParts:
+    """The parts of `cfg`'s run; `target` and `dataset` when the caller already holds them."""
+    if cfg.draft.attention == "flex" and resolve_device(cfg.device).type != "cuda":
+        raise ValueError("draft.attention: flex has no backward on CPU; use 'sdpa' or 'auto' there")
+    device, target, dataset = load_inputs(cfg, target, dataset)
+    drafter = build_drafter(cfg, target, device)  # seeds the RNG itself, right before its weights
+    epoch_batches = epoch_plan(cfg, dataset.lengths)
+    micro_total = sum(len(b) for b in epoch_batches)
+    total_steps = cfg.train.max_steps or max(micro_total // cfg.train.grad_accum, 1)
+    optimizer = build_optimizer(drafter.parameters(), cfg.train, device)
+    return RunParts(
+        device=device, target=target, dataset=dataset, drafter=drafter,
+        loss_mix=LossMix.from_weights(cfg.objective.loss, cfg.objective.kd_temperature),
+        stream_layers=stream_layer_ids(cfg, target),
+        use_flex=cfg.draft.attention == "flex" or (cfg.draft.attention == "auto" and device.type == "cuda"),
+        epoch_batches=epoch_batches, total_steps=total_steps, optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg.train, total_steps),
     )
-
-
-def stream_layer_ids(cfg: RunConfig, target: Target) -> list[int]:
-    """The target layers a micro-batch's feature stream carries: the drafter's, then the last layer
-    (its output is the final-normed hidden state) when the loss distils from the target's logits."""
-    ids = list(draft_model_config(cfg, target).target_layer_ids)
-    return ids + [target.num_layers - 1] if cfg.objective.needs_target_logits else ids
-
-
-def autocast_for(device: torch.device, target_dtype: torch.dtype) -> AbstractContextManager:
-    """bf16 autocast on GPU. On CPU the drafter runs in the target's dtype: fp32 stays exact, and a
-    bf16/fp16 target's features and heads would otherwise meet fp32 drafter weights in one matmul."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    low = target_dtype in (torch.bfloat16, torch.float16)
-    return torch.autocast("cpu", dtype=target_dtype) if low else nullcontext()
-
-
-def compile_layers(drafter: torch.nn.Module, num_bucket_shapes: int | None) -> None:
-    """torch.compile each draft layer in place (state_dict names unchanged).
-
-    Bucket mode (`num_bucket_shapes`): one static graph per bucket shape (dynamic shapes hit inductor
-    bugs in the flex backward on torch 2.11); otherwise dynamo goes dynamic after a first new length.
-    """
-    static = num_bucket_shapes is not None
-    if static:
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * num_bucket_shapes + 8)
-    for layer in drafter.layers:
-        layer.compile(dynamic=False if static else None)

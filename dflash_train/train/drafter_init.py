@@ -17,8 +17,8 @@ import torch
 from dflash_train.config import RunConfig
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 from dflash_train.eval.export import check_state_dict, read_drafter_folder
-from dflash_train.target import Target
-from dflash_train.train.build import draft_model_config
+from dflash_train.targets.model import Target
+from dflash_train.train.shapes import draft_model_config
 
 log = logging.getLogger("dflash_train")
 

@@ -18,21 +18,21 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from dflash_train.capture import CapturedFeatures, fingerprint
+from dflash_train.train.capture import CapturedFeatures, fingerprint
 from dflash_train.config import RunConfig, dump_config
 from dflash_train.data.batching import bucket_shape
 from dflash_train.data.dataset import TokenizedDataset
 from dflash_train.draft.loss import LossTally, acceptance_metrics, loss_chunk_rows
 from dflash_train.draft.objective import draft_loss, make_task
-from dflash_train.ops import compile_cache
-from dflash_train.ops.guard import ThroughputGuard
-from dflash_train.ops.manifest import build_manifest, write_manifest
-from dflash_train.ops.profile import StepProfiler, extras_after
-from dflash_train.ops.recompiles import RecompileWatch
-from dflash_train.target import Target, synced_time
+from dflash_train.checks import compile_cache
+from dflash_train.checks.guard import ThroughputGuard
+from dflash_train.checks.manifest import build_manifest, write_manifest
+from dflash_train.checks.profile import StepProfiler, extras_after
+from dflash_train.checks.recompiles import RecompileWatch
+from dflash_train.targets.model import Target, synced_time
 from dflash_train.checkpoint import local as ckpt
 from dflash_train.train.batches import anchor_seed, collate_as_trained, take
-from dflash_train.train.build import autocast_for, compile_layers
+from dflash_train.train.shapes import autocast_for, compile_layers
 from dflash_train.train.accumulate import LocalSource, NoReduction, Reduction, Source, accumulate
 from dflash_train.train.feature_cache import FeatureCache, from_capture, from_target, step_reserve
 from dflash_train.train.step_graph import StepGraphs
@@ -42,7 +42,7 @@ from dflash_train.checkpoint.storage import checkpoint_to_resume, prune_local
 from dflash_train.train.tracking import Tracker
 from dflash_train.train.budget import Deadline, TimeBudget
 from dflash_train.train.optim import refit_scheduler, retarget_scheduler
-from dflash_train.train.parts import build, check_write_locations
+from dflash_train.train.build import build, check_write_locations
 from dflash_train.disk import writes_to
 
 log = logging.getLogger("dflash_train")

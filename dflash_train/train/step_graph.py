@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_train.draft.objective import task_from_keys, task_keys
-from dflash_train.static_cache import capture_graph
+from dflash_train.targets.static_cache import capture_graph
 from dflash_train.train.accumulate import LocalSource, NoReduction
 
 log = logging.getLogger("dflash_train")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from dflash_train.config import RunConfig
-from dflash_train.ops import compile_cache
+from dflash_train.checks import compile_cache
 from dflash_train.train.loop import Trainer
 
 

@@ -110,7 +110,7 @@ def test_a_checkpoint_without_a_record_still_resumes_with_a_warning(make_run_con
 
 def test_a_corrupt_checkpoint_chosen_by_hand_fails_before_the_target_loads(make_run_config, monkeypatch,
                                                                              shared_tiny_target):
-    import dflash_train.train.parts as parts
+    import dflash_train.train.build as parts
 
     cfg, _ = _finished_run(make_run_config, shared_tiny_target)
     newest = ckpt.checkpoint_path(cfg.run_dir, 2)

@@ -6,7 +6,7 @@ import pytest
 
 from dflash_train.eval.config import DecodeSettings, EvalJobConfig
 from dflash_train.eval.export import export_drafter
-from dflash_train.eval.prompts import load_prompts
+from dflash_train.data.prompts import load_prompts
 from dflash_train.eval.report import evaluate, format_table, run_eval, write_report
 
 from .test_export import save_checkpoint

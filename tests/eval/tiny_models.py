@@ -4,7 +4,7 @@ import torch
 from tiny import tiny_target as _tiny_target
 
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
-from dflash_train.target import Target
+from dflash_train.targets.model import Target
 
 
 def tiny_target(vocab_size: int = 256, num_layers: int = 4, hidden_size: int = 64, seed: int = 0, tokenizer=None):

@@ -13,7 +13,7 @@ import pytest
 
 from dflash_train.cli import main
 from dflash_train.data.formats import MAX_ROW_BYTES, DataError, iter_rows
-from dflash_train.eval.prompts import load_prompts
+from dflash_train.data.prompts import load_prompts
 from tests.generate.conftest import write_jsonl
 
 SMALL = {"messages": [{"role": "user", "content": "hi"}]}

@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash_train.eval.static_decode import StaticDecoder
-from dflash_train.target import Target
+from dflash_train.targets.model import Target
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from decode_speed import SMOLLM2  # noqa: E402

@@ -18,9 +18,9 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dflash_train.ops import environment as env
+from dflash_train.checks import environment as env
 from dflash_train.atomic import write_json_atomic
-from dflash_train.ops.gitstate import git_state
+from dflash_train.checks.gitstate import git_state
 
 MANIFEST_NAME = "manifest.json"
 SCHEMA_VERSION = 1

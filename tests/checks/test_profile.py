@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash_train.ops.profile import StepProfiler, busy_us, family, summarize
+from dflash_train.checks.profile import StepProfiler, busy_us, family, summarize
 from dflash_train.train.loop import Trainer
 
 

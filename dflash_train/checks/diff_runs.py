@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from dflash_train.atomic import read_json
-from dflash_train.ops.manifest import MANIFEST_NAME
+from dflash_train.checks.manifest import MANIFEST_NAME
 
 ABSENT = "<absent>"
 # Slowdowns have come from these; time and host differ between any two runs and go last.

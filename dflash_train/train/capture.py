@@ -28,11 +28,11 @@ from dflash_train.atomic import write_atomic
 from dflash_train.disk import require_writable
 from dflash_train.config import RunConfig
 from dflash_train.data.dataset import TokenizedDataset
-from dflash_train.target import Target
+from dflash_train.targets.model import Target
 from dflash_train.train.batches import collate
-from dflash_train.train.build import stream_layer_ids
+from dflash_train.train.shapes import stream_layer_ids
 from dflash_train.train.feature_cache import padded
-from dflash_train.train.parts import load_inputs
+from dflash_train.train.build import load_inputs
 
 log = logging.getLogger("dflash_train")
 

@@ -2,7 +2,7 @@ import json
 import platform
 
 from dflash_train.config import RunConfig
-from dflash_train.ops.manifest import build_manifest, config_fingerprint, write_manifest
+from dflash_train.checks.manifest import build_manifest, config_fingerprint, write_manifest
 
 
 def _config(**overrides) -> dict:

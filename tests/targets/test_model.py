@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.target import Target, resolve_mask_token_id
+from dflash_train.targets.model import Target, resolve_mask_token_id
 from tiny import tiny_target, tiny_tokenizer
 
 
@@ -116,7 +116,7 @@ def test_sliding_window_layers_keep_their_masks():
     """A model with sliding-window layers keeps transformers' own masks: windows are honoured."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_train.target import Target
+    from dflash_train.targets.model import Target
 
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -143,7 +143,7 @@ def test_whole_forward_gives_the_models_own_logits_and_features(target):
 def test_logits_apply_the_models_soft_capping():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    from dflash_train.target import Target
+    from dflash_train.targets.model import Target
 
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -164,7 +164,7 @@ def test_concurrent_first_loads_convert_the_embedded_model_once(tmp_path, monkey
     import threading
     import time
 
-    import dflash_train.target_embedded as target_module
+    import dflash_train.targets.embedded as target_module
 
     monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path))
     calls = []

@@ -2,7 +2,7 @@ import json
 import sys
 
 from dflash_train.config import RunConfig
-from dflash_train.ops.doctor import format_report, run_doctor
+from dflash_train.checks.doctor import format_report, run_doctor
 
 from .conftest import make_dist
 

@@ -5,8 +5,8 @@ import logging
 import pytest
 
 from dflash_train.config import RunConfig
-from dflash_train.ops.guard import ThroughputGuard
-from dflash_train.ops.manifest import build_manifest, write_manifest
+from dflash_train.checks.guard import ThroughputGuard
+from dflash_train.checks.manifest import build_manifest, write_manifest
 
 WARMUP = 5
 

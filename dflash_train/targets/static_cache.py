@@ -25,8 +25,8 @@ from transformers.cache_utils import Cache, StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from dflash_train.ops import compile_cache
-from dflash_train.windows import layer_windows, window_masks, windows_problem
+from dflash_train.checks import compile_cache
+from dflash_train.targets.windows import layer_windows, window_masks, windows_problem
 
 log = logging.getLogger("dflash_train")
 

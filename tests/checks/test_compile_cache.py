@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.ops import compile_cache as cc
+from dflash_train.checks import compile_cache as cc
 
 CACHE_VARS = (
     "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"

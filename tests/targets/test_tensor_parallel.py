@@ -10,8 +10,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from dflash_train.config import TargetConfig
-from dflash_train.target import load_target
-from dflash_train.distributed.tensor_parallel import tensor_parallel_plan
+from dflash_train.targets.model import load_target
+from dflash_train.targets.tensor_parallel import tensor_parallel_plan
 from dflash_train.distributed.launch import main as launch_main
 from dflash_train.distributed.layout import Layout, plan_split
 from dist_runs import free_port, fork_all, losses, reference_losses, spawn, write_assets, write_config

@@ -23,9 +23,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dflash_train.config import TargetConfig
 from dflash_train.data.chat import give_plain_template, text_format
-from dflash_train.target_embedded import EMBEDDED_TARGETS, converted_target
-from dflash_train.target_path import check_target_path, load_pretrained
-from dflash_train.distributed.tensor_parallel import shard_decoder
+from dflash_train.targets.embedded import EMBEDDED_TARGETS, converted_target
+from dflash_train.targets.path import check_target_path, load_pretrained
+from dflash_train.targets.tensor_parallel import shard_decoder
 
 log = logging.getLogger("dflash_train")
 

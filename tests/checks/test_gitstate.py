@@ -1,5 +1,5 @@
-from dflash_train.ops.doctor import run_doctor
-from dflash_train.ops.gitstate import git_state
+from dflash_train.checks.doctor import run_doctor
+from dflash_train.checks.gitstate import git_state
 
 from .conftest import git
 

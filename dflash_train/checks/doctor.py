@@ -20,9 +20,9 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from dflash_train.config import RunConfig
-from dflash_train.ops import compile_cache
-from dflash_train.ops import environment as env
-from dflash_train.ops.gitstate import git_state, package_repo_root
+from dflash_train.checks import compile_cache
+from dflash_train.checks import environment as env
+from dflash_train.checks.gitstate import git_state, package_repo_root
 
 TORCH_FLOOR = Version("2.11")
 MIN_PYTHON = (3, 11)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_train.atomic import read_json
-from dflash_train.ops.diff_runs import diff_manifests
-from dflash_train.ops.manifest import MANIFEST_NAME
+from dflash_train.checks.diff_runs import diff_manifests
+from dflash_train.checks.manifest import MANIFEST_NAME
 
 METRICS_NAME = "metrics.jsonl"
 _DRIFT_KEYS = ("packages", "torch", "python", "git.commit", "git.diff_sha256")

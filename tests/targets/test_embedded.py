@@ -7,7 +7,7 @@ import json
 from tiny import tiny_tokenizer
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from dflash_train.target_embedded import FAST_TOKENIZER, legacy_fields, legacy_rope_fields
+from dflash_train.targets.embedded import FAST_TOKENIZER, legacy_fields, legacy_rope_fields
 
 
 def test_rope_settings_are_written_where_transformers_4_reads_them():

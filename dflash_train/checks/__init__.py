@@ -1,4 +1,4 @@
-"""Operations: a run that starts fast and never silently slows.
+"""Run checks: a run that starts fast and never silently slows.
 
 Order of use in a training run (the CLI and trainer wire these; nothing here imports them):
   doctor.run_doctor        before anything: environment, code and cache problems, as a report
