@@ -7,10 +7,10 @@ length from the start (the closer, the less the estimates bent the schedule), an
 run itself logged (`run_mean_gap`: its budget as it was then).
 
     python bench/budget_replay.py -c configs/smollm2-h200.yaml train.time_budget_minutes=4.0 \
-        --metrics docs/benchmarks/smollm2_h200/2026-12-02-a32-graphs/metrics.jsonl --queued-seconds 23.2
+        --metrics results/smollm2-h200/cuda-graphs/a32-graphs/metrics.jsonl --queued-seconds 23.2
 
-`--queued-seconds`: time the logged windows left out (windows timed on the host before 2026-12-02,
-third session: the device's queue at each window's end), spread evenly over them.
+`--queued-seconds`: time the logged windows left out (windows timed on the host before the fix of
+2026-12-02: the device's queue at each window's end), spread evenly over them.
 """
 
 from __future__ import annotations

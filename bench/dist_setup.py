@@ -1,7 +1,7 @@
 """Set up a distributed GPU run without downloads: a random-init Qwen3-shaped target saved as an HF
 model dir, a prepared dataset of random-token conversations with realistic lengths, a run config.
-    python bench/dist_setup.py --out /root/w/dist --shape qwen3-8b
-    dflash-train launch -c /root/w/dist/run.yaml --colocated --nproc-per-node 1
+    python bench/dist_setup.py --out runs/dist --shape qwen3-8b
+    dflash-train launch -c runs/dist/run.yaml --colocated --nproc-per-node 1
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """GPU layouts side by side on one node, and a fault run, through `dflash-train launch`.
 
-    python3 bench/dist_setup.py --out /root/w/dist --steps 40
-    python3 bench/multi_gpu.py --setup /root/w/dist --out $OUT/multi_gpu \
+    python3 bench/dist_setup.py --out runs/dist --steps 40
+    python3 bench/multi_gpu.py --setup runs/dist --out runs/multi_gpu \
         --variants one_gpu colocated 1t1d link
-    python3 bench/multi_gpu.py --setup /root/w/dist --out $OUT/multi_gpu --variants auto fault
+    python3 bench/multi_gpu.py --setup runs/dist --out runs/multi_gpu --variants auto fault
 
 Each variant is a real training run of the same config (train.grad_accum = number of GPUs, so every
 layout trains on the same global batches and its losses can be compared step by step). Recorded per

@@ -1,7 +1,8 @@
 """Speedup as served against acceptance length, one point per drafter and batch size, from
 `bench/spec_speed.py` reports (each labelled by its file name or LABEL=FILE):
-    python bench/speedup_vs_tau.py random=h200_spec_speed_random.json short=h200_spec_speed_ce_short.json \
-        every=smollm2_h200/2026-12-01-fourth/spec_speed.json --out speedup_vs_tau.png
+    python bench/speedup_vs_tau.py random=results/smollm2-h200/spec-speed/random_drafter.json \
+        short=results/smollm2-h200/spec-speed/short_run_drafter.json \
+        every=results/smollm2-h200/every-turn-32k/spec_speed.json --out speedup_vs_tau.png
 Both caches static, both models under CUDA graphs (`eval/static_decode.py`). Per batch size, a line
 through the origin is fitted (least squares): speedup = tau x (target step) / (round time) when a
 round's cost does not depend on the drafter, so a new drafter's tau tells its speedup served this way.
