@@ -1,6 +1,6 @@
 """On CUDA: compiled flex_attention == SDPA with the dense mask, forward and gradients.
 
-Run through the device tool: `python -m pytest tests/gpu -m gpu`. Imports only the draft package
+On a GPU host: `python -m pytest tests/gpu -m gpu`. Imports only the draft package
 (no pydantic / transformers needed on the GPU host).
 """
 

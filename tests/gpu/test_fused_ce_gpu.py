@@ -2,7 +2,7 @@
 against a float64 reference at the SmolLM2 vocabulary, with decay weights, zero-weight rows and the
 global normalisation of training; their per-slot statistics against the chunked loss's.
 
-Run through the device tool: `python -m pytest tests/gpu -m gpu` (with the `fused-ce` extra's wheels).
+On a GPU host: `python -m pytest tests/gpu -m gpu` (with the `fused-ce` extra's wheels).
 """
 
 from __future__ import annotations

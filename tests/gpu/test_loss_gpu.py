@@ -1,7 +1,7 @@
 """On CUDA: the compiled, chunked distilled loss (train.compile) against a float64 reference, at the
 SmolLM2 vocabulary, in the precision training uses (bf16 autocast, fp32 logits).
 
-Run through the device tool: `python -m pytest tests/gpu -m gpu`.
+On a GPU host: `python -m pytest tests/gpu -m gpu`.
 """
 
 from __future__ import annotations

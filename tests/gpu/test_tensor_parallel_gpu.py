@@ -2,7 +2,7 @@
 over both GPUs (target.tensor_parallel 2) captures the same features as the whole target on one.
 Runs bench/tp_features.py through torchrun, the process layout `launch` uses.
 
-Run through the device tool: `python -m pytest tests/gpu -m gpu` (on a machine with 2 GPUs).
+On a GPU host: `python -m pytest tests/gpu -m gpu` (on a machine with 2 GPUs).
 """
 
 from __future__ import annotations
