@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import traceback
 import warnings
@@ -30,7 +31,9 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from dflash_train.config import build_config
 from dflash_train.draft import masks
 from dflash_train.draft.model import DFlashDraftModel
+from dflash_train.draft.fp8 import RECIPES, convert_to_fp8
 from dflash_train.draft.objective import draft_loss, make_task
+from dflash_train.targets.fp8 import GRANULARITIES, quantize_decoder
 from dflash_train.targets.model import Target
 from dflash_train.draft.loss import LossMix
 from dflash_train.checks.profile import profile_callable
@@ -140,6 +143,31 @@ def make_batch(shape: str, batch: int, max_length: int, device, gen, full: bool 
     return ids.to(device), loss_mask.to(device), int(lengths.sum())
 
 
+def measure_levers(args, device, cfg, drafter, target_step, draft_step, overlapped, ids, loss_mask, task, tokens) -> dict:
+    """Each lever beside the headline rates, on the same models and batch."""
+    levers = {}
+    if args.profile:
+        levers["profile_e2e"] = profile_callable(lambda: draft_step(target_step()), device)
+        levers["profile_target"] = profile_callable(target_step, device)
+    seeds = iter(range(1, 10**6))  # new anchors every step, as in training
+    levers["drafter_with_task_steps_per_s"] = 1 / timed(
+        lambda: draft_step(block_task=make_task(ids, loss_mask, cfg.objective, next(seeds))), device, args.steps, 1)
+    context = ids.shape[1]
+    block = cfg.objective.block_size
+    levers["block_mask_ms"] = 1e3 * timed(lambda: masks.flex_block_mask(task.anchors, block, context), device,
+                                          args.steps, 1)
+    levers["block_mask_create_block_mask_ms"] = 1e3 * timed(
+        lambda: create_block_mask(masks.mask_mod_for(task.anchors, block, context), task.anchors.shape[0], None,
+                                  task.anchors.shape[1] * block, context + task.anchors.shape[1] * block,
+                                  device=device),
+        device, args.steps, 1)
+    if device.type == "cuda":
+        levers["e2e_overlap_tokens_per_s"] = tokens / timed(lambda: overlapped(args.steps), device, 1, 1) * args.steps
+        foreach = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, betas=cfg.train.betas, foreach=True)
+        levers["drafter_foreach_adamw_tokens_per_s"] = tokens / timed(lambda: draft_step(optimizer=foreach), device, args.steps, 1)
+    return levers
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="CPU: a tiny config (what CI runs)")
@@ -157,6 +185,11 @@ def main(argv=None):
     ap.add_argument("--ce-kernel", default="chunked", choices=["chunked", "liger", "cce"],
                     help="LM head + CE of the loss (train.ce_kernel): ours, or a fused library kernel (CUDA)")
     ap.add_argument("--profile", action="store_true", help="time of one end-to-end step by kernel family, device busy and idle (dflash_train/checks/profile.py)")
+    ap.add_argument("--fp8-draft", default="off", choices=["off", *RECIPES],
+                    help="the drafter's linear layers in FP8 (draft.fp8, torchao float8 training)")
+    ap.add_argument("--fp8-target", default="off", choices=["off", *GRANULARITIES],
+                    help="the target's decoder in FP8 (target.fp8, torchao float8 inference)")
+    ap.add_argument("--headline", action="store_true", help="the three rates, memory, syncs and recompiles only")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     shape = "tiny" if args.tiny else args.shape
@@ -169,11 +202,15 @@ def main(argv=None):
     with torch.device(device):
         model = Qwen3ForCausalLM(Qwen3Config(**SHAPES[shape], tie_word_embeddings=False, max_position_embeddings=32768))
     model.to(dtype).eval().requires_grad_(False)
+    if args.fp8_target != "off":
+        quantize_decoder(model.model.layers, args.fp8_target)
     target = Target(model=model, tokenizer=_NoTokenizer(), name=f"{shape}-random", device=device)
     cfg = build_config({"device": device.type, "draft": {"num_layers": 2 if args.tiny else args.draft_layers},
                         "objective": {"block_size": 16, "mask_token_id": SHAPES[shape]["vocab_size"] - 1,
                                       "num_anchors": anchors, "loss": {args.loss: 1.0}, "gamma": 7.0}})
     drafter = DFlashDraftModel(draft_model_config(cfg, target)).to(device)
+    if args.fp8_draft != "off":
+        convert_to_fp8(drafter, args.fp8_draft)
     if args.compile:
         for layer in drafter.layers:
             layer.compile()
@@ -218,32 +255,16 @@ def main(argv=None):
 
     warm = 2 if args.tiny else 3
     t_target = timed(target_step, device, args.steps, warm)
+    print(f"target forward: {tokens / t_target:,.0f} tokens/s", file=sys.stderr, flush=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t_draft = timed(draft_step, device, args.steps, warm)
+    print(f"drafter step: {tokens / t_draft:,.0f} tokens/s", file=sys.stderr, flush=True)
     t_e2e = timed(lambda: draft_step(target_step()), device, args.steps, 1)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     syncs = host_syncs(lambda: draft_step(target_step()), device)
-    levers = {}
-    if args.profile:
-        levers["profile_e2e"] = profile_callable(lambda: draft_step(target_step()), device)
-        levers["profile_target"] = profile_callable(target_step, device)
-    seeds = iter(range(1, 10**6))  # new anchors every step, as in training
-    levers["drafter_with_task_steps_per_s"] = 1 / timed(
-        lambda: draft_step(block_task=make_task(ids, loss_mask, cfg.objective, next(seeds))), device, args.steps, 1)
-    context = ids.shape[1]
-    block = cfg.objective.block_size
-    levers["block_mask_ms"] = 1e3 * timed(lambda: masks.flex_block_mask(task.anchors, block, context), device,
-                                          args.steps, 1)
-    levers["block_mask_create_block_mask_ms"] = 1e3 * timed(
-        lambda: create_block_mask(masks.mask_mod_for(task.anchors, block, context), task.anchors.shape[0], None,
-                                  task.anchors.shape[1] * block, context + task.anchors.shape[1] * block,
-                                  device=device),
-        device, args.steps, 1)
-    if device.type == "cuda":
-        levers["e2e_overlap_tokens_per_s"] = tokens / timed(lambda: overlapped(args.steps), device, 1, 1) * args.steps
-        foreach = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, betas=cfg.train.betas, foreach=True)
-        levers["drafter_foreach_adamw_tokens_per_s"] = tokens / timed(lambda: draft_step(optimizer=foreach), device, args.steps, 1)
+    levers = {} if args.headline else measure_levers(args, device, cfg, drafter, target_step, draft_step, overlapped,
+                                                    ids, loss_mask, task, tokens)
 
     n_target = sum(p.numel() for p in model.model.layers.parameters())
     n_draft = sum(p.numel() for p in drafter.parameters())
