@@ -43,16 +43,13 @@ class TokenizedConversation:
     loss_mask: list[int]
 
 
-def _render(tokenizer, messages, add_generation_prompt: bool, kwargs: dict, where: str) -> list[int]:
+def _render(tokenizer, messages, add_generation_prompt: bool, kwargs: dict, where: str) -> str:
     try:
-        out = tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=add_generation_prompt, **kwargs
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
     except (TemplateError, ValueError) as err:  # e.g. "roles must alternate user/assistant"
         raise DataError(f"{where}: the chat template rejected this conversation: {err}") from None
-    if isinstance(out, dict) or hasattr(out, "keys"):
-        out = out["input_ids"]
-    return list(out)
 
 
 def _trailing_whitespace(tokenizer, ids: list[int], start: int, end: int) -> int:
@@ -63,30 +60,92 @@ def _trailing_whitespace(tokenizer, ids: list[int], start: int, end: int) -> int
     return end
 
 
-def tokenize_conversation(
-    tokenizer, messages: list[dict], max_length: int, where: str = "", template_kwargs: dict | None = None
-) -> TokenizedConversation:
-    if tokenizer.chat_template == PLAIN_TEXT:
-        return _plain_conversation(tokenizer, messages, max_length)
-    kwargs = dict(template_kwargs or {})
-    full = _render(tokenizer, messages, False, kwargs, where)
-    loss_mask = [0] * len(full)
-    for i, message in enumerate(messages):
+@dataclass
+class _Renders:
+    """One conversation's rendered texts: the whole, and per answer (turn i) the text before it
+    (with the generation prompt) and through it (None for the last turn: the whole)."""
+
+    where: str
+    full: str
+    answers: list[tuple[int, str, str | None]]
+
+
+def _render_all(tokenizer, messages: list[dict], kwargs: dict, where: str) -> _Renders:
+    answers = [
+        (i, _render(tokenizer, messages[:i], True, kwargs, where),
+         None if i == len(messages) - 1 else _render(tokenizer, messages[: i + 1], False, kwargs, where))
         # An opening assistant turn (a greeting in ShareGPT) answers nothing: context, not a target.
-        if message["role"] != "assistant" or i == 0:
-            continue
-        before = _render(tokenizer, messages[:i], True, kwargs, where)
-        # The last turn's prefix is the whole conversation: one encode less for most rows.
-        through = full if i == len(messages) - 1 else _render(tokenizer, messages[: i + 1], False, kwargs, where)
+        for i, message in enumerate(messages) if message["role"] == "assistant" and i > 0
+    ]
+    return _Renders(where, _render(tokenizer, messages, False, kwargs, where), answers)
+
+
+def _answer_mask(tokenizer, renders: _Renders, encoded: dict[str, list[int]], max_length: int) -> TokenizedConversation:
+    full = encoded[renders.full]
+    loss_mask = [0] * len(full)
+    for i, before_text, through_text in renders.answers:
+        before = encoded[before_text]
+        through = full if through_text is None else encoded[through_text]
         if full[: len(before)] != before or full[: len(through)] != through:
             raise DataError(
-                f"{where}: the chat template does not render conversation prefixes as prefixes "
+                f"{renders.where}: the chat template does not render conversation prefixes as prefixes "
                 f"(assistant turn {i}); cannot locate the answer tokens"
             )
         end = _trailing_whitespace(tokenizer, full, len(before), len(through))
         for p in range(len(before), end):
             loss_mask[p] = 1
     return TokenizedConversation(input_ids=full[:max_length], loss_mask=loss_mask[:max_length])
+
+
+def render_conversations(tokenizer, conversations: list[tuple[list[dict], str]], template_kwargs: dict | None = None
+                         ) -> list[_Renders | DataError | list[dict]]:
+    """The first half of `tokenize_conversations`: each (messages, where) rendered through the chat
+    template (Python, holding the GIL). A base model's conversations pass through as messages: they
+    are encoded span by span in the second half."""
+    if tokenizer.chat_template == PLAIN_TEXT:
+        return [messages for messages, _ in conversations]
+    kwargs = dict(template_kwargs or {})
+    renders: list[_Renders | DataError | list[dict]] = []
+    for messages, where in conversations:
+        try:
+            renders.append(_render_all(tokenizer, messages, kwargs, where))
+        except DataError as err:
+            renders.append(err)
+    return renders
+
+
+def encode_renders(tokenizer, renders: list, max_length: int) -> list[TokenizedConversation | DataError]:
+    """The second half: every rendered text encoded in one batch, which the fast tokenizer spreads
+    over its own threads (encoding is most of the cost, and releases the GIL); then the answer spans.
+    The encoding is the one `apply_chat_template(tokenize=True)` gives: the text, no special tokens added."""
+    texts = list(dict.fromkeys(t for r in renders if isinstance(r, _Renders)
+                               for t in (r.full, *(x for _, before, through in r.answers for x in (before, through)))
+                               if t is not None))
+    encoded = dict(zip(texts, tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []))
+    results: list[TokenizedConversation | DataError] = []
+    for r in renders:
+        try:
+            results.append(r if isinstance(r, DataError) else _plain_conversation(tokenizer, r, max_length)
+                           if isinstance(r, list) else _answer_mask(tokenizer, r, encoded, max_length))
+        except DataError as err:
+            results.append(err)
+    return results
+
+
+def tokenize_conversations(
+    tokenizer, conversations: list[tuple[list[dict], str]], max_length: int, template_kwargs: dict | None = None
+) -> list[TokenizedConversation | DataError]:
+    """(messages, where) pairs -> their tokens and loss masks, or the DataError of each bad one."""
+    return encode_renders(tokenizer, render_conversations(tokenizer, conversations, template_kwargs), max_length)
+
+
+def tokenize_conversation(
+    tokenizer, messages: list[dict], max_length: int, where: str = "", template_kwargs: dict | None = None
+) -> TokenizedConversation:
+    result = tokenize_conversations(tokenizer, [(messages, where)], max_length, template_kwargs)[0]
+    if isinstance(result, DataError):
+        raise result
+    return result
 
 
 def _plain_conversation(tokenizer, messages: list[dict], max_length: int) -> TokenizedConversation:

@@ -11,8 +11,9 @@ import itertools
 import json
 import logging
 import multiprocessing
-import os
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_train.atomic import write_atomic, write_json_atomic
-from dflash_train.data.chat import tokenize_conversation, tokenize_text
+from dflash_train.data.chat import encode_renders, render_conversations, tokenize_text
 from dflash_train.data.formats import DataError, RowStats, expand_paths, iter_conversations, iter_rows, normalise_messages
 
 log = logging.getLogger("dflash_train")
@@ -68,22 +69,48 @@ class TokenizedDataset:
 
 
 PARALLEL_MIN_ROWS = 10_000
-"""Fewer rows than this are tokenised in process. Measured on 2 cores: ~3.5 ms a SmolLM2 row in
-process, ~1.3 ms with two workers, but 15 s to spawn them (each imports torch and transformers)."""
-CHUNK_ROWS = 256
+"""Fewer rows than this are tokenised in process whatever `data.tokenize_workers` asks: a process
+pool takes seconds to start (each worker imports torch and transformers)."""
+CHUNK_ROWS = 1024
+"""Conversations rendered, then encoded, together: large enough to keep the tokenizer's threads busy."""
 
 
-def _tokenize_one(tokenizer, conv, max_length: int, template_kwargs) -> tuple[np.ndarray, np.ndarray] | DataError:
-    try:
-        tok = tokenize_text(tokenizer, conv.text, max_length) if conv.text is not None else \
-            tokenize_conversation(tokenizer, conv.messages, max_length, conv.source, template_kwargs)
-    except DataError as err:
-        return err
+def _checked(conv, tok, max_length: int) -> tuple[np.ndarray, np.ndarray] | DataError:
+    if isinstance(tok, DataError):
+        return tok
     # An anchor needs two consecutive response tokens; a row without them teaches nothing.
     mask = np.asarray(tok.loss_mask, dtype=np.int8)
     if not (mask[:-1] & mask[1:]).any():
         return DataError(f"{conv.source}: no response tokens within max_length ({max_length})")
     return np.asarray(tok.input_ids, dtype=np.int32), mask
+
+
+def _render_rows(tokenizer, convs: list, template_kwargs) -> list:
+    return render_conversations(tokenizer, [(c.messages, c.source) for c in convs if c.text is None], template_kwargs)
+
+
+def _encode_rows(tokenizer, convs: list, renders: list, max_length: int) -> list:
+    """Corpus rows one by one; conversations in one batch (chat.encode_renders)."""
+    chats = iter(encode_renders(tokenizer, renders, max_length))
+    return [_checked(c, tokenize_text(tokenizer, c.text, max_length) if c.text is not None else next(chats),
+                     max_length) for c in convs]
+
+
+def _tokenize_rows(tokenizer, convs: list, max_length: int, template_kwargs) -> list:
+    return _encode_rows(tokenizer, convs, _render_rows(tokenizer, convs, template_kwargs), max_length)
+
+
+def _pipelined(tokenizer, chunks: list[list], max_length: int, template_kwargs) -> Iterator:
+    """Chunk k+1 is rendered (Python) while chunk k is encoded on a thread (Rust, without the GIL)."""
+    with ThreadPoolExecutor(1) as encoder:
+        pending = None
+        for chunk in chunks:
+            renders = _render_rows(tokenizer, chunk, template_kwargs)
+            if pending is not None:
+                yield from pending.result()
+            pending = encoder.submit(_encode_rows, tokenizer, chunk, renders, max_length)
+        if pending is not None:
+            yield from pending.result()
 
 
 _worker_args: tuple = ()
@@ -96,14 +123,12 @@ def _init_worker(*args) -> None:
 
 def _tokenize_chunk(convs: list) -> list:
     tokenizer, max_length, template_kwargs = _worker_args
-    return [_tokenize_one(tokenizer, conv, max_length, template_kwargs) for conv in convs]
+    return _tokenize_rows(tokenizer, convs, max_length, template_kwargs)
 
 
 def tokenize_workers(requested: int, rows: int) -> int:
-    """Processes for `rows` conversations: `requested`, or with 0 one per core (at most 16)."""
-    if rows < PARALLEL_MIN_ROWS:
-        return 1
-    return requested or min(len(os.sched_getaffinity(0)), 16)
+    """Processes for `rows` conversations: 1 (0 asks for the default), or `requested` for large inputs."""
+    return 1 if rows < PARALLEL_MIN_ROWS else max(requested, 1)
 
 
 def tokenize_files(
@@ -120,10 +145,10 @@ def tokenize_files(
         unreadable = err
     processes = tokenize_workers(workers, len(convs))
     start = time.perf_counter()
+    chunks = [convs[i : i + CHUNK_ROWS] for i in range(0, len(convs), CHUNK_ROWS)]
     if processes == 1:
-        _collect(ds, (_tokenize_one(tokenizer, c, max_length, template_kwargs) for c in convs), skip_invalid)
+        _collect(ds, _pipelined(tokenizer, chunks, max_length, template_kwargs), skip_invalid)
     else:
-        chunks = [convs[i : i + CHUNK_ROWS] for i in range(0, len(convs), CHUNK_ROWS)]
         # spawn, not fork: the caller may hold CUDA state or threads that a forked child must not inherit.
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(processes, initializer=_init_worker, initargs=(tokenizer, max_length, template_kwargs)) as pool:

@@ -140,3 +140,23 @@ def test_training_data_logs_its_skip_counts(tmp_path, caplog):
     with caplog.at_level("INFO", logger="dflash_train"):
         load_training_data(cfg, tok, tokenizer_fingerprint(tok))
     assert "training data: 5 rows: 3 used, 2 skipped (no 'messages', 'conversations' or 'text' field: 2)" in caplog.text
+
+
+def test_batched_tokenising_gives_the_chat_templates_own_tokens(tmp_path, monkeypatch):
+    """Chunks rendered then encoded in batches, the next chunk rendered while one encodes: each row's
+    ids are `apply_chat_template(tokenize=True)`'s own, in file order, multi-turn rows included."""
+    import dflash_train.data.dataset as dataset
+
+    tok = tiny_tokenizer()
+    rows = conversations(11)
+    rows[3]["messages"] += [{"role": "user", "content": "and then?"}, {"role": "assistant", "content": "then more."}]
+    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    monkeypatch.setattr(dataset, "CHUNK_ROWS", 4)
+    ds = tokenize_files([src], tok, 256, skip_invalid=False)
+    assert len(ds) == 11
+    for row, ids, mask in zip(rows, ds.input_ids, ds.loss_mask):
+        reference = tok.apply_chat_template(row["messages"], tokenize=True)
+        reference = list(reference["input_ids"] if hasattr(reference, "keys") else reference)
+        assert ids.tolist() == reference
+        answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert tok.decode(ids[mask.astype(bool)].tolist()) == "".join(a + "<|im_end|>" for a in answers)
