@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -10,6 +13,9 @@ from pydantic import Field
 
 from dflash_train.config_flags import HelpFormatter, add_config_flags, config_fields, with_flag_overrides
 from dflash_train.config_loader import ConfigError, Section, build, load
+
+REPO = Path(__file__).resolve().parent.parent
+
 
 class Inner(Section):
     """What the inner section is for."""
@@ -142,3 +148,10 @@ def test_the_cli_loads_run_configs_through_the_flags_too(tmp_path):
     assert cfg.train.lr == pytest.approx(2e-3) and cfg.train.compile is True and cfg.data.train_files == ["a", "b"]
     assert cfg.objective.loss == {"ce": 0.5, "kl": 0.5} and args.resume == "auto"
 
+
+def test_launch_does_not_import_the_cli():
+    """One-way dependencies: the CLI imports launch's entry point, never the other way round."""
+    code = "import sys, dflash_train.distributed.launch; assert 'dflash_train.cli' not in sys.modules"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-2000:]
