@@ -156,8 +156,8 @@ def cmd_eval(args) -> int:
 
     report = run_eval(job)
     print(format_table(report))
-    if args.out:
-        print(f"report: {args.out}/eval.json, chart: {args.out}/eval.png")
+    if job.out:
+        print(f"report: {job.out}/eval.json, chart: {job.out}/eval.png")
     return 0
 
 
@@ -185,7 +185,8 @@ Your own target, in this order:
   eval       speculative decoding on held-out prompts: acceptance length tau, speedup
   export     checkpoint -> the format SGLang, vLLM and z-lab load
   diff-runs  what changed between two runs
-Each command has its own --help."""
+Each command has its own --help. Settings come from a YAML file (-c), then dotted overrides
+(train.lr=3e-4), then flags: every config key is one (--train.lr 3e-4), listed with its default."""
 
 
 def _positive_int(text: str) -> int:

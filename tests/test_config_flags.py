@@ -155,3 +155,17 @@ def test_launch_does_not_import_the_cli():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_eval_runs_the_job_its_flags_describe(tmp_path, monkeypatch, capsys):
+    import dflash_train.eval.report as report
+    from dflash_train.cli import main
+
+    jobs = []
+    monkeypatch.setattr(report, "run_eval", lambda job: jobs.append(job) or {})
+    monkeypatch.setattr(report, "format_table", lambda rep: "table")
+    out = tmp_path / "eval"
+    assert main(["eval", "--target", "smollm2", "--drafter", "d", "--max-new-tokens", "9", "--out", str(out)]) == 0
+    (job,) = jobs
+    assert (job.target.path, job.drafter, job.decode.max_new_tokens, job.out) == ("smollm2", "d", 9, str(out))
+    assert capsys.readouterr().out == f"table\nreport: {out}/eval.json, chart: {out}/eval.png\n"
