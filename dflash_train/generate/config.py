@@ -1,4 +1,5 @@
-"""Settings of `dflash-train generate`: YAML file + flat CLI flags or dotted overrides.
+"""Settings of `dflash-train generate`, read like every command's (config_loader.py): a YAML file,
+then dotted overrides and the flags derived from these fields (config_flags.py).
 
 Sampling settings are recorded in the output's meta.json and must match on resume: one output
 directory never mixes answers produced under different settings. Server URLs, concurrency and
@@ -7,26 +8,22 @@ timeouts are how the work is done, not what it produces, so they may change betw
 
 from __future__ import annotations
 
-from argparse import Namespace
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from dflash_train.config import ConfigError, format_validation_errors, set_dotted, read_yaml_tree
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from dflash_train.config_loader import Override, Section, build, read_yaml_tree
 
 
-class SamplingConfig(_Section):
+class SamplingConfig(Section):
     """What the target is asked to do; recorded in meta.json."""
 
     temperature: float = Field(0.0, ge=0)
     """0 = greedy."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: sample from the smallest set of tokens holding this much probability."""
     max_tokens: int = Field(2048, ge=1)
     """Most new tokens per assistant turn; longer answers are cut and counted as truncated."""
     thinking: bool | None = None
@@ -37,12 +34,13 @@ class SamplingConfig(_Section):
     """Each request gets its own seed derived from this, the row and the turn (reproducible, not shared)."""
 
 
-class HttpConfig(_Section):
+class HttpConfig(Section):
     """OpenAI-compatible chat-completions servers (SGLang, vLLM)."""
 
-    server_urls: list[str] = Field(default_factory=list)
-    """Base URLs (with or without /v1); requests go to the least busy one."""
+    server_urls: list[str] = Field(default_factory=list, json_schema_extra={"flag": "--server-url"})
+    """Base URLs (with or without /v1), one per --server-url; requests go to the least busy one."""
     api_key: str | None = None
+    """Bearer token sent to the servers; default: none."""
     request_timeout: float = Field(600.0, gt=0)
     """Seconds for one whole request; long generations need minutes."""
     max_retries: int = Field(6, ge=0)
@@ -50,49 +48,53 @@ class HttpConfig(_Section):
     backoff_s: float = Field(0.5, ge=0)
     """First retry waits up to this (full jitter), doubling per attempt."""
     backoff_max_s: float = Field(30.0, ge=0)
+    """Longest wait between two retries."""
 
 
-class LocalConfig(_Section):
+class LocalConfig(Section):
     """In-process transformers generation (small targets, quickstart)."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = cuda when a GPU is visible."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """auto = bf16 on GPU, fp32 on CPU."""
     batch_size: int = Field(16, ge=1)
+    """Prompts per generate call (rows decoded together)."""
     engine: Literal["padded", "static", "continuous", "graphed"] = "padded"
-    """padded: one left-padded `generate` per batch (every row runs until the longest ends);
-    static: the same with a preallocated KV cache, decode steps compiled into CUDA graphs on a GPU;
-    continuous: transformers' continuous batching (paged KV cache, finished rows replaced at once; it sizes
-    the cache from free memory: 14 GB resident on a CPU for two ~300-token prompts);
-    graphed: ours (generate/graphed_engine.py): `batch_size` rows on a static per-row cache, finished rows
-    refilled, the decode step one CUDA graph on a GPU; greedy or temperature sampling, no top-p. The
-    fastest on a GPU (docs/benchmarks/generate_local.md)."""
+    """padded: one left-padded `generate` per batch; static: the same on a preallocated KV cache, CUDA
+    graphs on a GPU; continuous: transformers' continuous batching (sizes its cache from free memory);
+    graphed: ours (generate/graphed_engine.py), finished rows refilled, the decode step one CUDA graph,
+    no top-p: the fastest on a GPU (history: docs/benchmarks/generate_local.md)."""
     compile_step: bool = False
-    """graphed engine: the decode step through torch.compile (fused kernels) before its CUDA graph is
-    captured. 1.9x for a one-row SmolLM2 step (docs/benchmarks/speed.md); at a thousand rows, where
-    reading the KV cache dominates, not measured yet, and every cache growth compiles again (~30 s)."""
+    """graphed engine: torch.compile the decode step before capturing it; each cache growth compiles
+    again (~30 s) (history: docs/benchmarks/speed.md)."""
 
 
-class GenerateConfig(_Section):
-    inputs: list[str] = Field(min_length=1)
-    """JSONL or Parquet conversations or prompts (OpenAI `messages` or ShareGPT `conversations`)."""
-    output_dir: str
+class GenerateConfig(Section):
+    inputs: list[str] = Field(min_length=1, json_schema_extra={"flag": "--input"})
+    """JSONL or Parquet conversations or prompts (OpenAI `messages` or ShareGPT `conversations`), one
+    per --input."""
+    output_dir: str = Field(json_schema_extra={"flag": "--output"})
+    """Output directory (shards, meta.json, summary.json); rerun the same command to resume."""
     output_format: Literal["parquet", "jsonl"] = "parquet"
+    """Shard file format."""
     backend: Literal["http", "local"] = "http"
+    """http: OpenAI-compatible servers (`http` section); local: in process (`local` section)."""
     model: str | None = None
     """http: model name sent to the servers (default: the one they serve); local: target path."""
     concurrency: int = Field(64, ge=1)
     """Conversations in flight; for the local backend it should be >= batch_size."""
     shard_size: int = Field(1000, ge=1)
     """Rows per committed shard: at most this much work is redone after a crash..."""
-    shard_interval_s: float = Field(60.0, gt=0)
-    """...or at most this many seconds of it, whichever comes first: finished rows are committed at
-    least this often from the run's start, also while no row finishes, so a job killed every few
-    minutes still progresses (`--commit-interval`)."""
+    shard_interval_s: float = Field(60.0, gt=0, json_schema_extra={"flag": "--commit-interval"})
+    """...or at most this many seconds of it: finished rows are committed at least this often, so a
+    job killed every few minutes still progresses."""
     skip_invalid: bool = False
     """Record malformed input rows as `skipped` with the reason instead of stopping at the first."""
     limit: int | None = Field(None, ge=1)
-    """Only the first N input rows (quick runs)."""
+    """Only the first N input rows (quick runs); default: all."""
     progress: bool = True
+    """Show a progress bar."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     http: HttpConfig = Field(default_factory=HttpConfig)
     local: LocalConfig = Field(default_factory=LocalConfig)
@@ -113,72 +115,13 @@ class GenerateConfig(_Section):
         return self
 
 
-# Flat CLI flag -> dotted config key. Dotted keys are accepted as they are.
-FLAG_KEYS = {
-    "input": "inputs",
-    "inputs": "inputs",
-    "output": "output_dir",
-    "output_dir": "output_dir",
-    "output_format": "output_format",
-    "backend": "backend",
-    "model": "model",
-    "concurrency": "concurrency",
-    "shard_size": "shard_size",
-    "commit_interval": "shard_interval_s",
-    "skip_invalid": "skip_invalid",
-    "limit": "limit",
-    "progress": "progress",
-    "temperature": "sampling.temperature",
-    "top_p": "sampling.top_p",
-    "max_tokens": "sampling.max_tokens",
-    "thinking": "sampling.thinking",
-    "system_prompt": "sampling.system_prompt",
-    "seed": "sampling.seed",
-    "server_url": "http.server_urls",
-    "server_urls": "http.server_urls",
-    "api_key": "http.api_key",
-    "request_timeout": "http.request_timeout",
-    "max_retries": "http.max_retries",
-    "device": "local.device",
-    "dtype": "local.dtype",
-    "batch_size": "local.batch_size",
-    "engine": "local.engine",
-    "compile_step": "local.compile_step",
-}
-_LIST_KEYS = {"inputs", "http.server_urls"}
+def build_generate_config(tree: Mapping | None = None, overrides: Iterable[Override] | Mapping[str, Any] = (),
+                          source: str = "<dict>") -> GenerateConfig:
+    """`tree` (as in the YAML file) with `overrides` (dotted key -> value, or `key=value` text) applied."""
+    return build(GenerateConfig, tree, overrides, source)
 
 
-def build_generate_config(
-    tree: Mapping | None = None,
-    overrides: Mapping[str, Any] | Namespace | None = None,
-    source: str = "<dict>",
-) -> GenerateConfig:
-    """Config tree + overrides; None values mean "flag not given".
-
-    A dict may use flag names (`server_url`) or dotted keys (`sampling.top_p`); unknown keys are
-    errors. From an argparse namespace only the flag names above are taken: the CLI's own
-    attributes (config path, subcommand) are not settings.
-    """
-    tree = dict(tree or {})
-    if isinstance(overrides, Namespace):
-        items = {k: v for k, v in vars(overrides).items() if k in FLAG_KEYS}
-    else:
-        items = dict(overrides or {})
-    for name, value in items.items():
-        if value is None:
-            continue
-        key = FLAG_KEYS.get(name.replace("-", "_"), name)
-        if key in _LIST_KEYS and not isinstance(value, (list, tuple)):
-            value = [value]
-        set_dotted(tree, key, list(value) if isinstance(value, tuple) else value, f"override '{name}'")
-    try:
-        return GenerateConfig.model_validate(tree)
-    except ValidationError as err:
-        raise ConfigError(format_validation_errors(err, source)) from None
-
-
-def load_generate_config(
-    path: str | Path | None = None, overrides: Mapping[str, Any] | Namespace | None = None
-) -> GenerateConfig:
+def load_generate_config(path: str | Path | None = None,
+                         overrides: Iterable[Override] | Mapping[str, Any] = ()) -> GenerateConfig:
     tree, source = read_yaml_tree(path, "<flags>")
-    return build_generate_config(tree, overrides, source)
+    return build(GenerateConfig, tree, overrides, source)

@@ -87,7 +87,7 @@ def test_the_ragged_cache_and_cache_free_decoding_give_one_report(chat_target):
     assert [reports[c].pop("acceptance_cache") for c in reports] == ["ragged", "ragged", "none"]
     assert all(r.pop("acceptance_seconds") >= 0 for r in reports.values())
     assert reports["auto"] == reports["ragged"] == reports["none"]
-    assert build_eval_config(None, {"target": "smollm2", "drafter": "x", "acceptance_cache": "none"}
+    assert build_eval_config(None, {"target.path": "smollm2", "drafter": "x", "decode.acceptance_cache": "none"}
                              ).decode.acceptance_cache == "none"
 
 
@@ -129,6 +129,14 @@ def test_static_speed_engine_on_cpu(chat_target):
     assert evaluate(chat_target, drafter, prompts, settings)["speed_engine"] == "eager"
 
 
+def eval_flags(*argv: str) -> list:
+    """The overrides `dflash-train eval ARGV` passes to build_eval_config: the CLI's own parser."""
+    from dflash_train.cli import build_parser
+    from dflash_train.config_flags import with_flag_overrides
+
+    return with_flag_overrides(build_parser().parse_args(["eval", *argv])).overrides
+
+
 def test_eval_settings_come_from_the_run_config_then_the_flags(tmp_path, make_run_config):
     """`dflash-train eval -c run.yaml`: the run's target, eval prompts and newest checkpoint are the
     defaults; a flag given overrides its field; without a run, --target and --drafter are required."""
@@ -139,13 +147,13 @@ def test_eval_settings_come_from_the_run_config_then_the_flags(tmp_path, make_ru
     run = make_run_config(overrides=["eval.prompts=humaneval", "eval.num_prompts=3", "eval.max_new_tokens=9"])
     for step in (2, 10):
         checkpoint_path(run.run_dir, step).mkdir(parents=True)
-    cfg = build_eval_config(run, {"max_new_tokens": None, "batch_size": 5, "dtype": "float32"})
+    cfg = build_eval_config(run, eval_flags("--batch-size", "5", "--dtype", "float32"))
     assert cfg.target.path == run.target.path and cfg.target.dtype == "float32"
     assert (cfg.prompts, cfg.num_prompts, cfg.decode.max_new_tokens) == ("humaneval", 3, 9)
     assert cfg.drafter == str(checkpoint_path(run.run_dir, 10)) and cfg.decode.batch_size == 5
-    flags = build_eval_config(None, {"target": "smollm2", "drafter": "x", "temperature": 0.5})
+    flags = build_eval_config(None, eval_flags("--target", "smollm2", "--drafter", "x", "--temperature", "0.5"))
     assert flags.decode.temperature == 0.5 and flags.prompts == "mt-bench" and flags.decode.max_new_tokens == 256
     with pytest.raises(ConfigError, match="--drafter"):
-        build_eval_config(None, {"target": "smollm2"})
+        build_eval_config(None, eval_flags("--target", "smollm2"))
     with pytest.raises(ConfigError, match="decode.block_size"):
-        build_eval_config(None, {"target": "smollm2", "drafter": "x", "block_size": 1})
+        build_eval_config(None, eval_flags("--target", "smollm2", "--drafter", "x", "--block-size", "1"))

@@ -103,10 +103,10 @@ def read_rows(out_dir) -> list[dict]:
 
 
 def run(tmp_path, inputs, urls, **settings) -> dict:
-    """generate() over `inputs` into tmp_path/out against server `urls`; settings as CLI flags."""
+    """generate() over `inputs` into tmp_path/out against server `urls`; settings as dotted keys."""
     cfg = build_generate_config(
         {"inputs": [str(p) for p in inputs], "output_dir": str(tmp_path / "out"), "progress": False},
-        {"server_url": urls, **settings},
+        {"http.server_urls": urls, **settings},
     )
     return generate(cfg)
 

@@ -40,7 +40,7 @@ def _config(tmp_path, rows: int, interval_s: float):
     inputs = write_jsonl(tmp_path / "in.jsonl", [conversation(i) for i in range(rows)])
     return build_generate_config({"inputs": [str(inputs)], "output_dir": str(tmp_path / "out"), "progress": False,
                                   "shard_interval_s": interval_s, "concurrency": 2},
-                                 {"server_url": ["http://127.0.0.1:9"]})
+                                 {"http.server_urls": ["http://127.0.0.1:9"]})
 
 
 def test_a_finished_row_is_committed_while_no_other_finishes(tmp_path, monkeypatch):

@@ -32,7 +32,7 @@ def test_every_assistant_turn_is_answered_in_order_from_the_targets_own_history(
             {"messages": [{"role": "user", "content": "just a prompt"}]},
         ],
     )
-    summary = run(tmp_path, [inputs], [server.url], system_prompt="Default system.")
+    summary = run(tmp_path, [inputs], [server.url], **{"sampling.system_prompt": "Default system."})
     assert (summary["rows_in"], summary["ok"], summary["error"], summary["skipped"]) == (3, 3, 0, 0)
 
     rows = {row["source"].rsplit(":", 1)[1]: row for row in read_rows(tmp_path / "out")}
@@ -106,7 +106,7 @@ def test_load_spreads_over_servers_and_a_dead_one_costs_no_rows(tmp_path, start_
     out2 = tmp_path / "again"
     cfg = build_generate_config(
         {"inputs": [str(inputs)], "output_dir": str(out2), "progress": False, "model": "echo"},
-        {"server_url": [a.url, dead.url], "http.backoff_s": 0.001},
+        {"http.server_urls": [a.url, dead.url], "http.backoff_s": 0.001},
     )
     with pytest.raises(Exception, match="gave up"):
         generate(cfg)  # a server that is down at start is reported, not silently dropped

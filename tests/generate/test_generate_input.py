@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from argparse import Namespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -17,6 +16,15 @@ from dflash_train.generate.config import (
     load_generate_config,
 )
 from tests.generate.conftest import read_rows, run, write_jsonl
+
+
+def config_from_command_line(*argv: str):
+    """The config `dflash-train generate ARGV` runs with: the CLI's own parser and loader."""
+    from dflash_train.cli import build_parser
+    from dflash_train.config_flags import with_flag_overrides
+
+    args = with_flag_overrides(build_parser().parse_args(["generate", *argv]))
+    return load_generate_config(args.config, args.overrides)
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}]}
 BAD_LINES = [
@@ -76,13 +84,16 @@ def test_config_from_yaml_with_cli_overrides(tmp_path):
         "inputs: [a.jsonl]\noutput_dir: out\nhttp:\n  server_urls: [http://h1:30000/v1]\n"
         "sampling:\n  temperature: 0.6\n  thinking: true\n"
     )
-    args = Namespace(config=str(path), command="generate", input=None, output="elsewhere",
-                     server_url=["http://h2:30000", "http://h3:30000"], max_tokens=512, top_p=None)
-    cfg = load_generate_config(path, args)
+    cfg = config_from_command_line("-c", str(path), "--output", "elsewhere", "--server-url", "http://h2:30000",
+                                   "--server-url", "http://h3:30000", "--max-tokens", "512", "sampling.seed=3",
+                                   "--no-thinking", "--system-prompt", "a: b")
     assert cfg.inputs == ["a.jsonl"] and cfg.output_dir == "elsewhere"
     assert cfg.http.server_urls == ["http://h2:30000", "http://h3:30000"]
     assert (cfg.sampling.temperature, cfg.sampling.max_tokens, cfg.sampling.top_p, cfg.sampling.thinking) == (
-        0.6, 512, 1.0, True)
+        0.6, 512, 1.0, False)
+    assert cfg.sampling.seed == 3 and cfg.sampling.system_prompt == "a: b"  # a string flag is not read as YAML
+    cfg = config_from_command_line("-c", str(path), "--sampling.temperature", "0", "--http.server_urls", "http://h4")
+    assert cfg.sampling.temperature == 0 and cfg.http.server_urls == ["http://h4"]
     cfg = build_generate_config({"inputs": ["a"], "output_dir": "o", "backend": "local"}, {"sampling.seed": 7})
     assert cfg.sampling.seed == 7 and cfg.model is None
 
@@ -108,9 +119,9 @@ def test_compile_step_reaches_the_graphed_engine(tiny_target):
     engine it builds (no silent key); off unless asked."""
     from dflash_train.generate.local_backend import LocalBackend
 
-    for flag in (None, True):
-        cfg = build_generate_config({"inputs": ["a"], "output_dir": "o", "backend": "local"},
-                                    {"engine": "graphed", "compile_step": flag, "device": "cpu"})
+    for flag in ([], ["--compile-step"]):
+        cfg = config_from_command_line("--input", "a", "--output", "o", "--backend", "local", "--engine", "graphed",
+                                       "--device", "cpu", *flag)
         assert LocalBackend.load(str(tiny_target), cfg.local).compile_step is bool(flag)
 
 
@@ -118,7 +129,7 @@ def test_missing_input_file_is_an_error(tmp_path, start_server):
     server = start_server("--echo")
     cfg = build_generate_config(
         {"inputs": [str(tmp_path / "nope.jsonl")], "output_dir": str(tmp_path / "out"), "progress": False},
-        {"server_url": server.url},
+        {"http.server_urls": [server.url]},
     )
     with pytest.raises(DataError, match="data file not found"):
         generate(cfg)

@@ -107,9 +107,9 @@ def test_local_and_http_served_model_regenerate_identically(tmp_path, tiny_targe
             "sampling": {"max_tokens": 12, "thinking": False}}
 
     local = generate(build_generate_config({**base, "output_dir": str(tmp_path / "local"), "backend": "local"},
-                                           {"device": "cpu"}))
+                                           {"local.device": "cpu"}))
     server = start_server("--model", str(tiny_target), "--device", "cpu", "--batch-size", "4")
-    http = generate(build_generate_config({**base, "output_dir": str(tmp_path / "http")}, {"server_url": server.url}))
+    http = generate(build_generate_config({**base, "output_dir": str(tmp_path / "http")}, {"http.server_urls": [server.url]}))
 
     assert local["ok"] == http["ok"] == len(PROMPTS)
     assert local["completion_tokens"] == http["completion_tokens"] > 0
@@ -179,7 +179,7 @@ def test_a_failing_batch_stops_the_run_keeps_finished_rows_and_reports_once(tmp_
     inputs = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "messages": m} for i, m in enumerate(PROMPTS * 3)])
     cfg = build_generate_config({"inputs": [str(inputs)], "output_dir": str(tmp_path / "out"), "backend": "local",
                                  "progress": False, "model": str(tiny_target), "concurrency": 8,
-                                 "sampling": {"max_tokens": 6}}, {"device": "cpu", "batch_size": 4})
+                                 "sampling": {"max_tokens": 6}}, {"local.device": "cpu", "local.batch_size": 4})
     with caplog.at_level("ERROR", logger="asyncio"), pytest.raises(RuntimeError, match="second batch"):
         generate(cfg)
     gc.collect()  # asyncio reports an unretrieved task exception when the task is collected

@@ -80,7 +80,7 @@ def test_resume_refuses_other_sampling_settings_and_a_second_run(tmp_path, start
     def config(**sampling):
         return build_generate_config(
             {"inputs": [str(inputs)], "output_dir": str(tmp_path / "out"), "progress": False, "sampling": sampling},
-            {"server_url": server.url},
+            {"http.server_urls": [server.url]},
         )
 
     generate(config(temperature=0.0))

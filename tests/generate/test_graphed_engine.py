@@ -118,4 +118,4 @@ def test_sampled_answers_through_the_backend_differ_from_greedy_and_repeat_with_
 def test_graphed_engine_refuses_top_p_naming_the_field(tmp_path):
     with pytest.raises(ConfigError, match="sampling.top_p"):
         build_generate_config({"inputs": [str(tmp_path / "x.jsonl")], "output_dir": str(tmp_path / "o"),
-                               "backend": "local", "sampling": {"top_p": 0.9}}, {"engine": "graphed"})
+                               "backend": "local", "sampling": {"top_p": 0.9}}, {"local.engine": "graphed"})
