@@ -14,15 +14,16 @@ import numpy as np
 import torch
 
 from dflash_train.config import RunConfig
-from dflash_train.data.dataset import TokenizedDataset, check_training_files, load_training_data
+from dflash_train.data.dataset import TokenizedDataset
 from dflash_train.disk import require_writable
 from dflash_train.draft.loss import LossMix
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.checks import compile_cache
-from dflash_train.targets.model import Target, load_target, resolve_device
+from dflash_train.targets.model import Target, resolve_device
 from dflash_train.train.batches import epoch_plan
 from dflash_train.train.shapes import stream_layer_ids
 from dflash_train.train.drafter_init import build_drafter
+from dflash_train.train.inputs import load_inputs
 from dflash_train.train.optim import build_optimizer, build_scheduler
 
 
@@ -48,18 +49,6 @@ def check_write_locations(cfg: RunConfig) -> None:
     require_writable(cfg.run_dir, "the run's checkpoints and metrics")
     if cfg.train.compile or (cfg.draft.attention != "sdpa" and resolve_device(cfg.device).type == "cuda"):
         require_writable(compile_cache.cache_root(), "the compile cache")
-
-
-def load_inputs(cfg: RunConfig, target: Target | None = None, dataset: TokenizedDataset | None = None
-                ) -> tuple[torch.device, Target, TokenizedDataset]:
-    """The run's device, target and tokenized data (`target`, `dataset` when the caller holds them):
-    the data files are checked before the target loads, then tokenized with its tokenizer."""
-    device = resolve_device(cfg.device)
-    if dataset is None:
-        check_training_files(cfg.data)
-    target = target or load_target(cfg.target, device)
-    dataset = dataset or load_training_data(cfg.data, target.tokenizer, target.identity["tokenizer"])
-    return device, target, dataset
 
 
 def build(cfg: RunConfig, target: Target | None = None, dataset: TokenizedDataset | None = None) -> RunParts:

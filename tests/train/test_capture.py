@@ -14,7 +14,7 @@ def test_training_from_captured_features_equals_training_online(make_run_config,
                                                                 monkeypatch):
     over = ["train.epochs=2"]
     plain = Trainer(make_run_config("plain", over), target=shared_tiny_target)
-    monkeypatch.setattr("dflash_train.train.build.load_target", lambda *a, **k: shared_tiny_target)
+    monkeypatch.setattr("dflash_train.train.inputs.load_target", lambda *a, **k: shared_tiny_target)
     manifest = capture(make_run_config("c", over), tmp_path / "cap", rows_per_shard=5)
     assert len(manifest["shards"]) > 2 and manifest["fingerprint"]["rows"] == len(plain.dataset)
 
@@ -34,7 +34,7 @@ def test_captured_features_kept_in_memory_are_read_once_and_train_the_same(make_
     training's. Bucketed, so batches carry padding rows and length."""
     over = ["train.epochs=3", "data.length_bucket=32"]
     plain = Trainer(make_run_config("plain", over), target=shared_tiny_target)
-    monkeypatch.setattr("dflash_train.train.build.load_target", lambda *a, **k: shared_tiny_target)
+    monkeypatch.setattr("dflash_train.train.inputs.load_target", lambda *a, **k: shared_tiny_target)
     capture(make_run_config("c", over), tmp_path / "cap", rows_per_shard=5)
     kept = Trainer(make_run_config("kept", [*over, f"data.captured_features={tmp_path / 'cap'}",
                                             "data.cache_features=true"]), target=shared_tiny_target)
@@ -49,7 +49,7 @@ def test_captured_features_kept_in_memory_are_read_once_and_train_the_same(make_
 
 def test_an_interrupted_capture_resumes_and_a_foreign_one_is_refused(make_run_config, shared_tiny_target,
                                                                       tmp_path, monkeypatch):
-    monkeypatch.setattr("dflash_train.train.build.load_target", lambda *a, **k: shared_tiny_target)
+    monkeypatch.setattr("dflash_train.train.inputs.load_target", lambda *a, **k: shared_tiny_target)
     cfg = make_run_config("c")
     out = tmp_path / "cap"
     full = capture(cfg, out, rows_per_shard=5)

@@ -18,7 +18,7 @@ def test_drafter_init_ignores_rng_draws_of_the_target_load(make_run_config, shar
         torch.rand(1000)  # what building a model to convert into does to the global RNG
         return shared_tiny_target
 
-    monkeypatch.setattr("dflash_train.train.build.load_target", converting_load)
+    monkeypatch.setattr("dflash_train.train.inputs.load_target", converting_load)
     converted = Trainer(cfg).drafter.state_dict()
     assert plain.keys() == converted.keys()
     for name in plain:
