@@ -45,7 +45,7 @@ def _finished_run(make_run_config, target):
     for step in (1, 2):
         out = trainer.train_step()
         records[step] = (float(out["loss"]), out["lr"], float(out["grad_norm"]))
-        trainer.save(wait=True)
+        trainer.checkpointer.save(trainer.progress, wait=True)
     return cfg, records
 
 
