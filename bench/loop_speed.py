@@ -1,6 +1,6 @@
 """The real training loop's speed with features from the target, from a capture, and from memory.
 
-`bench/throughput.py` times one step in isolation; this runs `Trainer.fit` itself (collation, anchor
+`bench/throughput.py` times one step in isolation; this runs the training loop itself (collation, anchor
 sampling, masks, logging: everything a run does per step) on a run config, three times:
   target   the target runs every micro-batch (data.cache_features off)
   capture  features read from a `dflash-train capture` of the same data (first reads: disk to device)
@@ -32,7 +32,9 @@ from safetensors import safe_open
 from dflash_train.train.capture import MANIFEST, capture
 from dflash_train.config import load_config
 from dflash_train.targets.model import resolve_device
-from dflash_train.train.loop import Trainer
+from dflash_train.train.build import build
+from dflash_train.train.features import Features
+from dflash_train.train.loop import train
 
 SKIPPED_WINDOWS = 2
 """Logged windows left out of the medians: the compile warm-up and the first buckets' shapes."""
@@ -57,11 +59,11 @@ def window_rates(metrics: Path) -> dict:
             "tokens_per_step": statistics.mean(r["tokens"] / n for r, n in steady), "windows": len(steady)}
 
 
-def fill_cache(trainer: Trainer, rows_at_once: int = 1024) -> int:
+def fill_cache(features: Features, rows: int, rows_at_once: int = 1024) -> int:
     """Every row's captured features into device memory (as far as the cache's reserve allows)."""
-    cache, rows = trainer.feature_cache, len(trainer.dataset)
+    cache = features.cache
     for first in range(0, rows, rows_at_once):
-        cache.fill(list(range(first, min(first + rows_at_once, rows))), trainer.make_rows)
+        cache.fill(list(range(first, min(first + rows_at_once, rows))), features.make_rows)
         if cache.full:
             break
     return len(cache)
@@ -72,22 +74,23 @@ def run_arm(name: str, config: str, overrides: list[str], work: Path, steps: int
     cfg = load_config(config, [*overrides, *arm, f"run_dir={work / name}", f"train.max_steps={steps}",
                                "train.time_budget_minutes=null", "eval.heldout_files=[]", "eval.every=0",
                                f"checkpoint.every={10**9}"])
-    gc.collect()  # the previous arm's trainer and cache: gone before this one measures memory
+    gc.collect()  # the previous arm's run and cache: gone before this one measures memory
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(cfg)
+    parts = build(cfg)
     extra = {}
     if name in FILLED_BEFORE_TIMING:  # the features in device memory before the clock starts
         t = time.perf_counter()
-        cached = fill_cache(trainer)
-        extra = {"cached_rows": cached, "rows": len(trainer.dataset), "cache_fill_s": time.perf_counter() - t}
+        cached = fill_cache(parts.features, len(parts.dataset))
+        extra = {"cached_rows": cached, "rows": len(parts.dataset), "cache_fill_s": time.perf_counter() - t}
     reads = []
-    if trainer.captured is not None:  # rows read from the capture's shards during training
-        row = trainer.captured.row
-        trainer.captured.row = lambda index: reads.append(index) or row(index)
-    trainer.fit(progress=False)
-    if trainer.device.type == "cuda":
+    captured = parts.features.captured
+    if captured is not None:  # rows read from the capture's shards during training
+        row = captured.row
+        captured.row = lambda index: reads.append(index) or row(index)
+    train(cfg, parts=parts, progress=False)
+    if parts.device.type == "cuda":
         extra["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return {"arm": name, "overrides": arm, **window_rates(work / name / "metrics.jsonl"),
             "capture_rows_read": len(reads), **extra}

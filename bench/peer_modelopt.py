@@ -13,7 +13,7 @@ of the block size as it requires), block size, drafter depth and width, captured
 anchors per sequence, mask token, AdamW, the learning-rate schedule and the wall-clock budget (our
 TimeBudget: steps shrink to fit and the schedule still ends), fp32 drafter weights under bf16
 autocast on GPU. Its loss stays its default (self-logit distillation, D-PACE slot weights) unless
---peer-loss / --peer-weights say otherwise. `--trainer ours` runs our Trainer on the same config in
+--peer-loss / --peer-weights say otherwise. `--trainer ours` runs our training loop on the same config in
 this process, so both sides are measured alike.
 
 Both sides write DIR/peer.json (summary and log records) and DIR/heldout.jsonl: OUR teacher-forced
@@ -53,7 +53,9 @@ from dflash_train.train.batches import collate_as_trained, epoch_plan, take
 from dflash_train.train.budget import TimeBudget
 from dflash_train.train.shapes import autocast_for
 from dflash_train.train.heldout import HeldoutProbe
-from dflash_train.train.loop import Trainer
+from dflash_train.train.build import build
+from dflash_train.train.loop import train
+from dflash_train.train.tracking import Tracker
 from dflash_train.train.optim import build_optimizer, build_scheduler, refit_scheduler
 
 
@@ -183,11 +185,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 # ---- the two trainers -------------------------------------------------------------------------------
 def train_ours(cfg: RunConfig, out: Path) -> dict:
-    trainer = Trainer(cfg)
-    done = trainer.fit(progress=False)
-    tokens = consumed_tokens(trainer.epoch_batches, trainer.dataset.input_ids, done["steps"] * cfg.train.grad_accum)
+    parts = build(cfg)
+    done = train(cfg, parts=parts, progress=False)
+    tokens = consumed_tokens(parts.epoch_batches, parts.dataset.input_ids, done["steps"] * cfg.train.grad_accum)
     return summary("dflash-train", cfg, done["steps"], read_jsonl(out / "metrics.jsonl"),
-                   read_jsonl(out / "heldout.jsonl"), tokens, trainer.device, {"drafter": done["checkpoint"]})
+                   read_jsonl(out / "heldout.jsonl"), tokens, parts.device, {"drafter": done["checkpoint"]})
 
 
 def padded_batch(batch: dict, block_size: int) -> dict:
@@ -207,10 +209,10 @@ def train_modelopt(cfg: RunConfig, out: Path, loss: str, weights: str) -> dict:
     device = resolve_device(cfg.device)
     target = load_target(cfg.target, device)
     dataset = load_training_data(cfg.data, target.tokenizer, target.identity["tokenizer"])
-    # Our probe, on a Trainer of the same config whose drafter receives the peer's weights; built
+    # Our probe, on a run of the same config whose drafter receives the peer's weights; built
     # before the conversion, on the same target (its decoder stays the target's own).
-    scorer = Trainer(cfg, target=target, dataset=dataset)
-    probe = HeldoutProbe.for_trainer(scorer)
+    scorer = build(cfg, target, dataset)
+    probe = HeldoutProbe.for_run(cfg, scorer, Tracker(cfg.tracking))
     if probe is None:
         raise ValueError("set eval.heldout_files: both sides are scored by our held-out probe")
     d = scorer.drafter.config
@@ -230,7 +232,7 @@ def train_modelopt(cfg: RunConfig, out: Path, loss: str, weights: str) -> dict:
     autocast = autocast_for(device, target.embed_weight.dtype)
 
     records, window, cursor, step = [], [], (0, 0), 0
-    probe.restart()
+    probe.restart(0)
     t0 = time.perf_counter()
     while step < total:
         losses, accs, tokens = [], [], 0

@@ -1,4 +1,4 @@
-"""Steady-state recompiles on GPU: the real Trainer over varying-length data (H200).
+"""Steady-state recompiles on GPU: the real training loop over varying-length data (H200).
 
 A random-init Qwen3-shaped target (no download), compiled draft layers + compiled flex_attention,
 token-budget batches of varying size and length (length buckets of 256). Prints compiled graphs
@@ -24,7 +24,8 @@ from tiny import tiny_tokenizer  # noqa: E402
 from dflash_train.config import build_config  # noqa: E402
 from dflash_train.data.dataset import TokenizedDataset  # noqa: E402
 from dflash_train.targets.model import Target  # noqa: E402
-from dflash_train.train.loop import Trainer  # noqa: E402
+from dflash_train.train.build import build  # noqa: E402
+from dflash_train.train.loop import train  # noqa: E402
 from dflash_train.train.metrics import read_metrics  # noqa: E402
 
 
@@ -61,8 +62,7 @@ def main(argv=None):
                   "compile_warmup_steps": 20},
         "checkpoint": {"every": 10**6},
     })
-    trainer = Trainer(cfg, target=target, dataset=random_dataset(4000, 200, 2048, shape["vocab_size"]))
-    trainer.fit(progress=False)
+    train(cfg, parts=build(cfg, target, random_dataset(4000, 200, 2048, shape["vocab_size"])), progress=False)
     rows = [{k: m[k] for k in ("step", "tokens_per_s", "compiled_graphs", "recompiles_since_warmup", "loss")}
             for m in read_metrics(run_dir)]
     result = {"steps": args.steps, "compile_warmup_steps": 20, "log": rows,

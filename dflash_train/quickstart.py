@@ -27,7 +27,9 @@ from dflash_train.data.prompts import Prompt, first_turns, load_prompts, sharegp
 from dflash_train.eval.report import encode, stop_token_ids
 from dflash_train.eval.spec_decode import speculative_generate, target_greedy
 from dflash_train.targets.model import load_target, resolve_device
-from dflash_train.train.loop import Trainer
+from dflash_train.train.build import RunParts, build
+from dflash_train.train.heldout import score_heldout
+from dflash_train.train.loop import train
 
 # Shipped inside the package (an installed copy has no repo configs/; configs/quickstart.yaml links here).
 CONFIG = Path(__file__).resolve().parent / "configs" / "quickstart.yaml"
@@ -66,29 +68,25 @@ def regenerate(prompts_file: Path, out_dir: Path, sizes: Sizes, device: torch.de
     return generate(cfg)
 
 
-def real_tau(trainer: Trainer, prompts: list[Prompt], max_new_tokens: int, references: dict[int, list[int]]) -> dict:
+def real_tau(parts: RunParts, prompts: list[Prompt], max_new_tokens: int, references: dict[int, list[int]]) -> dict:
     """Greedy speculative decoding of the held-out prompts, one at a time with KV caches: tau, and
     losslessness vs the target's own greedy decode (`references`: computed once, shared by the
     before and after rows). On CPU this is several times cheaper than the cache-free batched
     evaluator (`periodic_evaluator`), which re-runs the target over every row's whole sequence each
     round: that one took ~2.5 CPU-minutes per table row here. Same decisions (the tests hold both
     to the same tokens and acceptance lengths)."""
-    target = trainer.target
+    target = parts.target
     stops = stop_token_ids(target)
-
-    def run(_trainer) -> dict:
-        lengths, matches = [], 0
+    lengths, matches = [], 0
+    with parts.forward.evaluating():
         for i, prompt in enumerate(prompts):
             ids = encode(target, prompt.messages([]))
             if i not in references:
                 references[i] = target_greedy(target, ids, max_new_tokens, stops).tokens
-            spec = speculative_generate(target, trainer.drafter, ids, max_new_tokens, stops)
+            spec = speculative_generate(target, parts.drafter, ids, max_new_tokens, stops)
             lengths += spec.acceptance_lengths
             matches += spec.tokens == references[i]
-        return {"tau": sum(lengths) / max(1, len(lengths)), "rounds": len(lengths),
-                "lossless": f"{matches}/{len(prompts)}"}
-
-    return trainer.run_eval(run)
+    return {"tau": sum(lengths) / max(1, len(lengths)), "rounds": len(lengths), "lossless": f"{matches}/{len(prompts)}"}
 
 
 def _table(before: dict, after: dict) -> Table:
@@ -124,14 +122,14 @@ def run_quickstart(device: str = "auto", overrides=(), sizes: Sizes | None = Non
     phases = {"prompts_and_generate": round(time.perf_counter() - t0, 1)}
     console.rule("3/4 train the drafter")
     target = load_target(cfg.target, dev)
-    trainer = Trainer(cfg, target=target)
+    parts = build(cfg, target)
     heldout = tokenize_files([data_root / "heldout"], target.tokenizer, cfg.data.max_length, skip_invalid=True)
     references: dict[int, list[int]] = {}
-    before = {**trainer.evaluate(heldout), **real_tau(trainer, eval_prompts, sizes.eval_new_tokens, references)}
+    before = {**score_heldout(parts, cfg, heldout), **real_tau(parts, eval_prompts, sizes.eval_new_tokens, references)}
     t_fit = time.perf_counter()
-    trainer.fit()
+    train(cfg, parts=parts)
     phases["train"] = round(time.perf_counter() - t_fit, 1)
-    after = {**trainer.evaluate(heldout), **real_tau(trainer, eval_prompts, sizes.eval_new_tokens, references)}
+    after = {**score_heldout(parts, cfg, heldout), **real_tau(parts, eval_prompts, sizes.eval_new_tokens, references)}
 
     console.rule("4/4 results")
     console.print(_table(before, after))

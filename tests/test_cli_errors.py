@@ -94,9 +94,9 @@ def test_corrupt_checkpoint_on_resume_names_the_file(tmp_path, tiny_target_dir, 
 
 
 def test_train_checks_data_files_before_loading_the_target(tmp_path, monkeypatch, capsys):
-    import dflash_train.train.build as parts
+    import dflash_train.train.inputs as inputs
 
-    monkeypatch.setattr(parts, "load_target", lambda *a: pytest.fail("the target loaded before the data check"))
+    monkeypatch.setattr(inputs, "load_target", lambda *a: pytest.fail("the target loaded before the data check"))
     cfg = _config(tmp_path, "smollm2", train_files=[str(tmp_path / "answers.jsonl")])
     _one_line(capsys, main(["train", "-c", str(cfg)]), f"{tmp_path}/answers.jsonl: no such file")
     bad = tmp_path / "bad.jsonl"
@@ -106,9 +106,9 @@ def test_train_checks_data_files_before_loading_the_target(tmp_path, monkeypatch
 
 
 def test_train_eval_every_without_prompts_fails_before_loading_the_target(tmp_path, monkeypatch, capsys):
-    import dflash_train.train.build as parts
+    import dflash_train.train.inputs as inputs
 
-    monkeypatch.setattr(parts, "load_target", lambda *a: pytest.fail("the target loaded before the eval check"))
+    monkeypatch.setattr(inputs, "load_target", lambda *a: pytest.fail("the target loaded before the eval check"))
     cfg = _config(tmp_path, "smollm2")
     _one_line(capsys, main(["train", "-c", str(cfg), "eval.every=2"]), "eval.every is set but eval.prompts is not")
 

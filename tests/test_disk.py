@@ -91,21 +91,21 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_previous_one(make_run_config, sha
     trainer = Trainer(make_run_config(overrides=["train.max_steps=4"]), target=shared_tiny_target)
     for _ in range(2):  # the second save fails in the background writer, and says so on the next wait
         trainer.train_step()
-        trainer.save()
+        trainer.checkpointer.save(trainer.progress)
     with pytest.raises(DiskError, match="writing a checkpoint failed: .*step_00000002.*no space left on device; "
                                         "the checkpoints before it are intact"):
-        trainer.checkpoint_writer.wait()
-    root = ckpt.checkpoints_dir(trainer.run_dir)
+        trainer.checkpointer.writer.wait()
+    root = ckpt.checkpoints_dir(trainer.cfg.run_dir)
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]  # no .tmp_step_00000002
     assert ckpt.load_checkpoint(root / "step_00000001")["state"]["step"] == 1
 
 
 def test_a_killed_writes_temp_dir_is_removed_by_the_next_save(make_run_config, shared_tiny_target):
     trainer = Trainer(make_run_config(overrides=["train.max_steps=2"]), target=shared_tiny_target)
-    root = ckpt.checkpoints_dir(trainer.run_dir)
+    root = ckpt.checkpoints_dir(trainer.cfg.run_dir)
     (root / ".tmp_step_00000007").mkdir(parents=True)  # a write killed at step 7 of an earlier process
     trainer.train_step()
-    trainer.save(wait=True)
+    trainer.checkpointer.save(trainer.progress, wait=True)
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]
 
 
@@ -144,10 +144,10 @@ def _run_config(tmp_path: Path, run_dir: Path) -> Path:
 
 def test_read_only_locations_fail_in_one_line_before_any_loading(tmp_path, read_only, monkeypatch, capsys):
     import dflash_train.targets.model as target
-    import dflash_train.train.build as parts
+    import dflash_train.train.inputs as inputs
 
     never = lambda *a, **k: pytest.fail("a model loaded before the write check")  # noqa: E731
-    monkeypatch.setattr(parts, "load_target", never)
+    monkeypatch.setattr(inputs, "load_target", never)
     monkeypatch.setattr(target, "resolve_target_path", never)
     mnt = tmp_path / "mnt"
     mnt.mkdir()

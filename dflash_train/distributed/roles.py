@@ -6,15 +6,17 @@ of a step belongs to target m % T), runs the frozen target and sends, per micro-
 consumes m (group rank m % D). A drafter rank receives the headers of its micro-batches first:
 loss weights depend only on tokens and anchor seeds, so the step's global weight sum is
 all-reduced among the group before any backward, and per-step losses equal the single-process
-Trainer's. Messages between a pair of ranks are sent and received in the same order
+run's. Messages between a pair of ranks are sent and received in the same order
 (step, headers before features, m), so matching needs no tags and no cycle can deadlock.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -27,8 +29,12 @@ from dflash_train.eval.report import check_periodic_eval, periodic_eval_for
 from dflash_train.targets.model import Target
 from dflash_train.distributed.layout import Layout
 from dflash_train.train.batches import anchor_seed, collate_as_trained, epoch_plan, take
-from dflash_train.train.accumulate import MicroBatch
-from dflash_train.train.loop import Trainer
+from dflash_train.train.accumulate import MicroBatch, Replica
+from dflash_train.train.build import RunParts, build
+from dflash_train.train.loop import train_replica
+from dflash_train.train.progress import Progress
+
+log = logging.getLogger("dflash_train")
 
 
 @dataclass
@@ -43,7 +49,7 @@ class Link:
     """Point-to-point micro-batch messages of one rank, with at most `max_in_flight` unfinished
     sends: a target that runs ahead of slow drafters blocks instead of piling up features.
     A message to this same rank (colocated) is queued, and its features are computed only when
-    the drafter consumes them, so colocated memory is that of the single-process trainer."""
+    the drafter consumes them, so colocated memory is that of single-process training."""
 
     def __init__(self, rank: int, device: torch.device, max_in_flight: int):
         self.rank = rank
@@ -181,25 +187,26 @@ class LinkSource:
     from the target ranks (the next micro-batch's features arrive while this one trains). Colocated,
     this process first runs its own target share (`feeder`)."""
 
-    def __init__(self, layout: Layout, link: Link, rank: int, group_index: int, grad_accum: int,
+    def __init__(self, cfg: RunConfig, parts: RunParts, layout: Layout, link: Link, rank: int, group_index: int,
                  feeder: TargetFeeder | None):
         self.layout, self.link, self.feeder = layout, link, feeder
-        self.mine = layout.consumed_by(rank, group_index, grad_accum)
+        self.objective, self.grad_accum, self.epoch_batches = cfg.objective, cfg.train.grad_accum, parts.epoch_batches
+        self.mine = layout.consumed_by(rank, group_index, cfg.train.grad_accum)
+        self.width = len(parts.stream_layers) * parts.target.hidden_size
+        self.dtype = parts.target.embed_weight.dtype
 
-    def micro_batches(self, trainer) -> list[MicroBatch]:
+    def micro_batches(self, progress: Progress) -> list[MicroBatch]:
         if self.feeder is not None:
             self.feeder.feed_step()
-        for _ in range(trainer.cfg.train.grad_accum):  # the global cursor moves past every micro-batch
-            trainer.cursor = take(trainer.epoch_batches, trainer.cursor)[2]
+        for _ in range(self.grad_accum):  # the global cursor moves past every micro-batch
+            progress.cursor = take(self.epoch_batches, progress.cursor)[2]
         sources = [self.layout.target_of(m) for m in self.mine]
         headers = [self.link.recv_header(src) for src in sources]
-        width = len(trainer.stream_layers) * trainer.target.hidden_size
-        dtype = trainer.target.embed_weight.dtype
         pending: list = []
 
         def receive(k: int):
-            shape = (*headers[k].input_ids.shape, width)
-            pending.append(self.link.recv_features(sources[k], shape, dtype))
+            shape = (*headers[k].input_ids.shape, self.width)
+            pending.append(self.link.recv_features(sources[k], shape, self.dtype))
 
         def features(k: int) -> torch.Tensor:
             if k == 0:
@@ -208,13 +215,13 @@ class LinkSource:
                 receive(k + 1)  # posted before this micro-batch trains
             return pending[k]()
 
-        return [MicroBatch(make_task(h.input_ids, h.loss_mask, trainer.cfg.objective, h.seed),
+        return [MicroBatch(make_task(h.input_ids, h.loss_mask, self.objective, h.seed),
                            functools.partial(features, k), h.num_tokens)
                 for k, h in enumerate(headers)]
 
 
 class GroupReduction:
-    """Sums over the ranks of one drafter group: a plain SUM all-reduce, not DDP (see Trainer.train_step)."""
+    """Sums over the ranks of one drafter group: a plain SUM all-reduce, not DDP (see train/step.py)."""
 
     def __init__(self, group):
         self.group = group
@@ -232,21 +239,33 @@ class GroupReduction:
         return stats[:-1], int(stats[-1])
 
 
-def drafter_rank(cfg: RunConfig, target: Target, dataset: TokenizedDataset | None, *, layout: Layout, link: Link,
-                 rank: int, group_index: int, group, feeder: TargetFeeder | None = None) -> Trainer:
-    """One data-parallel replica of a drafter group: a Trainer whose features come from the target
-    ranks and whose sums run over the group. Only the group's first rank evaluates, logs and saves."""
+def agree_on_start(layout: Layout, rank: int, feeder: TargetFeeder | None, progress: Progress | None
+                   ) -> tuple[int, int]:
+    """Every rank learns where the stream starts (a drafter rank from its `progress`, after resuming;
+    all drafter groups must agree) and its target share starts there. Returns (step, total_steps)."""
+    start = (progress.step, tuple(progress.cursor), progress.total_steps) if progress else None
+    states: list = [None] * layout.world_size
+    dist.all_gather_object(states, start)
+    found = {s for s in states if s is not None}
+    if len(found) != 1:
+        raise ValueError(f"drafter groups disagree on (step, cursor, total_steps): {sorted(found)}")
+    step, cursor, total_steps = found.pop()
+    log.info("rank %d = %s; starting at step %d of %d, cursor %s", rank, layout.describe(rank), step,
+             total_steps, cursor)
+    if feeder is not None:
+        feeder.cursor = cursor
+    return step, total_steps
+
+
+def run_drafter(cfg: RunConfig, target: Target, dataset: TokenizedDataset | None, *, layout: Layout, link: Link,
+                rank: int, group_index: int, group, feeder: TargetFeeder | None, resume: str | Path | None) -> None:
+    """One data-parallel replica of a drafter group: its features come from the target ranks and its
+    sums run over the group. Only the group's first rank evaluates, logs and saves."""
     check_lead_rank_evals(cfg, layout)
     leader = rank == layout.group_ranks(group_index)[0]
-    return Trainer(cfg, target=target, dataset=dataset, periodic_eval=periodic_eval_for(cfg.eval) if leader else None,
-                   source=LinkSource(layout, link, rank, group_index, cfg.train.grad_accum, feeder),
-                   reduction=GroupReduction(group), devices_held=layout.world_size)
-
-
-def run_drafter(trainer: Trainer, leader: bool) -> None:
-    """The leader runs the whole loop; the others step in lockstep, waiting in the all-reduces."""
-    if leader:
-        trainer.fit(progress=True)
-        return
-    while trainer.step < trainer.total_steps:
-        trainer.train_step()
+    periodic_eval = periodic_eval_for(cfg.eval) if leader else None
+    parts = build(cfg, target, dataset)
+    replica = Replica(LinkSource(cfg, parts, layout, link, rank, group_index, feeder), GroupReduction(group),
+                      devices=layout.world_size, leader=leader,
+                      start=functools.partial(agree_on_start, layout, rank, feeder))
+    train_replica(cfg, parts, replica, resume=resume, periodic_eval=periodic_eval)

@@ -33,10 +33,8 @@ from dflash_train.targets.model import load_target, resolve_device
 from dflash_train.checkpoint import local as ckpt
 from dflash_train.distributed.layout import Layout
 from dflash_train.train.shapes import stream_layer_ids
-from dflash_train.distributed.roles import (Link, TargetFeeder, check_lead_rank_evals, check_single_process_keys,
-                                            drafter_rank, run_drafter)
-
-log = logging.getLogger("dflash_train")
+from dflash_train.distributed.roles import (Link, TargetFeeder, agree_on_start, check_lead_rank_evals,
+                                            check_single_process_keys, run_drafter)
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=15)
 """Backstop only (a first flex_attention compile can take minutes); the watchdog is the fast path."""
@@ -240,36 +238,20 @@ def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, devi
     if layout.is_target(rank):
         layer_ids = [stream_layer_ids(run_cfg, target) for _, run_cfg in runs]
         feeder = TargetFeeder(cfg, target, dataset, layout, link, rank, layer_ids)
-    drafter = None
-    if group is not None:
-        drafter = drafter_rank(runs[group][1], target, dataset,
-                               layout=layout, link=link, rank=rank, group_index=group, group=groups[group],
-                               feeder=feeder)
-        path = args.resume
-        if args.resume == "auto":
-            step = resume_step([run_cfg.run_dir for _, run_cfg in runs])
-            path = step and ckpt.checkpoint_path(drafter.run_dir, step)
-        elif args.resume and len(runs) > 1:
-            raise ValueError("--resume PATH needs a single drafter; use --resume auto with several")
-        if path:
-            drafter.resume(path)
-    # Every rank learns where the stream starts; all drafter groups must agree.
-    start = (drafter.step, tuple(drafter.cursor), drafter.total_steps) if drafter else None
-    states: list = [None] * layout.world_size
-    dist.all_gather_object(states, start)
-    found = {s for s in states if s is not None}
-    if len(found) != 1:
-        raise ValueError(f"drafter groups disagree on (step, cursor, total_steps): {sorted(found)}")
-    step, cursor, total_steps = found.pop()
-    log.info("rank %d = %s; starting at step %d of %d, cursor %s", rank, layout.describe(rank), step,
-             total_steps, cursor)
-    if feeder is not None:
-        feeder.cursor = cursor
-    if drafter is not None:
-        run_drafter(drafter, leader=rank == layout.group_ranks(group)[0])
-    else:
+    if group is None:  # a target rank only: it feeds every step of the stream the drafters agree on
+        step, total_steps = agree_on_start(layout, rank, feeder, None)
         for _ in range(step, total_steps):
             feeder.feed_step()
+    else:
+        run_cfg = runs[group][1]
+        path = args.resume
+        if args.resume == "auto":
+            step = resume_step([c.run_dir for _, c in runs])
+            path = step and ckpt.checkpoint_path(run_cfg.run_dir, step)
+        elif args.resume and len(runs) > 1:
+            raise ValueError("--resume PATH needs a single drafter; use --resume auto with several")
+        run_drafter(run_cfg, target, dataset, layout=layout, link=link, rank=rank, group_index=group,
+                    group=groups[group], feeder=feeder, resume=path or None)
     link.drain()
 
 

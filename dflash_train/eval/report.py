@@ -185,13 +185,13 @@ def evaluate(target: Target, drafter: DFlashDraftModel, prompts: list[Prompt],
 
 
 def periodic_evaluator(prompts: str | list[Prompt], num_prompts: int | None, max_new_tokens: int):
-    """For training: a function of the trainer giving real tau on held-out prompts (loaded once;
-    a set name, a JSONL path, or the prompts themselves)."""
+    """For training: a function of the target and the drafter being trained giving real tau on
+    held-out prompts (loaded once; a set name, a JSONL path, or the prompts themselves)."""
     held_out = load_prompts(prompts, num_prompts) if isinstance(prompts, str) else prompts[:num_prompts]
 
-    def run(trainer) -> dict:
-        # A few rows at a time: the trainer's target, drafter and optimizer stay resident meanwhile.
-        report = evaluate(trainer.target, trainer.drafter, held_out,
+    def run(target: Target, drafter: DFlashDraftModel) -> dict:
+        # A few rows at a time: the run's target, drafter and optimizer stay resident meanwhile.
+        report = evaluate(target, drafter, held_out,
                           DecodeSettings(max_new_tokens=max_new_tokens, batch_size=8, speed_prompts=0))
         keep = ("tau", "num_rounds", "position_acceptance", "lossless")
         return {k: report[k] for k in keep}
@@ -207,7 +207,7 @@ def check_periodic_eval(ec: EvalConfig) -> bool:
 
 
 def periodic_eval_for(ec: EvalConfig):
-    """The trainer's evaluator for `eval.every` (`dflash-train train` and the lead rank of a
+    """The evaluator for `eval.every` during training (`dflash-train train` and the lead rank of a
     colocated `launch`), or None when it is off."""
     if not check_periodic_eval(ec):
         return None

@@ -1,10 +1,12 @@
 """One optimizer step's micro-batches, and the one loop that runs them.
 
 Where a step's micro-batches come from and how their sums are combined differ between the
-single-process trainer and a drafter rank of distributed training; what is done with them does
-not. So the Trainer is composed of a source (`LocalSource` here, `distributed/roles.py LinkSource`)
-and a reduction (`NoReduction` here, `distributed/roles.py GroupReduction`), and `accumulate` is
-the only forward/backward loop, also used by the held-out scoring (without backward).
+single-process run and a drafter rank of distributed training; what is done with them does
+not. So the step (train/step.py) is composed of a source (`LocalSource` here,
+`distributed/roles.py LinkSource`) and a reduction (`NoReduction` here, `distributed/roles.py
+GroupReduction`), and `accumulate` is the only forward/backward loop, also used by the held-out
+scoring (without backward). A `Replica` carries the distributed pair and what else makes a run one
+rank of several.
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ from typing import Callable, Iterable, Protocol
 
 import torch
 
+from dflash_train.config import RunConfig
 from dflash_train.draft.loss import BlockLoss, LossTally
 from dflash_train.draft.objective import BlockTask, make_task
+from dflash_train.train.batches import anchor_seed, collate_as_trained, take
+from dflash_train.train.build import RunParts
+from dflash_train.train.progress import Progress
 
 
 @dataclass
@@ -40,7 +46,8 @@ def accumulate(forward: Callable[[BlockTask, torch.Tensor], BlockLoss], micro: I
 
 
 class Source(Protocol):
-    def micro_batches(self, trainer) -> list[MicroBatch]: ...
+    def micro_batches(self, progress: Progress) -> list[MicroBatch]:
+        """The step's micro-batches; `progress.cursor` moves past every micro-batch of the step."""
 
 
 class Reduction(Protocol):
@@ -54,12 +61,21 @@ class Reduction(Protocol):
 class LocalSource:
     """The single process's own cursor, data and target (or its feature cache)."""
 
-    def micro_batches(self, trainer) -> list[MicroBatch]:
+    def __init__(self, cfg: RunConfig, parts: RunParts):
+        self.cfg, self.parts = cfg, parts
+
+    def next_micro_batch(self, progress: Progress) -> tuple[dict, int]:
+        """The batch at the cursor, collated as trained, and its anchor seed; the cursor moves on."""
+        (epoch, index), indices, progress.cursor = take(self.parts.epoch_batches, progress.cursor)
+        return (collate_as_trained(self.parts.dataset, indices, self.parts.device, self.cfg.data),
+                anchor_seed(self.cfg.seed, epoch, index))
+
+    def micro_batches(self, progress: Progress) -> list[MicroBatch]:
         micro = []
-        for _ in range(trainer.cfg.train.grad_accum):
-            batch, seed = trainer.next_micro_batch()
-            task = make_task(batch["input_ids"], batch["loss_mask"], trainer.cfg.objective, seed)
-            micro.append(MicroBatch(task, lambda b=batch: trainer.features(b), batch["num_tokens"]))
+        for _ in range(self.cfg.train.grad_accum):
+            batch, seed = self.next_micro_batch(progress)
+            task = make_task(batch["input_ids"], batch["loss_mask"], self.cfg.objective, seed)
+            micro.append(MicroBatch(task, lambda b=batch: self.parts.features(b), batch["num_tokens"]))
         return micro
 
 
@@ -71,3 +87,16 @@ class NoReduction:
 
     def finish(self, params, stats: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
         return stats, tokens
+
+
+@dataclass
+class Replica:
+    """What makes a run one drafter replica of distributed training (built by distributed/roles.py)."""
+    source: Source
+    reduction: Reduction
+    devices: int
+    """Devices the whole job holds: the held-out probe's device-seconds count them all."""
+    leader: bool
+    """The group's first rank: the only one that evaluates, logs and saves."""
+    start: Callable[[Progress], None]
+    """Called once the run is resumed, before its first step: every rank agrees where the stream starts."""

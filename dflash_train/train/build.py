@@ -1,9 +1,10 @@
 """`build(cfg)`: a run's components, constructed in the order the data flows through them.
 
-data files (checked first: a typo fails before a big target loads) -> target -> tokenized data ->
-drafter -> objective (loss mix, captured layers) -> epoch plan -> optimizer and schedule. The
-Trainer (train/loop.py) adds the loop, records and checkpoints around these; the warm-up, the
-benchmarks and the distributed ranks get the same parts from the same function.
+write locations and data files (checked first: a typo fails before a big target loads) -> target ->
+tokenized data -> drafter -> objective (the forward, captured layers) -> epoch plan -> optimizer and
+schedule -> where the features come from -> the compile cache and compiled layers. The loop (train/loop.py) adds its steps, records and
+checkpoints around these; the warm-up, the benchmarks, the quickstart and the distributed ranks get
+the same parts from the same function.
 """
 
 from __future__ import annotations
@@ -14,16 +15,19 @@ import numpy as np
 import torch
 
 from dflash_train.config import RunConfig
-from dflash_train.data.dataset import TokenizedDataset, check_training_files, load_training_data
+from dflash_train.data.dataset import TokenizedDataset
 from dflash_train.disk import require_writable
-from dflash_train.draft.loss import LossMix
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.checks import compile_cache
-from dflash_train.targets.model import Target, load_target, resolve_device
+from dflash_train.targets.model import Target, resolve_device
 from dflash_train.train.batches import epoch_plan
-from dflash_train.train.shapes import stream_layer_ids
+from dflash_train.train.compiled import Compilation
 from dflash_train.train.drafter_init import build_drafter
+from dflash_train.train.features import Features
+from dflash_train.train.forward import DraftForward
+from dflash_train.train.inputs import load_inputs
 from dflash_train.train.optim import build_optimizer, build_scheduler
+from dflash_train.train.shapes import stream_layer_ids
 
 
 @dataclass
@@ -32,14 +36,16 @@ class RunParts:
     target: Target
     dataset: TokenizedDataset
     drafter: DFlashDraftModel
-    loss_mix: LossMix
     stream_layers: list[int]
     """Target layers captured per micro-batch (the drafter's, plus the last when the loss distils)."""
-    use_flex: bool
+    forward: DraftForward
     epoch_batches: list[list[np.ndarray]]
     total_steps: int
+    """The plan's optimizer steps (train.max_steps, or the epochs' micro-batches over grad_accum)."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    features: Features
+    compilation: Compilation
 
 
 def check_write_locations(cfg: RunConfig) -> None:
@@ -50,20 +56,9 @@ def check_write_locations(cfg: RunConfig) -> None:
         require_writable(compile_cache.cache_root(), "the compile cache")
 
 
-def load_inputs(cfg: RunConfig, target: Target | None = None, dataset: TokenizedDataset | None = None
-                ) -> tuple[torch.device, Target, TokenizedDataset]:
-    """The run's device, target and tokenized data (`target`, `dataset` when the caller holds them):
-    the data files are checked before the target loads, then tokenized with its tokenizer."""
-    device = resolve_device(cfg.device)
-    if dataset is None:
-        check_training_files(cfg.data)
-    target = target or load_target(cfg.target, device)
-    dataset = dataset or load_training_data(cfg.data, target.tokenizer, target.identity["tokenizer"])
-    return device, target, dataset
-
-
 def build(cfg: RunConfig, target: Target | None = None, dataset: TokenizedDataset | None = None) -> RunParts:
     """The parts of `cfg`'s run; `target` and `dataset` when the caller already holds them."""
+    check_write_locations(cfg)
     if cfg.draft.attention == "flex" and resolve_device(cfg.device).type != "cuda":
         raise ValueError("draft.attention: flex has no backward on CPU; use 'sdpa' or 'auto' there")
     device, target, dataset = load_inputs(cfg, target, dataset)
@@ -72,11 +67,13 @@ def build(cfg: RunConfig, target: Target | None = None, dataset: TokenizedDatase
     micro_total = sum(len(b) for b in epoch_batches)
     total_steps = cfg.train.max_steps or max(micro_total // cfg.train.grad_accum, 1)
     optimizer = build_optimizer(drafter.parameters(), cfg.train, device)
+    scheduler = build_scheduler(optimizer, cfg.train, total_steps)
+    use_flex = cfg.draft.attention == "flex" or (cfg.draft.attention == "auto" and device.type == "cuda")
+    forward = DraftForward.for_run(cfg, drafter, target, device, use_flex)
+    stream_layers = stream_layer_ids(cfg, target)
     return RunParts(
-        device=device, target=target, dataset=dataset, drafter=drafter,
-        loss_mix=LossMix.from_weights(cfg.objective.loss, cfg.objective.kd_temperature),
-        stream_layers=stream_layer_ids(cfg, target),
-        use_flex=cfg.draft.attention == "flex" or (cfg.draft.attention == "auto" and device.type == "cuda"),
-        epoch_batches=epoch_batches, total_steps=total_steps, optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, cfg.train, total_steps),
+        device=device, target=target, dataset=dataset, drafter=drafter, stream_layers=stream_layers,
+        forward=forward, epoch_batches=epoch_batches, total_steps=total_steps, optimizer=optimizer,
+        scheduler=scheduler, features=Features(cfg, target, dataset, stream_layers, device, forward.chunk_rows),
+        compilation=Compilation.for_run(cfg, drafter, use_flex),
     )

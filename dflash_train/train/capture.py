@@ -32,7 +32,7 @@ from dflash_train.targets.model import Target
 from dflash_train.train.batches import collate
 from dflash_train.train.shapes import stream_layer_ids
 from dflash_train.train.feature_cache import padded
-from dflash_train.train.build import load_inputs
+from dflash_train.train.inputs import load_inputs
 
 log = logging.getLogger("dflash_train")
 

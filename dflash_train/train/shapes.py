@@ -6,7 +6,8 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from dflash_train.config import DraftConfig, RunConfig
+from dflash_train.config import DataConfig, DraftConfig, RunConfig
+from dflash_train.data.batching import bucket_shape
 from dflash_train.draft.model import DraftModelConfig, default_target_layer_ids
 from dflash_train.targets.model import Target, resolve_mask_token_id
 
@@ -78,3 +79,22 @@ def compile_layers(drafter: torch.nn.Module, num_bucket_shapes: int | None) -> N
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * num_bucket_shapes + 8)
     for layer in drafter.layers:
         layer.compile(dynamic=False if static else None)
+
+
+def bucket_shapes(dc: DataConfig) -> list[tuple[int, int]]:
+    """(rows, length) of every length bucket's batches (`data.length_bucket`)."""
+    return [bucket_shape(n, dc.length_bucket, dc.token_budget, dc.max_batch_size)
+            for n in range(dc.length_bucket, dc.max_length + dc.length_bucket, dc.length_bucket)]
+
+
+def synthetic_batch(target: Target, stream_layers: list[int], device: torch.device, rows: int, length: int,
+                    gen: torch.Generator) -> tuple[dict, torch.Tensor]:
+    """Random tokens, a loss mask over the last 3/4 and random features of a bucket's shape: the
+    compiled and captured graphs depend on shapes only, and drafter-only ranks of distributed
+    training hold no target layers to make real features with."""
+    ids = torch.randint(0, target.vocab_size, (rows, length), generator=gen).to(device)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, length // 4 :] = 1
+    feats = torch.randn(rows, length, len(stream_layers) * target.hidden_size,
+                        generator=gen).to(device, target.embed_weight.dtype)
+    return {"input_ids": ids, "loss_mask": loss_mask}, feats

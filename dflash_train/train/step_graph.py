@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_train.config import ObjectiveConfig
 from dflash_train.draft.objective import task_from_keys, task_keys
 from dflash_train.targets.static_cache import capture_graph
-from dflash_train.train.accumulate import LocalSource, NoReduction
+from dflash_train.train.build import RunParts
+from dflash_train.train.shapes import synthetic_batch
 
 log = logging.getLogger("dflash_train")
 
@@ -45,11 +47,11 @@ class _Graph:
 
 
 class StepGraphs:
-    """The trainer's captured steps, one per batch shape (rows, length, feature width).
+    """The run's captured steps, one per batch shape (rows, length, feature width).
     `capture=False`: the same step on the same buffers, run eagerly (buffers made as shapes come)."""
 
-    def __init__(self, trainer, capture: bool = True):
-        self.trainer = trainer
+    def __init__(self, parts: RunParts, objective: ObjectiveConfig, capture: bool = True):
+        self.parts, self.objective = parts, objective
         self.capture = capture
         self.graphs: dict[tuple, _Graph] = {}
         self.grads: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (parameter, its one .grad, its address)
@@ -57,32 +59,33 @@ class StepGraphs:
         self.pool = None
 
     @classmethod
-    def for_trainer(cls, trainer) -> StepGraphs:
-        """The trainer's step graphs, or a clear refusal where they cannot run."""
-        if trainer.device.type != "cuda":
-            raise ValueError(f"train.cuda_graphs runs on CUDA only; this run's device is {trainer.device}")
-        if not (isinstance(trainer.source, LocalSource) and isinstance(trainer.reduction, NoReduction)):
+    def for_run(cls, parts: RunParts, objective: ObjectiveConfig, single_process: bool) -> StepGraphs:
+        """The run's step graphs, or a clear refusal where they cannot run."""
+        if parts.device.type != "cuda":
+            raise ValueError(f"train.cuda_graphs runs on CUDA only; this run's device is {parts.device}")
+        if not single_process:
             raise ValueError("train.cuda_graphs: single-process training (dflash-train train) only; a "
                              "distributed drafter rank exchanges its sums between micro-batches")
-        return cls(trainer)
+        return cls(parts, objective)
 
     def prepare(self, shapes: list[tuple[int, int]]) -> None:
         """Captures every bucket shape's step before training, largest first (the shared features
         buffer is sized once). The graphs' memory joins the feature cache's reserve."""
-        t0, device = time.perf_counter(), self.trainer.device
+        p = self.parts
+        t0, device = time.perf_counter(), p.device
         if self.capture:
             torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved(device)
         gen = torch.Generator().manual_seed(0)
         for rows, length in sorted(set(shapes), key=lambda s: -s[0] * s[1]):
-            batch, features = self.trainer.synthetic_batch(rows, length, gen)
+            batch, features = synthetic_batch(p.target, p.stream_layers, device, rows, length, gen)
             self._graph(batch, features, 0)
         if not self.capture:
             return
         torch.cuda.empty_cache()
         kept = max(torch.cuda.memory_reserved(device) - before, 0)
-        if self.trainer.feature_cache is not None:
-            self.trainer.feature_cache.reserve_bytes += kept
+        if p.features.cache is not None:
+            p.features.cache.reserve_bytes += kept
         log.info("captured the drafter step of %d bucket shapes as CUDA graphs in %.1f s (%.1f GiB kept)",
                  len(self.graphs), time.perf_counter() - t0, kept / 2**30)
 
@@ -130,16 +133,15 @@ class StepGraphs:
         """`.grad` of every trainable parameter, once: the graphs accumulate into these addresses."""
         if self.grads:
             return
-        for p in self.trainer.drafter.parameters():
+        for p in self.parts.drafter.parameters():
             if p.requires_grad:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 self.grads.append((p, p.grad, p.data_ptr()))
 
     def _step(self, g: _Graph) -> dict:
-        t = self.trainer
-        task = task_from_keys(g.input_ids, g.loss_mask, g.keys, t.cfg.objective)
-        out = t.draft_forward(task, g.features)
+        task = task_from_keys(g.input_ids, g.loss_mask, g.keys, self.objective)
+        out = self.parts.forward(task, g.features)
         weight_sum = task.weights.sum().clamp(min=1e-12)
         (out.weighted_ce_sum / weight_sum).backward()
         return {"loss_sum": out.weighted_ce_sum.detach(), "correct": out.correct_per_slot,

@@ -6,7 +6,9 @@ import time
 
 from dflash_train.config import RunConfig
 from dflash_train.checks import compile_cache
-from dflash_train.train.loop import Trainer
+from dflash_train.train.build import build
+from dflash_train.train.progress import Progress
+from dflash_train.train.step import TrainStep
 
 
 def warmup(cfg: RunConfig, steps: int | None = None) -> dict:
@@ -16,17 +18,20 @@ def warmup(cfg: RunConfig, steps: int | None = None) -> dict:
     One process per GPU: compile is not thread-safe, and processes on one machine share the cache.
     """
     t0 = time.perf_counter()
-    trainer = Trainer(cfg)
+    parts = build(cfg)
+    step = TrainStep(cfg, parts)
     if cfg.data.length_bucket:
-        steps = trainer.compile_buckets()
+        steps = step.compile_buckets()
     else:
         steps = steps or cfg.train.compile_warmup_steps
-        for _ in range(min(steps, trainer.total_steps)):
-            trainer.train_step()
+        progress = Progress(total_steps=parts.total_steps)
+        for _ in range(min(steps, progress.total_steps)):
+            step(progress)
     seconds = time.perf_counter() - t0
-    info = {"steps": steps, "seconds": round(seconds, 1), "graphs": trainer.recompiles.graphs,
-            "cache_state_before": trainer.compile_state}
-    if trainer.compile_key:
-        compile_cache.mark_warm(trainer.compile_key, info=info)
-        info["cache"] = str(compile_cache.cache_root() / trainer.compile_key)
+    compiled = parts.compilation
+    info = {"steps": steps, "seconds": round(seconds, 1), "graphs": compiled.recompiles.graphs,
+            "cache_state_before": compiled.cache_state}
+    if compiled.cache_key:
+        compile_cache.mark_warm(compiled.cache_key, info=info)
+        info["cache"] = str(compile_cache.cache_root() / compiled.cache_key)
     return info

@@ -73,11 +73,11 @@ def test_snapshot_is_detached_from_later_training(make_run_config, shared_tiny_t
 
     trainer = Trainer(make_run_config(overrides=["train.max_steps=3"]), target=shared_tiny_target)
     trainer.train_step()
-    snap = ckpt.snapshot(trainer.drafter, trainer.optimizer, trainer.scheduler, {"cursor": [0, 1]})
-    weights = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
-    moments = {i: s["exp_avg"].clone() for i, s in trainer.optimizer.state_dict()["state"].items()}
+    snap = ckpt.snapshot(trainer.parts.drafter, trainer.parts.optimizer, trainer.parts.scheduler, {"cursor": [0, 1]})
+    weights = {k: v.clone() for k, v in trainer.parts.drafter.state_dict().items()}
+    moments = {i: s["exp_avg"].clone() for i, s in trainer.parts.optimizer.state_dict()["state"].items()}
     trainer.train_step()
-    assert any(not torch.equal(v, weights[k]) for k, v in trainer.drafter.state_dict().items())
+    assert any(not torch.equal(v, weights[k]) for k, v in trainer.parts.drafter.state_dict().items())
     loaded = ckpt.load_checkpoint(ckpt.write_checkpoint(tmp_path, 1, snap))
     assert loaded["model"].keys() == weights.keys()
     for k, v in weights.items():

@@ -45,7 +45,7 @@ def _finished_run(make_run_config, target):
     for step in (1, 2):
         out = trainer.train_step()
         records[step] = (float(out["loss"]), out["lr"], float(out["grad_norm"]))
-        trainer.save(wait=True)
+        trainer.checkpointer.save(trainer.progress, wait=True)
     return cfg, records
 
 
@@ -110,12 +110,12 @@ def test_a_checkpoint_without_a_record_still_resumes_with_a_warning(make_run_con
 
 def test_a_corrupt_checkpoint_chosen_by_hand_fails_before_the_target_loads(make_run_config, monkeypatch,
                                                                              shared_tiny_target):
-    import dflash_train.train.build as parts
+    import dflash_train.train.inputs as inputs
 
     cfg, _ = _finished_run(make_run_config, shared_tiny_target)
     newest = ckpt.checkpoint_path(cfg.run_dir, 2)
     _flip_a_bit(newest / "model.safetensors")
-    monkeypatch.setattr(parts, "load_target", lambda *a: pytest.fail("the target loaded before the check"))
+    monkeypatch.setattr(inputs, "load_target", lambda *a: pytest.fail("the target loaded before the check"))
     with pytest.raises(CheckpointError, match=f"{newest}: corrupt checkpoint: model.safetensors: contents differ"):
         train(cfg, resume=str(newest), progress=False)
     assert newest.is_dir()  # a checkpoint named by hand is never moved

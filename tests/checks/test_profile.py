@@ -63,7 +63,7 @@ def test_a_failing_step_stops_the_profiler(make_run_config, shared_tiny_target, 
     step = trainer.train_step
 
     def failing():
-        if trainer.step == 2:
+        if trainer.progress.step == 2:
             raise RuntimeError("boom")
         return step()
 

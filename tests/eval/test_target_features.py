@@ -42,9 +42,9 @@ def test_two_layer_drafter_reading_three_target_layers_end_to_end(make_run_confi
     cfg = make_run_config("feat3", ["draft.target_layer_ids=null", "draft.num_layers=2",
                                     "draft.num_target_features=3", "train.max_steps=2"])
     trainer = Trainer(cfg, target=target)
-    assert trainer.drafter.config.target_layer_ids == [1, 3, 5]
-    assert trainer.drafter.config.num_hidden_layers == 2 and len(trainer.drafter.layers) == 2
-    assert trainer.drafter.fc.weight.shape == (64, 3 * 64)  # the projection reads 3 layers' features
+    assert trainer.parts.drafter.config.target_layer_ids == [1, 3, 5]
+    assert trainer.parts.drafter.config.num_hidden_layers == 2 and len(trainer.parts.drafter.layers) == 2
+    assert trainer.parts.drafter.fc.weight.shape == (64, 3 * 64)  # the projection reads 3 layers' features
     summary = trainer.fit(progress=False)
     assert summary["steps"] == 2 and torch.isfinite(torch.tensor(summary["last"]["loss"]))
 

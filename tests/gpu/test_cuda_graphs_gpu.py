@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dflash_train.train.loop import Trainer
+from dflash_train.train.shapes import bucket_shapes, synthetic_batch
 from dflash_train.train.step_graph import StepGraphs
 
 from tiny import GPU_RECIPE, tiny_target, to_cuda  # tests/ is on sys.path (conftest.py)
@@ -30,23 +31,24 @@ def learning_target():
 
 def test_each_replay_gives_the_eager_step_whatever_ran_before(make_run_config):
     trainer = Trainer(make_run_config(overrides=[*GPU_RECIPE, "train.cuda_graphs=true"]), target=learning_target())
-    trainer.compile_buckets()
-    graphs = trainer.step_graphs
+    trainer.stepper.compile_buckets()
+    graphs = trainer.stepper.graphs
     graphs._allocate_grads()
     grads = [grad for _, grad, _ in graphs.grads]
     for grad in grads:
         grad.fill_(0.5)  # the warm-up runs before each capture must leave .grad as it was
-    graphs.prepare(trainer.bucket_shapes())
+    shapes, p = bucket_shapes(trainer.cfg.data), trainer.parts
+    graphs.prepare(shapes)
     assert all(bool((grad == 0.5).all()) for grad in grads)
-    assert len(graphs.graphs) == len(trainer.bucket_shapes()) >= 2
-    eager = StepGraphs(trainer, capture=False)  # the same step on its own buffers, not captured
-    (a_rows, a_len), (b_rows, b_len) = trainer.bucket_shapes()[:2]
+    assert len(graphs.graphs) == len(shapes) >= 2
+    eager = StepGraphs(p, trainer.cfg.objective, capture=False)  # the same step on its own buffers, not captured
+    (a_rows, a_len), (b_rows, b_len) = shapes[:2]
     gen = torch.Generator().manual_seed(1)
     for seed, (rows, length) in enumerate([(a_rows, a_len), (b_rows, b_len), (a_rows, a_len)]):
-        batch, feats = trainer.synthetic_batch(rows, length, gen)
+        batch, feats = synthetic_batch(p.target, p.stream_layers, p.device, rows, length, gen)
         results = []
         for steps in (eager, graphs):
-            trainer.optimizer.zero_grad(set_to_none=False)
+            trainer.parts.optimizer.zero_grad(set_to_none=False)
             out = steps.run(batch, feats, seed)
             results.append((out, [grad.clone() for grad in grads]))
         (want, want_grads), (got, got_grads) = results
@@ -70,7 +72,7 @@ def test_a_run_with_captured_steps_trains_like_the_plain_run(make_run_config):
     for key in ("loss", "grad_norm", "tau_hat"):
         torch.testing.assert_close(torch.tensor([r[key] for r in records[True]]),
                                    torch.tensor([r[key] for r in records[False]]), rtol=5e-3, atol=5e-3, msg=key)
-    for p, q in zip(trainers[False].drafter.parameters(), trainers[True].drafter.parameters()):
+    for p, q in zip(trainers[False].parts.drafter.parameters(), trainers[True].parts.drafter.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-2, atol=1e-3)
     # Every shape was captured before training: a replayed step makes no host sync ("error" raises
     # at the first synchronising call).

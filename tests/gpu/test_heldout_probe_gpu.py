@@ -33,4 +33,4 @@ def test_probe_replays_decoding_without_recompiling(make_run_config):
     assert all(p["decode_rounds"] > 0 and p["tau_decode"] >= 1.0 for p in probes)
     metrics = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [m["recompiles_since_warmup"] for m in metrics] == [0] * len(metrics)
-    assert trainer.recompiles.since_warm == 0
+    assert trainer.parts.compilation.recompiles.since_warm == 0

@@ -46,7 +46,7 @@ def test_a_budgeted_run_ends_early_with_its_schedule_complete(make_run_config, s
     cfg = make_run_config(overrides=["train.epochs=20", "train.time_budget_minutes=1", "train.log_every=1",
                                      "train.compile_warmup_steps=2", "train.warmup_ratio=0.1"])
     trainer = Trainer(cfg, target=shared_tiny_target)
-    planned = trainer.total_steps
+    planned = trainer.progress.total_steps
     assert planned > 40
     step = trainer.train_step
 
@@ -108,27 +108,27 @@ def test_a_run_with_slow_pauses_decays_smoothly_and_ends_on_time(make_run_config
     estimates, and the refitted cosine, which never climbs back, fell steeply after every probe."""
     import types
 
-    from dflash_train.train import loop
+    from dflash_train.train import step_log
 
     clock = FakeClock()
     monkeypatch.setattr("dflash_train.train.budget.perf_counter", clock)
-    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(step_log, "time", types.SimpleNamespace(perf_counter=clock))
     cfg = make_run_config(overrides=["train.epochs=40", "train.time_budget_minutes=10", "train.log_every=1",
                                      "train.compile_warmup_steps=2", "train.warmup_ratio=0.05", "checkpoint.every=10"])
     trainer = Trainer(cfg, target=shared_tiny_target)
-    assert trainer.total_steps > 300
-    step, save = trainer.train_step, trainer.save
+    assert trainer.progress.total_steps > 300
+    step, save = trainer.train_step, trainer.checkpointer.save
 
     def timed_step():
         clock.now += 2.0
         return step()
 
-    def slow_save(**kw):
+    def slow_save(*args, **kw):
         clock.now += 20.0
-        return save(**kw)
+        return save(*args, **kw)
 
     monkeypatch.setattr(trainer, "train_step", timed_step)
-    monkeypatch.setattr(trainer, "save", slow_save)
+    monkeypatch.setattr(trainer.checkpointer, "save", slow_save)
     summary = trainer.fit(progress=False)
     deadline = 600 * (1 - RESERVE)
     assert deadline - 22 <= clock.now - 20 <= deadline  # the last save (20 s) after the final step

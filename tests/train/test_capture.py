@@ -14,13 +14,13 @@ def test_training_from_captured_features_equals_training_online(make_run_config,
                                                                 monkeypatch):
     over = ["train.epochs=2"]
     plain = Trainer(make_run_config("plain", over), target=shared_tiny_target)
-    monkeypatch.setattr("dflash_train.train.build.load_target", lambda *a, **k: shared_tiny_target)
+    monkeypatch.setattr("dflash_train.train.inputs.load_target", lambda *a, **k: shared_tiny_target)
     manifest = capture(make_run_config("c", over), tmp_path / "cap", rows_per_shard=5)
-    assert len(manifest["shards"]) > 2 and manifest["fingerprint"]["rows"] == len(plain.dataset)
+    assert len(manifest["shards"]) > 2 and manifest["fingerprint"]["rows"] == len(plain.parts.dataset)
 
     captured = Trainer(make_run_config("captured", [*over, f"data.captured_features={tmp_path / 'cap'}"]),
                        target=shared_tiny_target)
-    for _ in range(plain.total_steps):
+    for _ in range(plain.progress.total_steps):
         with monkeypatch.context() as m:
             m.setattr(shared_tiny_target, "features", lambda *a: pytest.fail("the target ran on captured data"))
             loss = float(captured.train_step()["loss"])
@@ -34,22 +34,22 @@ def test_captured_features_kept_in_memory_are_read_once_and_train_the_same(make_
     training's. Bucketed, so batches carry padding rows and length."""
     over = ["train.epochs=3", "data.length_bucket=32"]
     plain = Trainer(make_run_config("plain", over), target=shared_tiny_target)
-    monkeypatch.setattr("dflash_train.train.build.load_target", lambda *a, **k: shared_tiny_target)
+    monkeypatch.setattr("dflash_train.train.inputs.load_target", lambda *a, **k: shared_tiny_target)
     capture(make_run_config("c", over), tmp_path / "cap", rows_per_shard=5)
     kept = Trainer(make_run_config("kept", [*over, f"data.captured_features={tmp_path / 'cap'}",
                                             "data.cache_features=true"]), target=shared_tiny_target)
-    expected = [float(plain.train_step()["loss"]) for _ in range(plain.total_steps)]
+    expected = [float(plain.train_step()["loss"]) for _ in range(plain.progress.total_steps)]
     reads = []
-    real_row = kept.captured.row
-    monkeypatch.setattr(kept.captured, "row", lambda i: reads.append(i) or real_row(i))
+    real_row = kept.parts.features.captured.row
+    monkeypatch.setattr(kept.parts.features.captured, "row", lambda i: reads.append(i) or real_row(i))
     monkeypatch.setattr(shared_tiny_target, "features", lambda *a: pytest.fail("the target ran on captured data"))
-    assert [float(kept.train_step()["loss"]) for _ in range(kept.total_steps)] == pytest.approx(expected, rel=1e-6)
-    assert sorted(reads) == list(range(len(kept.dataset)))  # every row read once over three epochs
+    assert [float(kept.train_step()["loss"]) for _ in range(kept.progress.total_steps)] == pytest.approx(expected, rel=1e-6)
+    assert sorted(reads) == list(range(len(kept.parts.dataset)))  # every row read once over three epochs
 
 
 def test_an_interrupted_capture_resumes_and_a_foreign_one_is_refused(make_run_config, shared_tiny_target,
                                                                       tmp_path, monkeypatch):
-    monkeypatch.setattr("dflash_train.train.build.load_target", lambda *a, **k: shared_tiny_target)
+    monkeypatch.setattr("dflash_train.train.inputs.load_target", lambda *a, **k: shared_tiny_target)
     cfg = make_run_config("c")
     out = tmp_path / "cap"
     full = capture(cfg, out, rows_per_shard=5)

@@ -4,6 +4,7 @@ schedule, and a resumed time-budgeted run continues the schedule it was on (no j
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -48,7 +49,7 @@ def test_deadline_stop_then_resume_auto_keeps_every_lr_and_loss(make_run_config,
 
     def recording(self):
         out = original(self)
-        seen[self.run_dir.name][self.step] = (out["lr"], float(out["loss"]))
+        seen[Path(self.cfg.run_dir).name][self.progress.step] = (out["lr"], float(out["loss"]))
         return out
 
     monkeypatch.setattr(Trainer, "train_step", recording)
@@ -84,7 +85,7 @@ def test_resumed_budgeted_run_continues_its_schedule(make_run_config, shared_tin
     shutil.copytree(cfg.run_dir, copy.run_dir)
     resumed = Trainer(copy, target=shared_tiny_target)
     resumed.resume(f"{copy.run_dir}/checkpoints/step_00000020")
-    assert resumed.total_steps == 29
+    assert resumed.progress.total_steps == 29
     again = timed(resumed, clock, 2.0).fit(progress=False)
     assert again["steps"] == 29
     after = read_metrics(copy.run_dir)
@@ -126,8 +127,8 @@ def test_a_budgeted_checkpoint_without_a_saved_schedule_resumes_on_the_plain_one
     torch.save(optim, old)
     resumed = Trainer(make_run_config("a", overrides), target=shared_tiny_target)
     resumed.resume(f"{cfg.run_dir}/checkpoints/step_00000020")
-    assert resumed.total_steps == 29
-    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(cfg.train.lr * lr_factor(20, 29, 0.1, 0.0))
+    assert resumed.progress.total_steps == 29
+    assert resumed.parts.optimizer.param_groups[0]["lr"] == pytest.approx(cfg.train.lr * lr_factor(20, 29, 0.1, 0.0))
 
 
 def test_a_budgeted_resume_says_when_the_configs_schedule_keys_changed(make_run_config, shared_tiny_target,
@@ -143,4 +144,4 @@ def test_a_budgeted_resume_says_when_the_configs_schedule_keys_changed(make_run_
     with caplog.at_level("WARNING", logger="dflash_train"):
         changed.resume(f"{cfg.run_dir}/checkpoints/step_00000020")
     assert "train.warmup_ratio changed" in caplog.text
-    assert changed.scheduler.lr_lambdas[0].warmup_ratio == cfg.train.warmup_ratio
+    assert changed.parts.scheduler.lr_lambdas[0].warmup_ratio == cfg.train.warmup_ratio

@@ -9,7 +9,7 @@ import pytest
 
 from dflash_train.data.dataset import tokenize_files
 from dflash_train.checkpoint.local import latest_checkpoint
-from dflash_train.train.heldout import replay_heldout
+from dflash_train.train.heldout import replay_heldout, score_heldout
 from dflash_train.train.loop import Trainer
 
 
@@ -29,13 +29,15 @@ def test_probe_scores_heldout_every_n_steps_and_at_the_end(make_run_config, shar
     assert seconds == sorted(seconds) and seconds[0] > 0
     # The last record is the trained drafter's held-out score, computed the trainer's own way.
     dataset = tokenize_files([heldout], shared_tiny_target.tokenizer, cfg.data.max_length, skip_invalid=True)
-    direct = trainer.run_eval(lambda tr: tr.evaluate(dataset))
+    with trainer.parts.forward.evaluating():
+        direct = score_heldout(trainer.parts, cfg, dataset)
     assert got[-1]["tau_hat"] == pytest.approx(direct["tau_hat"])
     assert got[-1]["loss"] == pytest.approx(direct["loss"])
     assert got[-1]["acc"] == direct["acc"] and len(direct["acc"]) == cfg.objective.block_size - 1
     # tau_decode: greedy decoding replayed over the answers' first 256 tokens (eval/replay.py, tested
     # there against real speculative decoding), the same figure when recomputed.
-    replayed = trainer.run_eval(lambda tr: replay_heldout(tr, dataset, cfg.eval.heldout_decode_tokens))
+    with trainer.parts.forward.evaluating():
+        replayed = replay_heldout(trainer.parts, dataset, cfg.eval.heldout_decode_tokens)
     assert got[-1]["decode_rounds"] == replayed["decode_rounds"] > 0
     assert got[-1]["tau_decode"] == pytest.approx(replayed["tau_decode"]) and got[-1]["tau_decode"] >= 1.0
 
@@ -72,4 +74,4 @@ def test_probe_runs_the_compiled_graphs_without_recompiling(make_run_config, sha
     metrics = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [2, 4, 6, 8]
     assert [m["recompiles_since_warmup"] for m in metrics] == [0, 0, 0, 0]
-    assert trainer.recompiles.since_warm == 0  # the last probe ran after the last record
+    assert trainer.parts.compilation.recompiles.since_warm == 0  # the last probe ran after the last record

@@ -24,19 +24,19 @@ def test_init_from_an_export_gives_its_weights(make_run_config, shared_tiny_targ
     out = export_drafter(trained, tmp_path / "export")
     trainer = Trainer(make_run_config("warm", [f"draft.init_from={out}"]), target=shared_tiny_target)
     exported = load_file(out / "model.safetensors")
-    state = trainer.drafter.state_dict()
+    state = trainer.parts.drafter.state_dict()
     assert state.keys() == exported.keys()
     for name, t in exported.items():
         assert torch.equal(state[name], t.float()), name  # the export's bf16 values, exactly
-    assert trainer.step == 0 and not trainer.optimizer.state  # the optimizer starts fresh
-    assert trainer.scheduler.last_epoch == 0
+    assert trainer.progress.step == 0 and not trainer.parts.optimizer.state  # the optimizer starts fresh
+    assert trainer.parts.scheduler.last_epoch == 0
 
 
 def test_init_from_a_checkpoint_gives_its_exact_weights(make_run_config, shared_tiny_target, trained):
     trainer = Trainer(make_run_config("warm", [f"draft.init_from={trained}"]), target=shared_tiny_target)
     saved = load_file(trained / "model.safetensors")
-    fresh = Trainer(make_run_config("fresh"), target=shared_tiny_target).drafter.state_dict()
-    for name, t in trainer.drafter.state_dict().items():
+    fresh = Trainer(make_run_config("fresh"), target=shared_tiny_target).parts.drafter.state_dict()
+    for name, t in trainer.parts.drafter.state_dict().items():
         assert torch.equal(t, saved[name]), name
     assert any(not torch.equal(saved[n], fresh[n]) for n in saved)  # so the check above means something
 

@@ -11,8 +11,8 @@ from dflash_train.train.loop import Trainer
 
 def test_each_drafter_layer_starts_as_its_target_layer(make_run_config, shared_tiny_target):
     cfg = make_run_config("copied", ["draft.num_layers=2", "draft.init_layers_from=[3,-3]"])
-    drafter = Trainer(cfg, target=shared_tiny_target).drafter
-    fresh = Trainer(make_run_config("fresh", ["draft.num_layers=2"]), target=shared_tiny_target).drafter
+    drafter = Trainer(cfg, target=shared_tiny_target).parts.drafter
+    fresh = Trainer(make_run_config("fresh", ["draft.num_layers=2"]), target=shared_tiny_target).parts.drafter
     for layer, copied_from in zip(drafter.layers, (3, 1)):
         source = dict(shared_tiny_target.layers[copied_from].named_parameters())
         assert source, "the tiny target's layers have parameters"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from dflash_train.checkpoint.local import latest_checkpoint
 from dflash_train.train.loop import Trainer
 from dflash_train.train.metrics import read_metrics
 from dflash_train.train.optim import lr_factor
+from dflash_train.train.shapes import bucket_shapes
 
 
 def test_tiny_training_learns_and_logs(make_run_config, shared_tiny_target):
@@ -35,7 +37,7 @@ def test_tiny_training_learns_and_logs(make_run_config, shared_tiny_target):
     lrs = [r["lr"] for r in records]
     assert lrs[0] < lrs[1] and lrs[-1] < max(lrs)
     assert latest_checkpoint(cfg.run_dir).name == "step_00000030"
-    assert json.loads((trainer.run_dir / "summary.json").read_text())["steps"] == 30
+    assert json.loads((Path(trainer.cfg.run_dir) / "summary.json").read_text())["steps"] == 30
 
 
 def test_logged_lr_is_the_lr_the_step_used(make_run_config, shared_tiny_target):
@@ -51,38 +53,38 @@ def test_grad_accum_step_is_the_global_weighted_mean(make_run_config, shared_tin
     cfg = make_run_config(overrides=["train.grad_accum=2", "train.grad_clip=1e9", "data.max_batch_size=2"])
     trainer = Trainer(cfg, target=shared_tiny_target)
     captured = {}
-    trainer.optimizer.register_step_pre_hook(
-        lambda *_: captured.update({n: p.grad.clone() for n, p in trainer.drafter.named_parameters()})
+    trainer.parts.optimizer.register_step_pre_hook(
+        lambda *_: captured.update({n: p.grad.clone() for n, p in trainer.parts.drafter.named_parameters()})
     )
     logged = float(trainer.train_step()["loss"])
 
     ref = Trainer(cfg, target=shared_tiny_target)  # same seed: same initial drafter, same batches
-    d = ref.drafter.config
+    d = ref.parts.drafter.config
     sums, weights = [], []
     for _ in range(2):
         batch, seed = ref.next_micro_batch()
         task = make_task(batch["input_ids"], batch["loss_mask"], cfg.objective, seed)
-        feats = ref.target.features(batch["input_ids"], d.target_layer_ids)
-        out = draft_loss(ref.drafter, task, feats, ref.target.embed_weight, ref.target.lm_head_weight, False, 16)
+        feats = ref.parts.target.features(batch["input_ids"], d.target_layer_ids)
+        out = draft_loss(ref.parts.drafter, task, feats, ref.parts.target.embed_weight, ref.parts.target.lm_head_weight, False, 16)
         sums.append(out.weighted_ce_sum)
         weights.append(task.weights.sum())
     assert abs(float(weights[0]) - float(weights[1])) > 1e-3, "make the micro-batches differ in weight"
     loss = sum(sums) / sum(weights)
     loss.backward()
     assert logged == pytest.approx(float(loss.detach()), rel=1e-5)
-    for n, p in ref.drafter.named_parameters():
+    for n, p in ref.parts.drafter.named_parameters():
         torch.testing.assert_close(captured[n], p.grad, rtol=1e-4, atol=1e-7, msg=n)
 
 
 def test_bucket_mode_batches_have_fixed_shapes_and_precompile_leaves_weights(make_run_config, shared_tiny_target):
     cfg = make_run_config(overrides=["data.length_bucket=32", "train.max_steps=6"])
     trainer = Trainer(cfg, target=shared_tiny_target)
-    shapes = trainer.bucket_shapes()
+    shapes = bucket_shapes(cfg.data)
     assert shapes == [(4, 32), (3, 64), (2, 96)]  # budget 192: rows = min(4, 192 // length)
-    before = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
-    assert trainer.compile_buckets() == len(shapes)
-    assert all(torch.equal(before[k], v) for k, v in trainer.drafter.state_dict().items())
-    assert all(p.grad is None for p in trainer.drafter.parameters())
+    before = {k: v.clone() for k, v in trainer.parts.drafter.state_dict().items()}
+    assert trainer.stepper.compile_buckets() == len(shapes)
+    assert all(torch.equal(before[k], v) for k, v in trainer.parts.drafter.state_dict().items())
+    assert all(p.grad is None for p in trainer.parts.drafter.parameters())
     for _ in range(6):
         batch, _seed = trainer.next_micro_batch()
         assert tuple(batch["input_ids"].shape) in shapes
@@ -121,10 +123,13 @@ def test_cpu_step_with_a_bf16_target_matches_the_fp32_target(make_run_config):
     trainer = Trainer(make_run_config("bf16", overrides=["train.max_steps=1"]), target=bf16)
     loss = trainer.train_step()["loss"].item()
     assert abs(loss - reference) < 0.02 * reference, (loss, reference)
-    # An eval wraps draft_forward's autocast in its own: on the way out both are off again.
+    # An eval wraps the forward's autocast in its own: on the way out both are off again.
     batch, seed = trainer.next_micro_batch()
     task = make_task(batch["input_ids"], batch["loss_mask"], trainer.cfg.objective, seed)
-    inside = trainer.run_eval(lambda tr: (tr.draft_forward(task, tr.features(batch)), torch.is_autocast_enabled("cpu"))[1])
+    forward = trainer.parts.forward
+    with forward.evaluating():
+        forward(task, trainer.parts.features(batch))
+        inside = torch.is_autocast_enabled("cpu")
     assert inside and not torch.is_autocast_enabled("cpu")
 
 
@@ -136,10 +141,10 @@ def test_checkpoint_time_is_logged_apart_from_training_throughput(make_run_confi
     plain = Trainer(make_run_config("plain", overrides=overrides), target=shared_tiny_target)
     plain.fit(progress=False)
     slow = Trainer(make_run_config("slow", overrides=overrides), target=shared_tiny_target)
-    save = slow.save
-    slow.save = lambda **kw: (time.sleep(1.5), save(**kw))[1]
+    save = slow.checkpointer.save
+    slow.checkpointer.save = lambda *a, **kw: (time.sleep(1.5), save(*a, **kw))[1]
     slow.fit(progress=False)
-    fast_records, slow_records = read_metrics(plain.run_dir), read_metrics(slow.run_dir)
+    fast_records, slow_records = read_metrics(plain.cfg.run_dir), read_metrics(slow.cfg.run_dir)
     for fast, late in zip(fast_records, slow_records):
         assert late["paused_s"] >= 1.5 > fast["paused_s"]
         # The window's training time (its tokens over its rate) leaves the saves out: two tiny steps,
@@ -156,18 +161,18 @@ def test_a_window_counts_the_device_work_still_queued_when_it_ends(make_run_conf
     the next window, so the windows tile the run."""
     import time
 
-    from dflash_train.train import loop
+    from dflash_train.train import step_log
 
     def draining(device):
         time.sleep(0.4)
         return time.perf_counter()
 
-    monkeypatch.setattr(loop, "synced_time", draining)
+    monkeypatch.setattr(step_log, "synced_time", draining)
     trainer = Trainer(make_run_config("drain", overrides=["train.max_steps=6", "train.log_every=2"]),
                       target=shared_tiny_target)
     trainer.tracker.log = lambda record, step: time.sleep(0.3)
     trainer.fit(progress=False)
-    records = read_metrics(trainer.run_dir)
+    records = read_metrics(trainer.cfg.run_dir)
     assert [r["step"] for r in records] == [2, 4, 6]
     seconds = [r["tokens"] / r["tokens_per_s"] + r["paused_s"] for r in records]
     assert seconds[0] >= 0.4 and all(s >= 0.7 for s in seconds[1:]), seconds  # drain; last logging + drain
@@ -178,20 +183,20 @@ def test_distilled_step_equals_reference_from_the_targets_own_logits(make_run_co
     forward logits (an independent path: no capture hook, no gather of hidden states)."""
     cfg = make_run_config(overrides=[f"objective.loss={loss}", "objective.kd_temperature=1.5", "train.grad_clip=1e9"])
     trainer = Trainer(cfg, target=shared_tiny_target)
-    assert trainer.stream_layers[-1] == shared_tiny_target.num_layers - 1
+    assert trainer.parts.stream_layers[-1] == shared_tiny_target.num_layers - 1
     logged = float(trainer.train_step()["loss"])
 
     ref = Trainer(cfg, target=shared_tiny_target)
-    d = ref.drafter.config
+    d = ref.parts.drafter.config
     batch, seed = ref.next_micro_batch()
     task = make_task(batch["input_ids"], batch["loss_mask"], cfg.objective, seed)
-    feats = ref.target.features(batch["input_ids"], d.target_layer_ids)
+    feats = ref.parts.target.features(batch["input_ids"], d.target_layer_ids)
     with torch.no_grad():
-        p_logits = ref.target.model(input_ids=batch["input_ids"]).logits.double()  # [b, T, V]
+        p_logits = ref.parts.target.model(input_ids=batch["input_ids"]).logits.double()  # [b, T, V]
     from dflash_train.draft.objective import draft_hidden
 
-    q_logits = (draft_hidden(ref.drafter, task, feats, ref.target.embed_weight, False)
-                @ ref.target.lm_head_weight.t()).double()  # [b, Q, V]
+    q_logits = (draft_hidden(ref.parts.drafter, task, feats, ref.parts.target.embed_weight, False)
+                @ ref.parts.target.lm_head_weight.t()).double()  # [b, Q, V]
     t = cfg.objective.kd_temperature
     total = torch.zeros((), dtype=torch.float64)
     b, q = task.labels.shape
@@ -219,7 +224,6 @@ def test_cached_features_train_exactly_as_recomputed_ones(make_run_config, share
     (the cache once returned only the real rows, and the H200 run failed on the shape)."""
     over = [f"objective.loss={loss}", "train.epochs=3", *bucket]
     plain = Trainer(make_run_config("plain", over), target=shared_tiny_target)
-    cached = Trainer(make_run_config("cached", [*over, "data.cache_features=true"]), target=shared_tiny_target)
     calls = []
     real = shared_tiny_target.features
 
@@ -227,15 +231,17 @@ def test_cached_features_train_exactly_as_recomputed_ones(make_run_config, share
         calls.append(input_ids.shape[0])
         return real(input_ids, layer_ids)
 
-    cached.target = type(shared_tiny_target)(**{k: getattr(shared_tiny_target, k) for k in
-                                                ("model", "tokenizer", "name", "device")})
-    cached.target.features = counting
-    steps = plain.total_steps
-    assert steps == cached.total_steps and steps >= 3 * len(plain.epoch_batches[0]) - 1
+    target = type(shared_tiny_target)(**{k: getattr(shared_tiny_target, k) for k in
+                                         ("model", "tokenizer", "name", "device")})
+    target.features = counting
+    cached = Trainer(make_run_config("cached", [*over, "data.cache_features=true"]), target=target)
+    assert not calls  # building the run computes no features
+    steps = plain.progress.total_steps
+    assert steps == cached.progress.total_steps and steps >= 3 * len(plain.parts.epoch_batches[0]) - 1
     for _ in range(steps):
         assert float(cached.train_step()["loss"]) == pytest.approx(float(plain.train_step()["loss"]), rel=1e-6)
-    assert sum(calls) == len(cached.dataset)  # every row once, over three epochs
-    for f in cached.feature_cache.rows.values():
+    assert sum(calls) == len(cached.parts.dataset)  # every row once, over three epochs
+    for f in cached.parts.features.cache.rows.values():
         assert f.untyped_storage().nbytes() == f.numel() * f.element_size()
 
 
@@ -245,15 +251,15 @@ def test_a_full_feature_cache_recomputes_the_rest_and_trains_the_same(make_run_c
     plain = Trainer(make_run_config("plain", over), target=shared_tiny_target)
     cached = Trainer(make_run_config("cached", [*over, "data.cache_features=true"]), target=shared_tiny_target)
     room = iter([True])  # one batch fits, then the memory is "full"
-    cached.feature_cache.has_room = lambda nbytes: next(room, False)
-    for _ in range(plain.total_steps):
+    cached.parts.features.cache.has_room = lambda nbytes: next(room, False)
+    for _ in range(plain.progress.total_steps):
         assert float(cached.train_step()["loss"]) == pytest.approx(float(plain.train_step()["loss"]), rel=1e-6)
-    assert 0 < len(cached.feature_cache) < len(cached.dataset)
+    assert 0 < len(cached.parts.features.cache) < len(cached.parts.dataset)
 
 
 def test_the_loss_chunks_are_even_with_length_buckets_and_the_cache_leaves_room_for_them(
         make_run_config, shared_tiny_target, monkeypatch):
-    """Length buckets repeat the loss's row counts, so the Trainer asks for even chunks (one compiled
+    """Length buckets repeat the loss's row counts, so the run asks for even chunks (one compiled
     graph per bucket); without buckets it keeps every chunk at ce_chunk_size. A loss chunk over the
     default 4,096 rows widens the feature cache's reserve by its fp32 logits (3 copies)."""
     from dflash_train.draft import objective
@@ -271,4 +277,4 @@ def test_the_loss_chunks_are_even_with_length_buckets_and_the_cache_leaves_room_
     assert feature_cache.step_reserve(24576, 49152) == 16 * gib + 3 * 4 * 49152 * 20480  # +11.25 GiB
     cached = Trainer(make_run_config("c", ["objective.ce_chunk_size=6096", "data.cache_features=true"]),
                      target=shared_tiny_target)
-    assert cached.feature_cache.reserve_bytes == 16 * gib + 12 * shared_tiny_target.vocab_size * 2000
+    assert cached.parts.features.cache.reserve_bytes == 16 * gib + 12 * shared_tiny_target.vocab_size * 2000

@@ -26,11 +26,11 @@ def test_resume_reproduces_straight_run_exactly(make_run_config, shared_tiny_tar
     cfg = make_run_config("interrupted", common)
     first = Trainer(cfg, target=shared_tiny_target)
     first_losses = [float(first.train_step()["loss"]) for _ in range(N)]
-    first.save(wait=True)
+    first.checkpointer.save(first.progress, wait=True)
     del first
     resumed = Trainer(cfg, target=shared_tiny_target)
     resumed.resume(latest_checkpoint(cfg.run_dir))
-    assert resumed.step == N
+    assert resumed.progress.step == N
     resumed.fit(progress=False)
     second = read_metrics(cfg.run_dir)
 

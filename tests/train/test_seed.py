@@ -12,14 +12,14 @@ from dflash_train.train.loop import Trainer
 def test_drafter_init_ignores_rng_draws_of_the_target_load(make_run_config, shared_tiny_target, monkeypatch):
     """Failed before: the seed was set before load_target, so a conversion in this process moved it."""
     cfg = make_run_config()
-    plain = Trainer(cfg, target=shared_tiny_target).drafter.state_dict()
+    plain = Trainer(cfg, target=shared_tiny_target).parts.drafter.state_dict()
 
     def converting_load(target_cfg, device):
         torch.rand(1000)  # what building a model to convert into does to the global RNG
         return shared_tiny_target
 
-    monkeypatch.setattr("dflash_train.train.build.load_target", converting_load)
-    converted = Trainer(cfg).drafter.state_dict()
+    monkeypatch.setattr("dflash_train.train.inputs.load_target", converting_load)
+    converted = Trainer(cfg).parts.drafter.state_dict()
     assert plain.keys() == converted.keys()
     for name in plain:
         assert torch.equal(plain[name], converted[name]), name

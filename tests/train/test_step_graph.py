@@ -5,6 +5,8 @@ and every place it cannot run refused with the key named. The captured graphs: t
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from dflash_train.config import ConfigError, build_config
 from dflash_train.distributed.roles import check_single_process_keys
 from dflash_train.train.loop import Trainer
 from dflash_train.train.metrics import read_metrics
+from dflash_train.train.shapes import bucket_shapes
 from dflash_train.train.step_graph import StepGraphs
 
 
@@ -21,19 +24,19 @@ def test_the_static_buffer_step_trains_like_the_plain_step(make_run_config, shar
     over = ["train.epochs=2", "data.length_bucket=32", "train.lr=1e-2"]
     plain = Trainer(make_run_config("plain", over), target=shared_tiny_target)
     graphed = Trainer(make_run_config("graphed", over), target=shared_tiny_target)
-    graphed.step_graphs = StepGraphs(graphed, capture=False)
-    assert plain.total_steps >= 6
-    for _ in range(plain.total_steps):
+    graphed.stepper.graphs = StepGraphs(graphed.parts, graphed.cfg.objective, capture=False)
+    assert plain.progress.total_steps >= 6
+    for _ in range(plain.progress.total_steps):
         a, b = plain.train_step(), graphed.train_step()
         torch.testing.assert_close(b["loss"], a["loss"], rtol=1e-5, atol=1e-6)
         for key in ("correct", "counted", "accepted", "grad_norm"):
             torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
         assert a["tokens"] == b["tokens"]
-    assert len(graphed.step_graphs.graphs) >= 2  # several bucket shapes, one set of buffers each
-    for (name, p), q in zip(plain.drafter.named_parameters(), graphed.drafter.parameters()):
+    assert len(graphed.stepper.graphs.graphs) >= 2  # several bucket shapes, one set of buffers each
+    for (name, p), q in zip(plain.parts.drafter.named_parameters(), graphed.parts.drafter.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
         assert q.grad is not None and not q.grad.any()  # zeroed in place after each step, never None
-    graphed.drafter.layers[0].mlp.gate_proj.weight.grad = None
+    graphed.parts.drafter.layers[0].mlp.gate_proj.weight.grad = None
     with pytest.raises(RuntimeError, match="or its .grad was replaced"):
         graphed.train_step()
 
@@ -48,15 +51,15 @@ def test_a_whole_run_through_the_static_buffer_step(make_run_config, shared_tiny
     for name in ("plain", "graphed", "resumed"):
         trainer = Trainer(make_run_config(name, over), target=shared_tiny_target)
         if name != "plain":
-            trainer.step_graphs = StepGraphs(trainer, capture=False)
+            trainer.stepper.graphs = StepGraphs(trainer.parts, trainer.cfg.objective, capture=False)
         if name == "resumed":  # stop at step 3, then a new trainer resumes from that checkpoint
-            trainer.total_steps = 3
+            trainer.progress.total_steps = 3
             trainer.fit(progress=False)
             trainer = Trainer(make_run_config(name, over), target=shared_tiny_target)
-            trainer.resume(latest_checkpoint(trainer.run_dir))
-            trainer.step_graphs = StepGraphs(trainer, capture=False)
+            trainer.resume(latest_checkpoint(trainer.cfg.run_dir))
+            trainer.stepper.graphs = StepGraphs(trainer.parts, trainer.cfg.objective, capture=False)
         trainer.fit(progress=False)
-        runs[name] = (trainer, read_metrics(trainer.run_dir), (trainer.run_dir / "heldout.jsonl").read_text())
+        runs[name] = (trainer, read_metrics(trainer.cfg.run_dir), (Path(trainer.cfg.run_dir) / "heldout.jsonl").read_text())
     plain, metrics, probes = runs["plain"]
     for name in ("graphed", "resumed"):
         trainer, got, got_probes = runs[name]
@@ -65,11 +68,11 @@ def test_a_whole_run_through_the_static_buffer_step(make_run_config, shared_tiny
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["tau_hat"] == pytest.approx(a["tau_hat"], rel=1e-5)
         for a, b in zip(probes.splitlines(), got_probes.splitlines()):
             assert json.loads(b)["loss"] == pytest.approx(json.loads(a)["loss"], rel=1e-5)
-        for p, q in zip(plain.drafter.parameters(), trainer.drafter.parameters()):
+        for p, q in zip(plain.parts.drafter.parameters(), trainer.parts.drafter.parameters()):
             torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
         # fit prepared every bucket shape first, largest first: one features buffer serves them all
-        graphs = trainer.step_graphs.graphs.values()
-        assert len(graphs) == len(trainer.bucket_shapes())
+        graphs = trainer.stepper.graphs.graphs.values()
+        assert len(graphs) == len(bucket_shapes(trainer.cfg.data))
         assert len({g.features.untyped_storage().data_ptr() for g in graphs}) == 1
 
 
@@ -89,7 +92,6 @@ def test_cuda_graphs_are_refused_where_they_cannot_run(make_run_config, shared_t
     with pytest.raises(ValueError, match="train.cuda_graphs captures the whole step of `dflash-train train`"):
         check_single_process_keys(build_config(cuda))  # launch refuses it on every rank, before loading
     plain = Trainer(make_run_config("plain", ["data.length_bucket=32"]), target=shared_tiny_target)
-    plain.device = torch.device("cuda")  # as a GPU rank of `launch` would be, with its distributed parts
-    plain.source = object()
+    on_gpu = replace(plain.parts, device=torch.device("cuda"))  # as a GPU rank of `launch` would be
     with pytest.raises(ValueError, match="single-process training"):
-        StepGraphs.for_trainer(plain)
+        StepGraphs.for_run(on_gpu, plain.cfg.objective, single_process=False)

@@ -1,0 +1,70 @@
+"""The drafter's loss on one micro-batch, in the run's precision and attention path.
+
+One object, because training, the compile warm-up, the CUDA-graphed step and the held-out probe must
+all run the very same forward: a probe that ran another path would score a drafter nobody trains,
+and a compiled layer shown another call would recompile.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from dflash_train.config import RunConfig
+from dflash_train.draft.loss import BlockLoss, LossMix, loss_chunk_rows
+from dflash_train.draft.model import DFlashDraftModel
+from dflash_train.draft.objective import BlockTask, draft_loss
+from dflash_train.targets.model import Target
+from dflash_train.train.shapes import autocast_for
+
+
+@dataclass
+class DraftForward:
+    drafter: DFlashDraftModel
+    target: Target
+    device: torch.device
+    loss_mix: LossMix
+    use_flex: bool
+    chunk_rows: int
+    """Rows of logits formed at a time (objective.ce_chunk_size, or the vocabulary's default)."""
+    compiled_loss: bool
+    ce_kernel: str
+    even_chunks: bool
+    """Length buckets repeat the loss's row counts: even chunks give one compiled graph per bucket."""
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, drafter: DFlashDraftModel, target: Target, device: torch.device,
+                use_flex: bool) -> DraftForward:
+        return cls(drafter, target, device, LossMix.from_weights(cfg.objective.loss, cfg.objective.kd_temperature),
+                   use_flex, loss_chunk_rows(cfg.objective.ce_chunk_size, target.vocab_size),
+                   cfg.train.compile_loss, cfg.train.ce_kernel, bool(cfg.data.length_bucket))
+
+    @property
+    def attention_backend(self) -> str:
+        return "flex" if self.use_flex else "sdpa"
+
+    def autocast(self):
+        """The run's autocast, a new context each time: an evaluation's wraps the forward's, and one
+        autocast object entered twice restores the wrong state on exit (left on after an eval)."""
+        return autocast_for(self.device, self.target.embed_weight.dtype)
+
+    def __call__(self, task: BlockTask, features: torch.Tensor) -> BlockLoss:
+        with self.autocast():
+            t = self.target
+            return draft_loss(self.drafter, task, features, t.embed_weight, t.lm_head_weight, self.use_flex,
+                              self.chunk_rows, self.loss_mix, t.logits, compiled_loss=self.compiled_loss,
+                              ce_kernel=self.ce_kernel, even_chunks=self.even_chunks)
+
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """The drafter in eval mode under the run's autocast (fp32 weights, bf16 target features on
+        GPU), then back to training."""
+        self.drafter.eval()
+        try:
+            with self.autocast():
+                yield
+        finally:
+            self.drafter.train()
