@@ -28,7 +28,9 @@ from dflash_train.distributed.run import build_layout, drafter_runs
 from dflash_train.distributed.layout import Plan, plan_split
 from dflash_train.distributed.memory import GiB, check_fits, plan_memory
 from dflash_train.train.shapes import target_layer_ids
-from dflash_train.train.loop import Trainer
+from dflash_train.train.build import build
+from dflash_train.train.progress import Progress
+from dflash_train.train.step import TrainStep
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -91,16 +93,17 @@ def measure(config: str, overrides: list[str], steps: int) -> tuple[float, list[
     dataset = load_training_data(cfg.data, target.tokenizer, target.identity["tokenizer"])
     target_s, step_s, tokens = 0.0, [], 0
     for g, (_, run_cfg) in enumerate(drafter_runs(cfg)):
-        trainer = Trainer(run_cfg, target=target, dataset=dataset)
-        trainer.train_step()  # warm-up: compile, allocator
-        start = trainer.cursor
-        step_s.append(sum(_timed(trainer.train_step, device) for _ in range(steps)))
+        parts = build(run_cfg, target, dataset)
+        step, progress = TrainStep(run_cfg, parts), Progress(total_steps=parts.total_steps)
+        step(progress)  # warm-up: compile, allocator
+        start = progress.cursor
+        step_s.append(sum(_timed(lambda: step(progress), device) for _ in range(steps)))
         if g == 0:
-            trainer.cursor = start
+            progress.cursor = start  # the same micro-batches again, through the target alone
             for _ in range(steps * run_cfg.train.grad_accum):
-                batch, _ = trainer.next_micro_batch()
+                batch, _ = step.local.next_micro_batch(progress)
                 tokens += batch["num_tokens"]
-                target_s += _timed(lambda b=batch: trainer.features(b), device)
+                target_s += _timed(lambda b=batch: parts.features(b), device)
     drafter_tps = [tokens / max(s - target_s, 1e-9) for s in step_s]
     colocated = tokens / step_s[0] if len(step_s) == 1 else None  # colocated runs one drafter group
     return tokens / target_s, drafter_tps, colocated

@@ -13,7 +13,6 @@ import json
 import logging
 from pathlib import Path
 
-import torch
 
 from dflash_train.checkpoint.storage import checkpoint_to_resume
 from dflash_train.checks.profile import StepProfiler, extras_after
@@ -56,22 +55,6 @@ class Trainer:
 
     def resume(self, path: str | Path) -> None:
         self.checkpointer.resume(path, self.progress)
-
-    # `dflash-train launch --target-gpus auto` (distributed/launch.py measure) times a run's steps,
-    # then its target alone over the same micro-batches: it reads and rewinds the cursor.
-    @property
-    def cursor(self) -> tuple[int, int]:
-        return self.progress.cursor
-
-    @cursor.setter
-    def cursor(self, cursor: tuple[int, int]) -> None:
-        self.progress.cursor = cursor
-
-    def next_micro_batch(self) -> tuple[dict, int]:
-        return self.stepper.local.next_micro_batch(self.progress)
-
-    def features(self, batch: dict) -> torch.Tensor:
-        return self.parts.features(batch)
 
     def fit(self, progress: bool = True) -> dict:
         """Steps to the run's end (or its deadline), each periodic part run where it is due, then the

@@ -62,7 +62,7 @@ def test_grad_accum_step_is_the_global_weighted_mean(make_run_config, shared_tin
     d = ref.parts.drafter.config
     sums, weights = [], []
     for _ in range(2):
-        batch, seed = ref.next_micro_batch()
+        batch, seed = ref.stepper.local.next_micro_batch(ref.progress)
         task = make_task(batch["input_ids"], batch["loss_mask"], cfg.objective, seed)
         feats = ref.parts.target.features(batch["input_ids"], d.target_layer_ids)
         out = draft_loss(ref.parts.drafter, task, feats, ref.parts.target.embed_weight, ref.parts.target.lm_head_weight, False, 16)
@@ -86,7 +86,7 @@ def test_bucket_mode_batches_have_fixed_shapes_and_precompile_leaves_weights(mak
     assert all(torch.equal(before[k], v) for k, v in trainer.parts.drafter.state_dict().items())
     assert all(p.grad is None for p in trainer.parts.drafter.parameters())
     for _ in range(6):
-        batch, _seed = trainer.next_micro_batch()
+        batch, _seed = trainer.stepper.local.next_micro_batch(trainer.progress)
         assert tuple(batch["input_ids"].shape) in shapes
         # Empty padding rows attend to one token (finite features) and own no loss tokens.
         empty = batch["loss_mask"].sum(1) == 0
@@ -124,7 +124,7 @@ def test_cpu_step_with_a_bf16_target_matches_the_fp32_target(make_run_config):
     loss = trainer.train_step()["loss"].item()
     assert abs(loss - reference) < 0.02 * reference, (loss, reference)
     # An eval wraps the forward's autocast in its own: on the way out both are off again.
-    batch, seed = trainer.next_micro_batch()
+    batch, seed = trainer.stepper.local.next_micro_batch(trainer.progress)
     task = make_task(batch["input_ids"], batch["loss_mask"], trainer.cfg.objective, seed)
     forward = trainer.parts.forward
     with forward.evaluating():
@@ -188,7 +188,7 @@ def test_distilled_step_equals_reference_from_the_targets_own_logits(make_run_co
 
     ref = Trainer(cfg, target=shared_tiny_target)
     d = ref.parts.drafter.config
-    batch, seed = ref.next_micro_batch()
+    batch, seed = ref.stepper.local.next_micro_batch(ref.progress)
     task = make_task(batch["input_ids"], batch["loss_mask"], cfg.objective, seed)
     feats = ref.parts.target.features(batch["input_ids"], d.target_layer_ids)
     with torch.no_grad():

@@ -31,7 +31,7 @@ def test_batches_and_anchors_ignore_the_global_rng(make_run_config, shared_tiny_
     for global_seed in (1, 2):
         trainer = Trainer(cfg, target=shared_tiny_target)
         torch.manual_seed(global_seed)
-        batch, seed = trainer.next_micro_batch()
+        batch, seed = trainer.stepper.local.next_micro_batch(trainer.progress)
         task = make_task(batch["input_ids"], batch["loss_mask"], cfg.objective, seed)
         seen.append((batch["indices"], seed, task.anchors))
     assert seen[0][:2] == seen[1][:2]
