@@ -34,6 +34,10 @@ class TargetConfig(Section):
     tensor_parallel: int = Field(1, ge=1)
     """GPUs per target replica under `launch`, sharded by the model's own tensor-parallel plan (the
     group's first rank sends the features); 1 = each target rank holds the whole target, as `train` needs."""
+    fp8: Literal["off", "rowwise", "tensorwise"] = "off"
+    """The decoder's matmuls in FP8 (torchao, the `fp8` extra; GPUs of compute capability >= 8.9): weights
+    and activations scaled per row or per tensor; embeddings and LM head stay. Off: the features the
+    drafter learns from are the bf16 target's (history: docs/benchmarks/throughput.md#fp8)."""
 
 
 class DraftConfig(Section):
@@ -56,6 +60,10 @@ class DraftConfig(Section):
     -1 = the last) instead of noise; needs the target's widths (no draft.intermediate_size)."""
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     """auto = flex_attention on CUDA, SDPA with a dense mask on CPU (flex has no CPU backward)."""
+    fp8: Literal["off", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = "off"
+    """Train the drafter's linear layers with FP8 matmuls (torchao float8 training, the `fp8` extra; GPUs
+    of compute capability >= 8.9), by torchao's recipe names; off by default: the gain is small while the
+    LM head dominates (docs/benchmarks/throughput.md#fp8)."""
 
     @model_validator(mode="after")
     def _one_layer_choice(self) -> DraftConfig:

@@ -24,6 +24,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from dflash_train.config import TargetConfig
 from dflash_train.data.chat import give_plain_template, text_format
 from dflash_train.targets.embedded import EMBEDDED_TARGETS, converted_target
+from dflash_train.checks.fp8 import fp8_problem
+from dflash_train.targets.fp8 import quantize_decoder
 from dflash_train.targets.path import check_target_path, load_pretrained
 from dflash_train.targets.tensor_parallel import shard_decoder
 
@@ -138,6 +140,8 @@ class Target:
     tokenizer: object
     name: str
     device: torch.device
+    fp8: str = "off"
+    """`target.fp8` as loaded: its features are not the bf16 target's, so captures and manifests say so."""
 
     def __post_init__(self):
         self.layers = decoder_layers(self.model)
@@ -151,7 +155,7 @@ class Target:
     def description(self) -> dict:
         """What a run's manifest records of the target: its class, attention, text format."""
         return {"class": type(self.model).__name__, "attn_implementation": self.model.config._attn_implementation,
-                "text_format": text_format(self.tokenizer)}
+                "text_format": text_format(self.tokenizer), "fp8": self.fp8}
 
     @property
     def identity(self) -> dict:
@@ -161,7 +165,7 @@ class Target:
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
             "tokenizer": tokenizer_fingerprint(self.tokenizer),
-        }
+        } | ({"fp8": self.fp8} if self.fp8 != "off" else {})
 
     def check_layer_ids(self, layer_ids: list[int]) -> None:
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
@@ -270,6 +274,8 @@ def load_target(cfg: TargetConfig, device: torch.device, *, mesh=None, decoder: 
     if decoder and mesh is None and cfg.tensor_parallel > 1:
         raise ValueError(f"target.tensor_parallel {cfg.tensor_parallel} shards the target over several "
                          "processes: run it with `dflash-train launch`, or set target.tensor_parallel=1")
+    if cfg.fp8 != "off" and decoder and (problem := fp8_problem(device)):
+        raise ValueError(f"target.fp8={cfg.fp8}: {problem}")  # before a big target loads
     path = resolve_target_path(cfg.path)
     dtype = pick_dtype(cfg.dtype, device)
     tokenizer = load_tokenizer(path)
@@ -283,4 +289,9 @@ def load_target(cfg: TargetConfig, device: torch.device, *, mesh=None, decoder: 
     elif mesh is not None:
         shard_decoder(model, mesh)
     model.to(device).eval().requires_grad_(False)
-    return Target(model=model, tokenizer=tokenizer, name=cfg.path, device=device)
+    if cfg.fp8 != "off" and decoder:
+        if mesh is not None:
+            raise ValueError("target.fp8 with target.tensor_parallel > 1: FP8 weights are not sharded; "
+                             "set target.tensor_parallel=1 or target.fp8=off")
+        quantize_decoder(decoder_layers(model), cfg.fp8)
+    return Target(model=model, tokenizer=tokenizer, name=cfg.path, device=device, fp8=cfg.fp8)

@@ -9,6 +9,7 @@ the same parts from the same function.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,8 +18,10 @@ import torch
 from dflash_train.config import RunConfig
 from dflash_train.data.dataset import TokenizedDataset
 from dflash_train.disk import require_writable
+from dflash_train.draft.fp8 import convert_to_fp8
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.checks import compile_cache
+from dflash_train.checks.fp8 import fp8_problem
 from dflash_train.targets.model import Target, resolve_device
 from dflash_train.train.batches import epoch_plan
 from dflash_train.train.compiled import Compilation
@@ -29,6 +32,8 @@ from dflash_train.train.inputs import load_inputs
 from dflash_train.train.optim import build_optimizer, build_scheduler
 from dflash_train.train.shapes import stream_layer_ids
 
+
+log = logging.getLogger("dflash_train")
 
 @dataclass
 class RunParts:
@@ -61,8 +66,12 @@ def build(cfg: RunConfig, target: Target | None = None, dataset: TokenizedDatase
     check_write_locations(cfg)
     if cfg.draft.attention == "flex" and resolve_device(cfg.device).type != "cuda":
         raise ValueError("draft.attention: flex has no backward on CPU; use 'sdpa' or 'auto' there")
+    if cfg.draft.fp8 != "off" and (problem := fp8_problem(resolve_device(cfg.device))):
+        raise ValueError(f"draft.fp8={cfg.draft.fp8}: {problem}")  # before the target loads
     device, target, dataset = load_inputs(cfg, target, dataset)
     drafter = build_drafter(cfg, target, device)  # seeds the RNG itself, right before its weights
+    if cfg.draft.fp8 != "off":  # before the optimizer and torch.compile see the layers
+        log.info("draft.fp8=%s: %d linear layers in FP8", cfg.draft.fp8, convert_to_fp8(drafter, cfg.draft.fp8))
     epoch_batches = epoch_plan(cfg, dataset.lengths)
     micro_total = sum(len(b) for b in epoch_batches)
     total_steps = cfg.train.max_steps or max(micro_total // cfg.train.grad_accum, 1)

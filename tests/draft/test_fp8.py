@@ -5,6 +5,7 @@ plain one; and the refusal where FP8 matmuls cannot run. The real kernels: tests
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -13,7 +14,10 @@ from dflash_train.checks.fp8 import fp8_problem
 from dflash_train.draft.fp8 import RECIPES, convert_to_fp8
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 
-pytest.importorskip("torchao")
+
+
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                                   reason="the fp8 extra (torchao) is not installed")
 
 
 def _drafter(hidden: int = 64, intermediate: int = 128) -> DFlashDraftModel:
@@ -25,6 +29,7 @@ def _drafter(hidden: int = 64, intermediate: int = 128) -> DFlashDraftModel:
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+@needs_torchao
 def test_each_linear_layer_is_swapped_and_the_state_dict_keeps_its_keys(recipe):
     from torchao.float8.float8_linear import Float8Linear
 
@@ -36,6 +41,7 @@ def test_each_linear_layer_is_swapped_and_the_state_dict_keeps_its_keys(recipe):
         assert torch.equal(a, b), name
 
 
+@needs_torchao
 def test_a_layer_whose_width_the_kernels_cannot_take_stays_plain():
     from torchao.float8.float8_linear import Float8Linear
 
@@ -44,6 +50,7 @@ def test_a_layer_whose_width_the_kernels_cannot_take_stays_plain():
     assert not isinstance(drafter.layers[0].mlp.down_proj, Float8Linear)
 
 
+@needs_torchao
 def test_an_emulated_fp8_step_stays_close_to_the_plain_one():
     plain = _drafter()
     fp8 = copy.deepcopy(plain)
@@ -60,11 +67,32 @@ def test_an_emulated_fp8_step_stays_close_to_the_plain_one():
     assert 0.97 < cosine < 1.0  # close, and not the plain path (it would give exactly 1)
 
 
-def test_fp8_is_refused_on_cpu_in_one_line():
-    problem = fp8_problem(torch.device("cpu"))
-    assert problem == "FP8 matmuls need a CUDA GPU of compute capability >= 8.9 (the device is cpu)"
+def test_fp8_is_refused_where_it_cannot_run(monkeypatch):
+    import dflash_train.checks.fp8 as check
+
+    monkeypatch.setattr(check.importlib.util, "find_spec", lambda name: None)
+    assert fp8_problem(torch.device("cpu")) == "FP8 needs torchao: pip install 'dflash-train[fp8]'"
+    monkeypatch.setattr(check.importlib.util, "find_spec", lambda name: object())
+    assert fp8_problem(torch.device("cpu")) == "FP8 matmuls need a CUDA GPU of compute capability >= 8.9 (the device is cpu)"
 
 
+def test_train_refuses_fp8_on_cpu_before_the_target_loads(tmp_path, capsys):
+    import json
+    from pathlib import Path
+
+    from dflash_train.cli import main
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    config = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+    for key in ("draft.fp8=rowwise", "target.fp8=rowwise"):
+        code = main(["train", "-c", str(config), f"run_dir={tmp_path}/run", "device=cpu", f"data.train_files=[{data}]", key])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, err
+        assert f"{key.split('=')[0]}=rowwise: FP8" in err.strip().splitlines()[-1], err
+
+
+@needs_torchao
 def test_an_unknown_recipe_is_refused():
     with pytest.raises(ValueError, match="draft.fp8: 'fast' is not one of off, tensorwise, rowwise"):
         convert_to_fp8(_drafter(), "fast", emulate=True)

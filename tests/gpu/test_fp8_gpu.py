@@ -102,7 +102,7 @@ def test_resume_from_an_fp8_checkpoint_equals_the_uninterrupted_run(tmp_path):
 
     def config(name: str):
         tree = {"run_dir": str(tmp_path / name), "seed": 0, "device": "cuda", "target": {"path": str(model_dir)},
-                "draft": {"num_layers": 1, "target_layer_ids": [0, 2], "fp8": "rowwise"},
+                "draft": {"num_layers": 1, "target_layer_ids": [0, 2], "fp8": "rowwise", "attention": "sdpa"},
                 "objective": {"block_size": 4, "num_anchors": 8},
                 "data": {"train_files": [str(data)], "max_length": 96, "token_budget": 384, "max_batch_size": 6},
                 "train": {"lr": 3e-3, "log_every": 1, "max_steps": 6}, "checkpoint": {"every": 3, "keep_last": 2}}
