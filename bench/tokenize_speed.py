@@ -51,7 +51,7 @@ def main(argv=None) -> dict:
         data.write_text("".join(json.dumps(c) + "\n" for c in conversations(prompts, args.rows, args.answer_chars)))
         for workers in args.workers:
             start = time.perf_counter()
-            ds = tokenize_files([str(data)], tokenizer, args.max_length, False, workers=workers)
+            ds = tokenize_files([str(data)], tokenizer, args.max_length, True, workers=workers)
             seconds = time.perf_counter() - start
             run = {"workers": workers, "seconds": round(seconds, 2), "rows_per_s": round(len(ds) / seconds),
                    "tokens": int(ds.lengths.sum())}

@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import multiprocessing
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -119,6 +120,8 @@ _worker_args: tuple = ()
 def _init_worker(*args) -> None:
     global _worker_args
     _worker_args = args
+    # Each worker encodes on one thread: N processes with a thread per core each would oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def _tokenize_chunk(convs: list) -> list:
