@@ -277,7 +277,7 @@ def main(argv=None):
     result = {
         "shape": shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "seq_tokens_per_step": tokens, "anchors": anchors, "block_size": 16,
-        "loss": args.loss, "ce_kernel": args.ce_kernel, "batch": args.batch, "steps_per_s": 1 / t_e2e, "drafter_steps_per_s": 1 / t_draft,
+        "loss": args.loss, "ce_kernel": args.ce_kernel, "fp8_draft": args.fp8_draft, "fp8_target": args.fp8_target, "batch": args.batch, "steps_per_s": 1 / t_e2e, "drafter_steps_per_s": 1 / t_draft,
         "draft_layers": drafter.config.num_hidden_layers, "compile": args.compile, "compile_loss": args.compile_loss,
         "target_tokens_per_s": tokens / t_target, "drafter_tokens_per_s": tokens / t_draft,
         "e2e_tokens_per_s": tokens / t_e2e, "harmonic_tokens_per_s": harmonic,

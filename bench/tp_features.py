@@ -1,8 +1,8 @@
 """A target sharded over two GPUs (target.tensor_parallel 2) against the same target whole on one:
 the captured features, and the target's tokens/s either way.
 
-    torchrun --standalone --nproc-per-node 2 bench/tp_features.py --out $OUT/tp --layers 36
-    torchrun --standalone --nproc-per-node 2 bench/tp_features.py --out $OUT/tp32 --layers 4 --dtype float32
+    torchrun --standalone --nproc-per-node 2 bench/tp_features.py --out out/tp --layers 36
+    torchrun --standalone --nproc-per-node 2 bench/tp_features.py --out out/tp32 --layers 4 --dtype float32
 
 Rank 0 saves a random-init Qwen3-8B-shaped target (`--layers` decoder layers) once; both ranks load
 it sharded with `load_target(..., mesh=...)`, the path `launch` takes, and rank 0 also loads it
