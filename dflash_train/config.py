@@ -94,8 +94,9 @@ class DataConfig(Section):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra arguments of the tokenizer's chat template, e.g. {enable_thinking: false}."""
     tokenize_workers: int = Field(0, ge=0)
-    """Processes that tokenise conversation files (0: one per core, at most 16; inputs under 10,000
-    rows are tokenised in process)."""
+    """Processes that tokenise conversation files. 0 or 1: in process, each chunk encoded in one batch
+    on the fast tokenizer's threads (the fastest; history: docs/benchmarks/throughput.md); N: a pool
+    of N for inputs of 10,000 rows or more."""
     cache_features: bool = False
     """Keep the target's features in device memory after the first epoch, so later epochs skip the
     target; size: tokens x captured layers x hidden x 2 bytes in bf16."""
