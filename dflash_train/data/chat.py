@@ -124,9 +124,13 @@ def encode_renders(tokenizer, renders: list, max_length: int) -> list[TokenizedC
     encoded = dict(zip(texts, tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []))
     results: list[TokenizedConversation | DataError] = []
     for r in renders:
+        if isinstance(r, DataError):
+            results.append(r)
+            continue
         try:
-            results.append(r if isinstance(r, DataError) else _plain_conversation(tokenizer, r, max_length)
-                           if isinstance(r, list) else _answer_mask(tokenizer, r, encoded, max_length))
+            plain = isinstance(r, list)  # a base model's messages
+            results.append(_plain_conversation(tokenizer, r, max_length) if plain
+                           else _answer_mask(tokenizer, r, encoded, max_length))
         except DataError as err:
             results.append(err)
     return results

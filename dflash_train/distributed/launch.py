@@ -21,14 +21,14 @@ from transformers import AutoConfig
 
 from dflash_train.config_flags import HelpFormatter
 from dflash_train.config import load_config
-from dflash_train.data.dataset import load_training_data
-from dflash_train.targets.model import load_target, resolve_device, resolve_target_path, synced_time
+from dflash_train.targets.model import resolve_target_path, synced_time
 from dflash_train.targets.path import load_pretrained
 from dflash_train.distributed.run import build_layout, drafter_runs
 from dflash_train.distributed.layout import Plan, plan_split
 from dflash_train.distributed.memory import GiB, check_fits, plan_memory
 from dflash_train.train.shapes import target_layer_ids
 from dflash_train.train.build import build
+from dflash_train.train.inputs import load_inputs
 from dflash_train.train.progress import Progress
 from dflash_train.train.step import TrainStep
 
@@ -88,9 +88,7 @@ def measure(config: str, overrides: list[str], steps: int) -> tuple[float, list[
     step functions on this process's GPU: a full train_step (target + drafter) and target.features
     over the same micro-batches; drafter time = step time - target time. Needs both to fit."""
     cfg = load_config(config, overrides)
-    device = resolve_device(cfg.device)
-    target = load_target(cfg.target, device)
-    dataset = load_training_data(cfg.data, target.tokenizer, target.identity["tokenizer"])
+    device, target, dataset = load_inputs(cfg)
     target_s, step_s, tokens = 0.0, [], 0
     for g, (_, run_cfg) in enumerate(drafter_runs(cfg)):
         parts = build(run_cfg, target, dataset)

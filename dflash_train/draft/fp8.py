@@ -26,14 +26,13 @@ def convert_to_fp8(drafter: nn.Module, recipe: str, *, emulate: bool = False) ->
     optimizer is built and before torch.compile; returns how many were swapped. `emulate` runs the
     same casts and scales with bf16 matmuls (torchao's emulation: what CPU tests check)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
 
     if recipe not in RECIPES:
         raise ValueError(f"draft.fp8: {recipe!r} is not one of off, {', '.join(RECIPES)}")
     # pad_inner_dim: the weight gradient's inner dimension is the batch's token count, which the
     # kernels need divisible by 16 and a ragged batch of contexts rarely is.
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True, emulate=emulate)
-    from torchao.float8.float8_linear import Float8Linear
-
     convert_to_float8_training(drafter, config=config,
                                module_filter_fn=lambda m, _fqn: isinstance(m, nn.Linear) and fp8_shaped(m))
     return sum(isinstance(m, Float8Linear) for m in drafter.modules())

@@ -27,9 +27,7 @@ def quantize_decoder(layers: nn.ModuleList, granularity: str) -> int:
     problem = fp8_problem(device)
     if problem:
         raise ValueError(f"target.fp8: {problem}")
-    chosen = [m for layer in layers for m in layer.modules()
-              if isinstance(m, nn.Linear) and fp8_shaped(m)]
-    ids = {id(m) for m in chosen}
+    chosen = sum(isinstance(m, nn.Linear) and fp8_shaped(m) for m in layers.modules())
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow() if granularity == "rowwise" else PerTensor())
-    quantize_(layers, config, filter_fn=lambda m, _fqn: id(m) in ids)
-    return len(chosen)
+    quantize_(layers, config, filter_fn=lambda m, _fqn: isinstance(m, nn.Linear) and fp8_shaped(m))
+    return chosen
