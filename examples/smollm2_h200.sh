@@ -33,7 +33,7 @@ NUM_PROMPTS=${NUM_PROMPTS:-13704}  # held-out ones included; all the package has
 HELDOUT=${HELDOUT:-200}
 ANSWER_TOKENS=${ANSWER_TOKENS:-512}
 BATCH=${BATCH:-1024}               # generation batch (one `generate` / `generate_batch` call each)
-ENGINE=${ENGINE:-graphed}          # in-process generation engine: graphed (31K tokens/s on an H200, 5.5-7x padded), static, padded
+ENGINE=${ENGINE:-graphed}          # in-process generation engine: graphed (its step compiled: flex decoding), static, padded
 EVERY_PROMPTS=${EVERY_PROMPTS:-37000}  # training prompts: distinct user turns of every conversation (50,364 exist)
 CODE_PROMPTS=${CODE_PROMPTS:-3561} # all the stubs of <= 1,500 characters
 TRAIN_FILES=${TRAIN_FILES:-$DATA/train,$DATA/code}  # comma-separated answer directories
@@ -64,7 +64,7 @@ generate() {  # $1: output directory, $2: prompt file; extra generate flags foll
   local out=$1 input=$2; shift 2
   "${DT[@]}" generate -c "$GEN_CONFIG" --model "$TARGET" --input "$input" \
     --output "$out" --max-tokens "$ANSWER_TOKENS" --device "$DEVICE" --batch-size "$BATCH" \
-    --concurrency $((2 * BATCH)) --engine "$ENGINE" "$@"
+    --concurrency $((2 * BATCH)) --engine "$ENGINE" $([ "$ENGINE" = graphed ] && echo --compile-step) "$@"
 }
 
 train() {

@@ -224,3 +224,15 @@ def test_budget_replay_fills_the_budget_around_a_pause_and_follows_the_known_len
     # The 20 s pause budgeted: 382 steps fit. The estimate expects more pauses at the run's average
     # (none come), so the last estimates leave up to a window's share of it unused.
     assert 370 <= paused["steps"] <= 382 and 58.2 - 1.5 <= paused["seconds"] <= 58.2 + 0.1
+
+
+def test_regen_speed_cpu_mode():
+    """bench/regen_speed.py --model tiny: both variants serve every prompt, the plain step and the
+    profile run (eagerly on CPU)."""
+    import regen_speed
+
+    report = regen_speed.main(["--model", "tiny", "--num", "6", "--rows", "2", "--max-tokens", "8", "--variants", "sdpa",
+                               "--plain", "16", "--profile"])
+    run = report["runs"][0]
+    assert run["answers"] == 6 and run["answer_tokens"] == 48 and run["plain"][0]["tokens_per_s"] > 0
+    assert run["timings"]["chunks"] > 0 and run["profile"] == []  # no CUDA kernels on CPU

@@ -4,9 +4,17 @@
 over [rows, 1] at per-row positions, then the next token of every row) has fixed shapes, so on a GPU
 it is captured once as a CUDA graph and replayed (compiled first when asked: `compile`); on CPU
 (tests) the same function runs eagerly, or compiled when asked (static_cache.prepare_steps).
+Compiled, the step's attention reads each row's cache only up to the row's position
+(targets/flex_decode.py); otherwise packed SDPA reads the whole cache under a mask.
 A finished row is refilled with a waiting prompt: the new prompts are prefilled together in one
 eager forward and their K/V copied into the free rows (static_cache.py says why stale K/V there is
-harmless). The host reads the new tokens once every `chunk` steps, so it seldom waits on the GPU.
+harmless).
+
+The host never waits for the step it just launched: steps run in chunks of `chunk`, each chunk's
+new tokens copied to pinned host memory behind it, and the host reads a chunk while the next one
+runs (admissions, too, go to the GPU without a synchronisation). A row that finishes therefore
+decodes one more chunk of tokens nobody reads before it is refilled; each chunk remembers which
+job held each row, so those tokens never reach the next occupant.
 
 Greedy and temperature sampling (Gumbel-max: exact sampling from softmax(logits / T)) per row;
 top-p is refused. The cache holds prompt + max_tokens positions of the longest request seen; a longer
@@ -16,13 +24,18 @@ one grows it (by half at least): the rows' K/V are copied over and the step capt
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from dflash_train.generate.backends import emit_tokens
-from dflash_train.targets.static_cache import ALIGN, PositionedCache, Steps, forward_at, prepare_steps, static_cache_problem
+from dflash_train.targets.flex_decode import FLEX_DECODE, flex_decode_problem
+from dflash_train.targets.static_cache import (ALIGN, PACKED_GQA, PositionedCache, Steps, attention_as, forward_at,
+                                               prepare_steps, static_cache_problem)
 
 log = logging.getLogger("dflash_train")
 
@@ -57,13 +70,52 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     return torch.where(temperature > 0, noisy.argmax(-1), logits.argmax(-1))
 
 
+@dataclass
+class _Chunk:
+    """A chunk of steps launched and not yet read: its tokens [rows, chunk] land in `tokens` once
+    `done` has passed; `jobs` held the rows while it ran, `first` are the admissions made before it
+    (their jobs and first tokens, read before the chunk's own)."""
+
+    tokens: torch.Tensor
+    done: torch.cuda.Event | None
+    jobs: list[Job | None]
+    first: list[tuple[list[Job], torch.Tensor]]
+
+
+PREFILL_GROUP = 64
+"""Prompts up to this many tokens are prefilled together whatever their lengths."""
+@dataclass
+class Timings:
+    """Where the serving thread's wall time went (host clocks): what `serve` logs at its end."""
+
+    chunks: int = 0
+    prefills: int = 0
+    waiting_s: float = 0.0
+    """Blocked on the GPU (the chunk being read had not finished)."""
+    admitting_s: float = 0.0
+    """Prefills launched, their K/V copied into rows."""
+    reading_s: float = 0.0
+    """Tokens handed to their jobs, finished jobs handed back."""
+    building_s: float = 0.0
+    """Caches allocated, steps compiled and captured."""
+
+    def __str__(self) -> str:
+        return (f"{self.chunks} chunks, {self.prefills} prefills; waiting for the GPU {self.waiting_s:.1f} s, "
+                f"admitting {self.admitting_s:.1f} s, reading {self.reading_s:.1f} s, building {self.building_s:.1f} s")
+
+
+LENGTH_BLOCK = 256
+"""A multiple of flex_decode.KV_BLOCK and static_cache.ALIGN: every cache length is one of both."""
+
+
 class GraphedEngine:
     """`graphs` (default: on a GPU) captures the step as a CUDA graph, `compile` compiles it first
-    (opt-in, `local.compile_step`: its gain at a thousand rows, where the cache reads dominate, is
-    not measured yet; each cache growth compiles again); `steps` says what happened (errors included)."""
+    (`local.compile_step`; each cache growth compiles again), and a compiled step's attention reads
+    each row only up to its position where the model allows it (`attention`: auto, flex or sdpa);
+    `steps` says what happened (errors included)."""
 
     def __init__(self, model, rows: int, stops: set[int], pad_id: int, chunk: int = 8, graphs: bool | None = None,
-                 compile: bool = False):
+                 compile: bool = False, attention: str = "auto"):
         problem = static_cache_problem(model)
         if problem:
             raise ValueError(f"generate engine 'graphed' cannot run {type(model).__name__}: {problem} "
@@ -72,6 +124,8 @@ class GraphedEngine:
         self.device = next(model.parameters()).device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.compile = compile
+        self.flex = self._flex(attention)
+        self.attention = FLEX_DECODE if self.flex else PACKED_GQA
         self.config = model.config.get_text_config(decoder=True)
         self.kv_shapes = self._kv_shapes()
         self.length = 0
@@ -84,6 +138,24 @@ class GraphedEngine:
         self.temperature = torch.zeros(r, device=self.device)
         self.history = torch.zeros(r, chunk, dtype=torch.long, device=self.device)
         self.column = torch.zeros(1, dtype=torch.long, device=self.device)
+        pinned = self.device.type == "cuda"
+        self.host_tokens = [torch.zeros(r, chunk, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self.launches = 0
+        self.timings = Timings()
+        self.sampling = False
+        """Whether a job has sampled yet: then a sampling step is prepared beside the greedy one."""
+
+    def _flex(self, attention: str) -> bool:
+        """Whether the step's attention is flex decoding: asked for, or (auto) when the step is
+        compiled (eager flex_attention computes densely) and the model's attention allows it."""
+        if attention not in ("auto", "flex", "sdpa"):
+            raise ValueError(f"attention must be auto, flex or sdpa, not {attention!r}")
+        problem = flex_decode_problem(self.model)
+        if attention == "flex" and problem:
+            raise ValueError(f"flex decoding cannot run {type(self.model).__name__}: {problem}")
+        if attention == "auto" and self.compile and problem:
+            log.info("graphed engine: SDPA over the whole cache (flex decoding: %s)", problem)
+        return attention == "flex" or (attention == "auto" and self.compile and problem is None)
 
     @torch.no_grad()
     def _kv_shapes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -97,9 +169,9 @@ class GraphedEngine:
 
     # --------------------------------------------------------------- the fixed-shape step
 
-    def _step(self):
-        logits = forward_at(self.model, self.cache, self.ids, self.pos, logits_to_keep=1).logits[:, -1]
-        token = sample(logits, self.temperature)
+    def _step(self, sampled: bool):
+        logits = forward_at(self.model, self.cache, self.ids, self.pos, flex=self.flex, logits_to_keep=1).logits[:, -1]
+        token = sample(logits, self.temperature) if sampled else logits.argmax(-1)
         self.ids.copy_(token[:, None])
         self.history.index_copy_(1, self.column, token[:, None])
         self.column.add_(1).remainder_(self.chunk)
@@ -108,9 +180,12 @@ class GraphedEngine:
     def _build(self, positions: int):
         """Cache and step for `positions` per row; the step captured as a graph on a GPU. Growing,
         the rows' K/V move to the new cache and decoding goes on where it was."""
-        old, self.step, self.steps = self.cache, None, None  # the old graph goes before the new one is captured
-        length = max(-(-positions // LENGTH_STEP) * LENGTH_STEP, self.length * 3 // 2)  # few regrowths
-        length = -(-length // ALIGN) * ALIGN
+        old, self.steps = self.cache, None  # the old graphs go before the new ones are captured
+        # Few regrowths: each compiles again. With flex decoding a longer cache costs memory, not
+        # reads, so the first one leaves room for prompts twice as long as the first batch's.
+        first = 2 * positions if self.flex and self.length == 0 else positions
+        length = max(-(-first // LENGTH_STEP) * LENGTH_STEP, self.length * 3 // 2)
+        length = -(-length // LENGTH_BLOCK) * LENGTH_BLOCK
         self.cache = PositionedCache(self.config, length)
         for i, (layer, (key, value)) in enumerate(zip(self.cache.layers, self.kv_shapes)):
             layer.lazy_initialization(key.expand(self.rows, -1, -1, -1), value.expand(self.rows, -1, -1, -1))
@@ -122,21 +197,55 @@ class GraphedEngine:
         del old
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        self._prepare()
+
+    @torch.no_grad()
+    def _prepare(self):
+        """The steps compiled (when asked) and captured: greedy, and sampled once a job samples
+        (the greedy step draws no noise over the [rows, vocab] logits)."""
+        self.steps = None
+        steps = {"greedy": partial(self._step, False)}
+        if self.sampling:
+            steps["sample"] = partial(self._step, True)
         saved = self.ids.clone(), self.pos.clone()  # warm-up steps write only above each row's position
-        self.steps = prepare_steps({"step": self._step}, self.device, self.graphs, self.compile)
-        self.step = self.steps.run["step"]
+        with attention_as(self.model, self.attention):
+            self.steps = prepare_steps(steps, self.device, self.graphs, self.compile)
         self.ids.copy_(saved[0])
         self.pos.copy_(saved[1])
         self.column.zero_()  # a chunk of steps fills history columns 0..chunk-1 in order
-        log.info("graphed engine: %d rows x %d positions%s%s", self.rows, self.length,
-                 " (compiled)" if self.steps.compiled else "", " (CUDA graph)" if self.steps.graphed else "")
+        log.info("graphed engine: %d rows x %d positions%s%s%s", self.rows, self.length,
+                 " (compiled)" if self.steps.compiled else "", " (CUDA graph)" if self.steps.graphed else "",
+                 " (flex decoding)" if self.flex else "")
 
     # --------------------------------------------------------------- admission
 
-    def _admit(self, rows: list[int], jobs: list[Job]) -> None:
-        """Prefills `jobs` into the free `rows`: one eager forward over the prompts, left-padded so
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the GPU without the host waiting for it: through pinned memory,
+        stream-ordered (a plain copy would wait for the chunk in flight)."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _admit(self, rows: list[int], jobs: list[Job]) -> list[tuple[list[Job], torch.Tensor]]:
+        """Prefills `jobs` into the free `rows`, one forward per group of prompts of similar length
+        (a prompt is padded to at most twice its length: chat prompts run from a few tokens to
+        over a thousand, and one padded batch would cost its longest prompt times its size).
+        Returns each group's jobs and their first tokens."""
+        pairs = sorted(zip(jobs, rows), key=lambda pair: len(pair[0].prompt))
+        groups, width = [], 0
+        for job, row in pairs:
+            if not groups or len(job.prompt) > width:
+                groups.append([])
+                width = max(PREFILL_GROUP, 2 * len(job.prompt))
+            groups[-1].append((job, row))
+        self.timings.prefills += len(groups)
+        return [([j for j, _ in group], self._prefill([r for _, r in group], [j for j, _ in group])) for group in groups]
+
+    def _prefill(self, rows: list[int], jobs: list[Job]) -> torch.Tensor:
+        """Prefills `jobs` into `rows`: one eager forward over the prompts, left-padded so
         the last logit of every row is the prompt's. A pad token sits at a position after its prompt
-        (invisible to the prompt's queries, overwritten by the answer), so positions stay per row."""
+        (invisible to the prompt's queries, overwritten by the answer), so positions stay per row.
+        Returns each job's first token, on the host once the GPU gets there (pinned, non-blocking)."""
         width = max(len(j.prompt) for j in jobs)
         ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)
         positions = torch.empty((len(jobs), width), dtype=torch.long)
@@ -145,20 +254,19 @@ class GraphedEngine:
             ids[i, width - n:] = torch.tensor(job.prompt)
             positions[i] = torch.cat([torch.arange(n, width), torch.arange(n)])
         prefill = PositionedCache(self.config, width)
-        logits = forward_at(self.model, prefill, ids.to(self.device), positions.to(self.device), logits_to_keep=1).logits
-        index = torch.tensor(rows, device=self.device)
-        temperature = torch.tensor([j.temperature for j in jobs], device=self.device)
+        logits = forward_at(self.model, prefill, self._to_device(ids), self._to_device(positions), logits_to_keep=1).logits
+        index = self._to_device(torch.tensor(rows))
+        temperature = self._to_device(torch.tensor([j.temperature for j in jobs], dtype=torch.float32))
         first = sample(logits[:, -1], temperature)
         for layer, fresh in zip(self.cache.layers, prefill.layers):
             layer.keys[index, :, :width] = fresh.keys
             layer.values[index, :, :width] = fresh.values
-        lengths = torch.tensor([len(j.prompt) for j in jobs], device=self.device)
+        lengths = self._to_device(torch.tensor([len(j.prompt) for j in jobs]))
         self.ids[index] = first[:, None]
         self.pos[index] = lengths[:, None]
-        self.cap[index] = lengths + torch.tensor([j.max_tokens for j in jobs], device=self.device)
+        self.cap[index] = lengths + self._to_device(torch.tensor([j.max_tokens for j in jobs]))
         self.temperature[index] = temperature
-        for job, token in zip(jobs, first.tolist()):
-            self._emit(job, [token])
+        return first.to("cpu", non_blocking=True) if self.device.type == "cuda" else first
 
     def _emit(self, job: Job, tokens: list[int]) -> None:
         """Appends an unfinished job's new tokens up to its stop token or budget."""
@@ -172,33 +280,77 @@ class GraphedEngine:
         """Decodes until `take` has nothing more: `take(n)` returns up to n waiting jobs (ones this
         engine cannot run, e.g. top-p, are the caller's to refuse), `give(job)` receives each
         finished one (tokens cut after the first stop token, `stopped` set)."""
+        refill_at = max(1, self.rows // 16)  # a prefill costs about as much as a few steps: batch them
+        self.timings = Timings()
+        with attention_as(self.model, self.attention):  # set outside the compiled step (attention_as says why)
+            self._serve(take, give, refill_at)
+        log.info("graphed engine served: %s", self.timings)
+
+    def _serve(self, take, give, refill_at: int) -> None:
         occupant: list[Job | None] = [None] * self.rows
-        refill_at = max(1, self.rows // 8)  # a prefill costs about as much as a few steps: batch them
+        launched: deque[_Chunk] = deque()
+        admitted: list[tuple[list[Job], torch.Tensor]] = []
         while True:
             free = [r for r, job in enumerate(occupant) if job is None]
             idle = len(free) == self.rows
             jobs = take(len(free)) if len(free) >= refill_at or idle else []
             if jobs:
                 need = max(j.positions_needed() for j in jobs)
-                if need > self.length:
-                    self._build(need)
-                self._admit(free[: len(jobs)], jobs)
+                sampling = not self.sampling and any(j.temperature > 0 for j in jobs)
+                if need > self.length or sampling:
+                    while launched:  # the steps are rebuilt: read what the old ones made first
+                        self._read(launched.popleft(), occupant, give)
+                    self.sampling = self.sampling or sampling
+                    start = time.perf_counter()
+                    if need > self.length:
+                        self._build(need)
+                    else:
+                        self._prepare()
+                    self.timings.building_s += time.perf_counter() - start
+                start = time.perf_counter()
+                admitted += self._admit(free[: len(jobs)], jobs)
+                self.timings.admitting_s += time.perf_counter() - start
                 for r, job in zip(free, jobs):
                     occupant[r] = job
-                self._release(occupant, give)  # a one-token answer ends at its prefill
-            if all(job is None for job in occupant):
-                if idle and not jobs:
-                    return
-                continue
-            for _ in range(self.chunk):
-                self.step()
-            for job, tokens in zip(occupant, self.history.tolist()):
-                if job is not None and not job.finished:
-                    self._emit(job, tokens)
-            self._release(occupant, give)
+            if any(job is not None for job in occupant):
+                sampled = any(job is not None and job.temperature > 0 for job in occupant)
+                launched.append(self._launch(self.steps.run["sample" if sampled else "greedy"], occupant, admitted))
+                admitted = []
+            elif not launched:
+                return
+            if len(launched) > 1 or not any(job is not None for job in occupant):
+                self._read(launched.popleft(), occupant, give)
 
-    def _release(self, occupant: list[Job | None], give) -> None:
+    def _launch(self, step, occupant: list[Job | None], admitted: list) -> _Chunk:
+        """Runs a chunk of steps; its tokens follow it to the host without a wait."""
+        for _ in range(self.chunk):
+            step()
+        tokens = self.host_tokens[self.launches % 2]  # the other one may be read meanwhile
+        self.launches += 1
+        tokens.copy_(self.history, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return _Chunk(tokens, done, list(occupant), admitted)
+
+    def _read(self, chunk: _Chunk, occupant: list[Job | None], give) -> None:
+        """Hands a chunk's tokens to their jobs (first tokens of its admissions first) and frees the
+        rows whose job has finished."""
+        start = time.perf_counter()
+        if chunk.done is not None:
+            chunk.done.synchronize()
+        self.timings.waiting_s += time.perf_counter() - start
+        start = time.perf_counter()
+        self.timings.chunks += 1
+        for jobs, first in chunk.first:
+            for job, token in zip(jobs, first.tolist()):
+                self._emit(job, [token])
+        for job, tokens in zip(chunk.jobs, chunk.tokens.tolist()):
+            if job is not None and not job.finished:
+                self._emit(job, tokens)
         for r, job in enumerate(occupant):
             if job is not None and job.finished:
                 occupant[r] = None
                 give(job)
+        self.timings.reading_s += time.perf_counter() - start

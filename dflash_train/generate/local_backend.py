@@ -317,9 +317,11 @@ class LocalBackend:
                 jobs.append(Job(r.prompt, r.params.max_tokens, r.params.temperature, tag=r))
             return jobs
 
-        def give(job: Job) -> None:
-            r = inflight.pop(id(job.tag))
-            loop.call_soon_threadsafe(_resolve, r.future, completion(self.tokenizer, r.prompt, job.tokens, job.stopped))
+        def answer(r: _Request, job: Job) -> None:
+            _resolve(r.future, completion(self.tokenizer, r.prompt, job.tokens, job.stopped))
+
+        def give(job: Job) -> None:  # decoded to text in the event loop: the engine's thread goes on decoding
+            loop.call_soon_threadsafe(answer, inflight.pop(id(job.tag)), job)
 
         try:
             if self._graphed is None:

@@ -26,6 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from dflash_train.checks import compile_cache
+from dflash_train.targets.flex_decode import FLEX_DECODE, decode_block_mask
 from dflash_train.targets.windows import layer_windows, window_masks, windows_problem
 
 log = logging.getLogger("dflash_train")
@@ -127,26 +128,38 @@ AttentionMaskInterface.register(PACKED_GQA, sdpa_mask)  # masks come built (posi
 
 
 @contextmanager
-def packed_gqa(model):
-    """The model's attention is `packed_gqa_attention` inside the block (and in graphs captured there)."""
+def attention_as(model, implementation: str):
+    """The model's attention is `implementation` inside the block (and in graphs captured there).
+    Already set, nothing is written: a compiled step run inside the block then changes no config
+    (dynamo may not replay a restore that follows a flex_attention call; the engine sets it outside)."""
     config = model.config.get_text_config(decoder=True)
     before = config._attn_implementation
-    config._attn_implementation = PACKED_GQA
+    if before == implementation:
+        yield
+        return
+    config._attn_implementation = implementation
     try:
         yield
     finally:
         config._attn_implementation = before
 
 
-def forward_at(model, cache: PositionedCache, ids: torch.Tensor, positions: torch.Tensor, **kwargs):
-    """The HF model's output for `ids` [R, Q] at `positions` [R, Q], their K/V written into `cache`."""
+def forward_at(model, cache: PositionedCache, ids: torch.Tensor, positions: torch.Tensor, flex: bool = False,
+               **kwargs):
+    """The HF model's output for `ids` [R, Q] at `positions` [R, Q], their K/V written into `cache`.
+    `flex`: attention reads each row only up to its position (flex_decode.py: compiled steps of
+    full-attention models); else packed SDPA under a mask over the whole cache."""
     for layer in cache.layers:
         layer.positions = positions
     length = cache.layers[0].max_cache_len
-    dtype = model.get_input_embeddings().weight.dtype
-    with packed_gqa(model):
+    if flex:
+        config = model.config.get_text_config(decoder=True)
+        mask = decode_block_mask(positions, length, config.num_attention_heads // config.num_key_value_heads)
+    else:
+        mask = position_masks(positions, length, cache.windows, model.get_input_embeddings().weight.dtype)
+    with attention_as(model, FLEX_DECODE if flex else PACKED_GQA):
         return model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                     attention_mask=position_masks(positions, length, cache.windows, dtype), **kwargs)
+                     attention_mask=mask, **kwargs)
 
 
 def graphed(step, device: torch.device):

@@ -54,7 +54,7 @@ def test_compiled_steps_decide_as_the_plain_ones(fresh_counters):
         jobs = [Job(p, max_tokens=6 + 5 * i) for i, p in enumerate(prompts + prompts[::-1])]
         waiting = list(jobs)
         engine.serve(lambda n: [waiting.pop(0) for _ in range(min(n, len(waiting)))], lambda job: None)
-        assert engine.steps.compiled == (["step"] if compile else []), engine.steps.compile_error
+        assert engine.steps.compiled == (["greedy"] if compile else []), engine.steps.compile_error
         answers.append([j.tokens for j in jobs])
     assert answers[0] == answers[1]
     # one graph per step, none recompiled on a later call, none broken into pieces

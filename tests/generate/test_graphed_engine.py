@@ -48,16 +48,20 @@ def prompts_of(backend, n: int) -> list[list[int]]:
             for i in range(n)]
 
 
-def test_finished_rows_are_refilled_and_a_longer_prompt_regrows_the_cache_mid_answer(backend):
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_finished_rows_are_refilled_and_a_longer_prompt_regrows_the_cache_mid_answer(backend, attention):
     """Two rows for ten prompts of mixed lengths and budgets: rows are refilled (the stale K/V of
     the previous answer must stay invisible), and a long prompt arriving while the first row is
-    mid-answer grows the cache under it (its K/V copied over, its decoding going on)."""
+    mid-answer grows the cache under it (its K/V copied over, its decoding going on). With flex
+    decoding each row reads its cache only up to its position (eagerly here: the same attention)."""
     model = backend.model
     prompts = prompts_of(backend, 8)
     long_prompt = prompts[-1] * 20  # past the first cache's 256 positions
     jobs = [Job(prompts[0], 40), Job(prompts[1], 2), Job(long_prompt, 12)]
     jobs += [Job(p, max_tokens=3 + 5 * (i % 3)) for i, p in enumerate(prompts[2:])]
-    engine = GraphedEngine(model, rows=2, stops=set(), pad_id=0, chunk=4)
+    engine = GraphedEngine(model, rows=2, stops=set(), pad_id=0, chunk=4, attention=attention)
+    assert engine.flex == (attention == "flex")
     grown_under = []
     build = engine._build
 
@@ -119,3 +123,17 @@ def test_graphed_engine_refuses_top_p_naming_the_field(tmp_path):
     with pytest.raises(ConfigError, match="sampling.top_p"):
         build_generate_config({"inputs": [str(tmp_path / "x.jsonl")], "output_dir": str(tmp_path / "o"),
                                "backend": "local", "sampling": {"top_p": 0.9}}, {"local.engine": "graphed"})
+
+
+def test_an_admission_prefills_prompts_of_similar_length_together(backend):
+    """Four free rows, prompts of 1x, 1x, 20x and 40x a short one: the short two share a prefill,
+    each long one gets its own (padded to at most twice its length), and every answer is still
+    the plain greedy one, each served in its own row."""
+    model = backend.model
+    short = prompts_of(backend, 2)
+    jobs = [Job(short[0], 6), Job(short[1], 6), Job(short[0] * 20, 6), Job(short[1] * 40, 6)]
+    engine = GraphedEngine(model, rows=4, stops=set(), pad_id=0, chunk=4)
+    serve_all(engine, jobs)
+    assert engine.timings.prefills == 3 and engine.timings.chunks >= 2
+    for job in jobs:
+        assert (job.tokens, job.stopped) == plain_greedy(model, job.prompt, job.max_tokens, set())

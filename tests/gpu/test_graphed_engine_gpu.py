@@ -1,6 +1,7 @@
 """On CUDA: the graphed generation engine, its decode step compiled and captured as a CUDA graph,
 answers exactly as transformers' padded `generate` in fp32, refilling rows and regrowing its cache
-on the way (the step compiled again for the grown cache).
+on the way (the step compiled again for the grown cache), with SDPA over the whole cache or flex
+decoding; and compiled flex decoding never reads the KV blocks past a row's position.
 Run: `python -m pytest tests/gpu -m gpu -s`."""
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dflash_train.generate.backends import GenParams
 from dflash_train.generate.graphed_engine import GraphedEngine, Job
 from dflash_train.generate.local_backend import generate_ids
+from dflash_train.targets.flex_decode import KV_BLOCK, decode_block_mask, flex_decode_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eval.tiny_models import tiny_target  # noqa: E402
@@ -24,7 +27,8 @@ pytestmark = [
 ]
 
 
-def test_graphed_engine_on_cuda_equals_the_padded_generate_in_fp32():
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_graphed_engine_on_cuda_equals_the_padded_generate_in_fp32(attention):
     model = tiny_target(vocab_size=256, num_layers=4, hidden_size=64).model
     model.config._attn_implementation = "sdpa"  # as load_target gives
     model.to("cuda", torch.float32)
@@ -34,11 +38,33 @@ def test_graphed_engine_on_cuda_equals_the_padded_generate_in_fp32():
     stops = {17}
     padded = [generate_ids(model, [p], GenParams(temperature=0.0, top_p=1.0, max_tokens=40), stops, 0)[0]
               for p in prompts]
-    engine = GraphedEngine(model, rows=3, stops=stops, pad_id=0, chunk=8, compile=True)
+    engine = GraphedEngine(model, rows=3, stops=stops, pad_id=0, chunk=8, compile=True, attention=attention)
+    assert engine.flex == (attention == "flex")
     jobs = [Job(p, 40) for p in prompts]
     waiting = list(jobs)
     engine.serve(lambda n: [waiting.pop(0) for _ in range(min(n, len(waiting)))], lambda job: None)
-    assert engine.steps.graphed and engine.steps.compiled == ["step"], (engine.steps.graph_error,
+    assert engine.steps.graphed and engine.steps.compiled == ["greedy"], (engine.steps.graph_error,
                                                                          engine.steps.compile_error)
     assert [(j.tokens, j.stopped) for j in jobs] == padded
     assert engine.length > 256
+
+
+def test_compiled_flex_decoding_never_reads_past_a_rows_reach():
+    """NaN in every KV block past a row's position changes nothing: those blocks are not read (the
+    eager reference would turn them into NaN outputs)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, heads, kv_heads, dim, length = 4, 9, 3, 64, 4 * KV_BLOCK
+    query = torch.randn(rows, heads, 1, dim, generator=g, device="cuda", dtype=torch.bfloat16)
+    key, value = (torch.randn(rows, kv_heads, length, dim, generator=g, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(2))
+    positions = torch.tensor([[0], [KV_BLOCK - 1], [KV_BLOCK], [length - 1]], device="cuda")
+    attend = torch.compile(lambda k, v: flex_decode_attention(None, query, k, v, decode_block_mask(positions, length, 3),
+                                                              scaling=0.125)[0], fullgraph=True)
+    clean = attend(key, value)
+    for row, reach in enumerate([1, 1, 2, 4]):
+        key[row, :, reach * KV_BLOCK:], value[row, :, reach * KV_BLOCK:] = float("nan"), float("nan")
+    assert torch.equal(attend(key, value), clean)
+    reference = F.scaled_dot_product_attention(
+        query.double().reshape(rows, kv_heads, 3, dim), key.double().nan_to_num(), value.double().nan_to_num(),
+        attn_mask=torch.arange(length, device="cuda") <= positions[:, None, None], scale=0.125)
+    torch.testing.assert_close(clean.double(), reference.reshape(rows, heads, 1, dim).transpose(1, 2), atol=2e-2, rtol=2e-2)

@@ -1,0 +1,79 @@
+"""Decode attention that reads each row's cache only up to the row's own position.
+
+The static cache (static_cache.py) is as long as the longest prompt plus the answer budget, and
+SDPA under a mask reads every position of it for every row: at a thousand rows, 1,280 positions
+and ~330-token answers, most of a regeneration step's cache traffic is K/V no query can see.
+flex_attention takes a block mask instead: per row, how many 128-position KV blocks hold keys at or
+below the row's position (`decode_block_mask`); blocks past them are never read, and inside the
+last one a mask_mod hides the keys above the position. Inductor lowers it to its flex-decoding
+kernel, so this path is for compiled steps (eagerly, flex_attention computes densely: correct,
+for tests, not fast).
+
+Grouped-query attention is packed as in `static_cache.packed_gqa_attention`: a group's query heads
+become extra query rows of their K/V head, so each K/V block is read once, and the kernel sees one
+query head per K/V head (flex decoding wants a power-of-two group; SmolLM2's is 3).
+Full-attention layers only: sliding windows, attention sinks and soft-capping keep the SDPA path
+(`flex_decode_problem` says which).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from dflash_train.targets.windows import layer_windows
+
+FLEX_DECODE = "dflash_flex_decode"
+KV_BLOCK = 128
+"""Positions per KV block of the mask: flex_attention's default block, the unit a row's read grows by."""
+MIN_HEAD_DIM = 16
+"""Inductor's flex kernels need head dimensions of at least 16."""
+
+
+def flex_decode_problem(model) -> str | None:
+    """Why `model`'s attention is more than causal attention over a full-length cache, or None."""
+    config = model.config.get_text_config(decoder=True)
+    windows = {w for w in layer_windows(config).values() if w is not None}
+    if windows:
+        return f"sliding-window layers (window {sorted(windows)})"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attention logit soft-capping"
+    if any(name.endswith("sinks") for name, _ in model.named_parameters()):
+        return "attention sinks"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim < MIN_HEAD_DIM:
+        return f"head_dim {head_dim} < {MIN_HEAD_DIM}"
+    return None
+
+
+def decode_block_mask(positions: torch.Tensor, length: int, group: int) -> BlockMask:
+    """The block mask of queries at `positions` [R, Q] over cache positions 0..length-1 (a multiple
+    of KV_BLOCK), for the packed layout: query row i of a K/V head is query i % Q of its row.
+    A query at position p sees the keys at positions <= p; a row reads blocks 0..max(p) // KV_BLOCK."""
+    rows, queries = positions.shape
+    blocks = length // KV_BLOCK
+    reach = (positions.amax(-1) // KV_BLOCK + 1).to(torch.int32)
+    indices = torch.arange(blocks, dtype=torch.int32, device=positions.device)
+
+    def visible(row, head, query, key):
+        return key <= positions[row, query % queries]
+
+    return BlockMask.from_kv_blocks(
+        reach.view(rows, 1, 1), indices.expand(rows, 1, 1, blocks), BLOCK_SIZE=KV_BLOCK, mask_mod=visible,
+        seq_lengths=(group * queries, length), compute_q_blocks=False)
+
+
+def flex_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """`query` [R, H, Q, D] against the cache `key`/`value` [R, Hkv, L, D] under the BlockMask
+    `attention_mask` (decode_block_mask, built for this group size), the group packed into rows."""
+    rows, heads, queries, dim = query.shape
+    kv_heads = key.shape[1]
+    packed = query.reshape(rows, kv_heads, heads // kv_heads * queries, dim)  # head h = kv * group + g
+    out = flex_attention(packed, key, value, block_mask=attention_mask, scale=scaling)
+    return out.reshape(rows, heads, queries, -1).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(FLEX_DECODE, flex_decode_attention)
+AttentionMaskInterface.register(FLEX_DECODE, sdpa_mask)  # masks come built (decode_block_mask); never called

@@ -1,0 +1,45 @@
+"""Flex decoding against the float64 brute force of test_static_cache: each row reads only the KV
+blocks up to its position, and the attention must still be that of every query head over its own
+K/V head under the causal per-row mask; the reach of the block mask, counted by hand; what the
+path refuses, named. (Eagerly flex_attention computes densely; that unreached blocks are never
+read is the compiled kernel's, tested on a GPU: tests/gpu/test_graphed_engine_gpu.py.)"""
+
+import math
+
+import pytest
+import torch
+from tests.targets.test_static_cache import brute_force
+from tiny import tiny_target, tiny_windowed
+from transformers import GptOssConfig, GptOssForCausalLM
+
+from dflash_train.targets.flex_decode import KV_BLOCK, decode_block_mask, flex_decode_attention, flex_decode_problem
+from dflash_train.targets.static_cache import position_masks
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+def test_flex_decode_equals_brute_force(queries):
+    g = torch.Generator().manual_seed(0)
+    rows, heads, kv_heads, dim, length = 4, 9, 3, 16, 3 * KV_BLOCK
+    query = torch.randn(rows, heads, queries, dim, generator=g)
+    key, value = (torch.randn(rows, kv_heads, length, dim, generator=g) for _ in range(2))
+    # rows at the start, inside the first block, on a block's last position and in the last block
+    starts = torch.tensor([0, 7, KV_BLOCK - queries, length - queries - 5])
+    positions = starts[:, None] + torch.arange(queries)
+    mask = decode_block_mask(positions, length, heads // kv_heads)
+    # blocks read: up to the one holding the row's last query, none past it
+    assert mask.kv_num_blocks.flatten().tolist() == [1, 1, 1, 3]
+    scale = 1 / math.sqrt(dim)
+    out, _ = flex_decode_attention(None, query, key, value, mask, scaling=scale)
+    assert out.shape == (rows, queries, heads, dim)
+    bias = position_masks(positions, length, {"full_attention": None}, torch.float32)
+    torch.testing.assert_close(out.double(), brute_force(query, key, value, bias, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_flex_decode_problem_names_what_it_cannot_do():
+    assert flex_decode_problem(tiny_target(hidden=64).model) is None  # head_dim 16
+    assert flex_decode_problem(tiny_target(hidden=32).model) == "head_dim 8 < 16"
+    assert flex_decode_problem(tiny_windowed("mistral").model) == "sliding-window layers (window [8])"
+    sinks = GptOssForCausalLM(GptOssConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=32, head_dim=16,
+                                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                           layer_types=["full_attention"] * 2))
+    assert flex_decode_problem(sinks) == "attention sinks"
