@@ -135,10 +135,21 @@ def cmd_curve(args) -> int:
 
 
 def cmd_prompts(args) -> int:
-    from dflash_train.data.prompts import every_turn, first_turns, prompt_source, split_prompt_files, turns_of
+    from dflash_train.data.prompts import (Prompt, every_turn, first_turns, multi_turn, prompt_source,
+                                           split_prompt_files, turns_of)
 
+    if args.every_turn and args.multi_turn:
+        raise ValueError("--every-turn and --multi-turn are two ways to use later turns: pick one")
+    if args.multi_turn is not None and args.multi_turn < 2:
+        raise ValueError(f"--multi-turn {args.multi_turn}: a conversation has at least 2 turns")
     source, exclude = prompt_source(args.source), turns_of(args.exclude)
-    prompts = first_turns(every_turn(source, exclude) if args.every_turn else source, args.num, args.max_chars, exclude)
+    if args.multi_turn:
+        chosen = multi_turn(source, args.multi_turn, args.max_chars, exclude)
+    elif args.every_turn:
+        chosen = every_turn(source, exclude)
+    else:
+        chosen = (Prompt(id=p.id, turns=p.turns[:1], system=p.system) for p in source)
+    prompts = first_turns(chosen, args.num, args.max_chars, exclude)
     train, heldout = split_prompt_files(prompts, args.out, args.heldout)
     print(json.dumps({"train": str(train), "train_prompts": len(prompts) - args.heldout,
                       "heldout": heldout and str(heldout), "heldout_prompts": args.heldout}, indent=2))
@@ -246,6 +257,9 @@ def _prompts_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--every-turn", dest="every_turn", action="store_true", help="each user turn is a prompt of "
                    "its own, not only the first (e.g. --source sharegpt-conversations); a conversation with an "
                    "excluded turn is dropped whole")
+    p.add_argument("--multi-turn", dest="multi_turn", type=int, metavar="N", help="conversations of 2..N user "
+                   "turns, each answered by the target after its own earlier answers (generate answers them in "
+                   "order); cut before a turn over --max-chars, dropped whole when a turn is excluded")
     p.add_argument("--out", required=True, help="directory for train_prompts.jsonl and heldout_prompts.jsonl")
 
 

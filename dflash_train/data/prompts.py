@@ -210,26 +210,52 @@ def every_turn(source: Iterable[Prompt], exclude: Iterable[str] = ()) -> Iterato
                 yield Prompt(id=prompt.id if k == 0 else f"{prompt.id}/turn{k + 1}", turns=[turn], system=prompt.system)
 
 
+def multi_turn(source: Iterable[Prompt], max_turns: int, max_chars: int, exclude: Iterable[str] = ()) -> Iterator[Prompt]:
+    """Conversations of 2..`max_turns` user turns, each turn asked after the target's own answers
+    to the ones before it (`generate` answers them in order): training data in the context MT-Bench's
+    second turn asks for. A conversation is cut before its first turn over `max_chars`, skipped
+    when less than two turns remain, and dropped whole when any turn is in `exclude`."""
+    excluded = {normalise_text(text) for text in exclude}
+    for prompt in source:
+        if any(normalise_text(turn) in excluded for turn in prompt.turns):
+            continue
+        turns = []
+        for turn in prompt.turns[:max_turns]:
+            if len(turn) > max_chars or not turn.strip():
+                break
+            turns.append(turn)
+        if len(turns) >= 2:
+            yield Prompt(id=prompt.id, turns=turns, system=prompt.system)
+
+
 def first_turns(source: Iterable[Prompt], n: int, max_chars: int, exclude: Iterable[str] = ()) -> list[Prompt]:
-    """The first `n` distinct single-turn prompts of at most `max_chars` characters, none of them in
-    `exclude` (case and whitespace ignored). ShareGPT repeats some first turns: a duplicate would leak
-    a training prompt into the held-out set."""
+    """The first `n` distinct prompts whose turns are at most `max_chars` characters each, none of
+    them in `exclude` (case and whitespace ignored). ShareGPT repeats some first turns: a duplicate
+    would leak a training prompt into the held-out set."""
     out, seen = [], {normalise_text(text) for text in exclude}
     for prompt in source:
-        key = normalise_text(prompt.turns[0])
-        if len(prompt.turns[0]) <= max_chars and key not in seen:
+        key = normalise_text("\n".join(prompt.turns))
+        if max(map(len, prompt.turns)) <= max_chars and key not in seen:
             seen.add(key)
             out.append(prompt)
             if len(out) == n:
                 return out
-    raise ValueError(f"the prompt set has only {len(out)} distinct single-turn prompts of <= {max_chars} characters, {n} asked")
+    raise ValueError(f"the prompt set has only {len(out)} distinct prompts of turns <= {max_chars} characters, {n} asked")
+
+
+def prompt_messages(prompt: Prompt) -> list[dict]:
+    """A prompt as `generate` reads it: its user turns with an empty assistant turn between two,
+    each replaced by the target's own answer (and one appended after the last turn)."""
+    messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
+    for k, turn in enumerate(prompt.turns):
+        messages += [{"role": "assistant", "content": ""}] if k else []
+        messages.append({"role": "user", "content": turn})
+    return messages
 
 
 def write_prompts(path: str | Path, prompts: Iterable[Prompt]) -> Path:
-    """Prompts as `messages` JSONL rows (first turn only), the input `generate` and `eval` read."""
-    text = "".join(
-        json.dumps({"id": p.id, "messages": [{"role": "user", "content": p.turns[0]}]}) + "\n" for p in prompts
-    )
+    """Prompts as `messages` JSONL rows, the input `generate` and `eval` read."""
+    text = "".join(json.dumps({"id": p.id, "messages": prompt_messages(p)}) + "\n" for p in prompts)
     write_atomic(Path(path), lambda f: f.write(text.encode()))
     return Path(path)
 

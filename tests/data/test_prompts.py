@@ -147,3 +147,27 @@ def test_sharegpt_conversations_keep_every_user_turn():
     firsts = list(itertools.islice(sharegpt(), 50))
     assert [c.turns[0] for c in conversations] == [p.turns[0] for p in firsts]
     assert any(len(c.turns) > 1 for c in conversations)
+
+
+def test_multi_turn_prompts_keep_conversations_of_short_turns(tmp_path):
+    """--multi-turn N: conversations of 2..N turns, cut before an over-long turn, a held-out one
+    dropped whole, written with an empty assistant turn between two user turns (what generate
+    answers: tests/generate/test_generate_local.py)."""
+    from dflash_train.cli import main
+
+    source, heldout = tmp_path / "src.jsonl", tmp_path / "heldout.jsonl"
+    conversations = [["a1", "a2", "a3", "a4"], ["Held  OUT", "more"], ["b1", "x" * 50, "b3"], ["c1", "c2"], ["d1"]]
+    source.write_text("".join(
+        json.dumps({"id": f"c{i}", "messages": [{"role": role, "content": text} for turn in turns
+                                                for role, text in (("user", turn), ("assistant", "x"))]}) + "\n"
+        for i, turns in enumerate(conversations)))
+    heldout.write_text(json.dumps({"id": "h", "prompt": "held out"}) + "\n")
+    out = tmp_path / "out"
+    assert main(["prompts", "--source", str(source), "--num", "2", "--heldout", "0", "--exclude", str(heldout),
+                 "--max-chars", "10", "--multi-turn", "3", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "train_prompts.jsonl").read_text().splitlines()]
+    assert [(r["id"], [m["role"] for m in r["messages"]]) for r in rows] == [
+        ("c0", ["user", "assistant", "user", "assistant", "user"]), ("c3", ["user", "assistant", "user"])]
+    assert [p.turns for p in load_prompts(str(out / "train_prompts.jsonl"))] == [["a1", "a2", "a3"], ["c1", "c2"]]
+    for bad in (["--multi-turn", "1"], ["--multi-turn", "2", "--every-turn"]):
+        assert main(["prompts", "--source", str(source), "--num", "1", "--heldout", "0", "--out", str(out), *bad]) == 2

@@ -226,3 +226,19 @@ def test_an_engine_that_cannot_start_fails_every_waiting_request(tiny_target, mo
 
     results = asyncio.run(ask_all())
     assert len(results) == len(PROMPTS) and all("cannot run this model" in str(r) for r in results)
+
+
+def test_a_multi_turn_prompt_file_is_answered_turn_after_turn(tmp_path, tiny_target):
+    """`prompts --multi-turn` rows (user turns with empty assistant turns between them): every
+    assistant turn becomes the target's own answer, the later turns asked after it."""
+    from dflash_train.data.prompts import Prompt, write_prompts
+
+    inputs = write_prompts(tmp_path / "in.jsonl", [Prompt(id="m", turns=["Hi there", "and then?", "why?"])])
+    summary = generate(build_generate_config(
+        {"inputs": [str(inputs)], "output_dir": str(tmp_path / "out"), "progress": False, "model": str(tiny_target),
+         "backend": "local", "sampling": {"max_tokens": 6}}, {"local.device": "cpu"}))
+    (row,) = read_rows(tmp_path / "out")
+    assert summary["ok"] == 1 and row["num_turns"] == 3
+    assert [m["role"] for m in row["messages"]] == ["user", "assistant"] * 3
+    assert [m["content"] for m in row["messages"][::2]] == ["Hi there", "and then?", "why?"]
+    assert all(m["content"] for m in row["messages"][1::2])
