@@ -36,7 +36,8 @@ BATCH=${BATCH:-1024}               # generation batch (one `generate` / `generat
 ENGINE=${ENGINE:-graphed}          # in-process generation engine: graphed (its step compiled: flex decoding), static, padded
 EVERY_PROMPTS=${EVERY_PROMPTS:-37000}  # training prompts: distinct user turns of every conversation (50,364 exist)
 CODE_PROMPTS=${CODE_PROMPTS:-3561} # all the stubs of <= 1,500 characters
-TRAIN_FILES=${TRAIN_FILES:-$DATA/train,$DATA/code}  # comma-separated answer directories
+MULTI_PROMPTS=${MULTI_PROMPTS:-0}  # also conversations of 2..4 turns, answered turn after turn (10,679 exist; 0: none)
+TRAIN_FILES=${TRAIN_FILES:-$DATA/train,$DATA/code$([ "$MULTI_PROMPTS" -gt 0 ] && echo ",$DATA/multi")}  # comma-separated answer directories
 TRAIN_ARGS=${TRAIN_ARGS:-}         # extra dotted overrides of $CONFIG
 EVAL_BATCH=${EVAL_BATCH:-256}      # prompts decoded together for acceptance
 NEW_TOKENS=${NEW_TOKENS:-256}      # eval answer length
@@ -52,6 +53,15 @@ prompts() {  # held-out first turns, then the training prompts: every turn of th
   "${DT[@]}" prompts --source sharegpt --num "$NUM_PROMPTS" --heldout "$HELDOUT" --max-chars 1500 --out "$DATA"
   "${DT[@]}" prompts --source sharegpt-conversations --every-turn --num "$EVERY_PROMPTS" --heldout 0 --max-chars 1500 \
     --exclude "$DATA/heldout_prompts.jsonl" humaneval mt-bench --out "$DATA/every"
+  if [ "$MULTI_PROMPTS" -gt 0 ]; then
+    "${DT[@]}" prompts --source sharegpt-conversations --multi-turn 4 --num "$MULTI_PROMPTS" --heldout 0 --max-chars 1500 \
+      --exclude "$DATA/heldout_prompts.jsonl" humaneval mt-bench --out "$DATA/multi_prompts"
+  fi
+}
+
+generate_train() {  # the every-turn answers, and the multi-turn conversations when asked
+  generate "$DATA/train" "$DATA/every/train_prompts.jsonl"
+  if [ "$MULTI_PROMPTS" -gt 0 ]; then generate "$DATA/multi" "$DATA/multi_prompts/train_prompts.jsonl"; fi
 }
 
 generate_code() {
@@ -111,7 +121,7 @@ speedup() {  # speed as served: bf16 (the target's dtype), one prompt at a time,
 
 case "${1:-all}" in
   prompts) prompts ;;
-  generate) generate "$DATA/train" "$DATA/every/train_prompts.jsonl" ;;
+  generate) generate_train ;;
   generate-code) generate_code ;;
   generate-heldout) generate "$DATA/heldout" "$DATA/heldout_prompts.jsonl" ;;
   train) train ;;
@@ -119,7 +129,7 @@ case "${1:-all}" in
   eval-sets) eval_sets ;;
   eval-curve) eval_curve ;;
   speedup) speedup ;;
-  all) prompts; generate "$DATA/train" "$DATA/every/train_prompts.jsonl"; generate_code
+  all) prompts; generate_train; generate_code
        generate "$DATA/heldout" "$DATA/heldout_prompts.jsonl"; train; eval_sets; eval_curve; speedup ;;
   *) echo "usage: $0 [prompts|generate|generate-code|generate-heldout|train|eval|eval-sets|eval-curve|speedup|all]" >&2
      exit 2 ;;

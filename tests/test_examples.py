@@ -23,7 +23,7 @@ def test_smollm2_example_runs_end_to_end_on_cpu(tmp_path):
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # python3 = this venv's
         "RUN": str(run), "DEVICE": "cpu", "NUM_PROMPTS": "10", "HELDOUT": "2", "ANSWER_TOKENS": "12", "BATCH": "8",
         "EVAL_BATCH": "2", "NEW_TOKENS": "6", "EVAL_PROMPTS": "3", "CURVE_PROMPTS": "2", "SPEEDUP_PROMPTS": "1",
-        "EVERY_PROMPTS": "12", "CODE_PROMPTS": "2",
+        "EVERY_PROMPTS": "12", "CODE_PROMPTS": "2", "MULTI_PROMPTS": "2",
         # transformers' continuous engine sizes its CPU cache from free memory (14 GB RSS for two
         # prompts of ~300 tokens): the static engine here
         "ENGINE": "static",
@@ -52,7 +52,10 @@ def test_smollm2_example_runs_end_to_end_on_cpu(tmp_path):
     assert not {p["id"].split("/turn")[0] for p in every} & heldout
     code = (run / "data" / "code_prompts" / "train_prompts.jsonl").read_text()
     assert code.count("Complete the following Python") == 2
+    # two conversations of 2..4 turns, every turn answered after the target's own earlier answers
+    multi = [json.loads(line) for f in sorted((run / "data" / "multi").glob("*.jsonl")) for line in f.read_text().splitlines()]
+    assert len(multi) == 2 and all(r["status"] == "ok" and 2 <= r["num_turns"] <= 4 for r in multi)
     greedy = json.loads((run / "summary.json").read_text())
-    # every row read: 12 turns + 2 code answers (a code request may not fit the test's 256-token
-    # max_length: skipped, counted)
-    assert greedy["data_rows"]["rows"] == 14, greedy
+    # every row read: 12 turns + 2 code answers + 2 conversations (a code request may not fit the
+    # test's 256-token max_length: skipped, counted)
+    assert greedy["data_rows"]["rows"] == 16, greedy
