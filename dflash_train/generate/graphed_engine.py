@@ -6,9 +6,9 @@ it is captured once as a CUDA graph and replayed (compiled first when asked: `co
 (tests) the same function runs eagerly, or compiled when asked (static_cache.prepare_steps).
 Compiled, the step's attention reads each row's cache only up to the row's position
 (targets/flex_decode.py); otherwise packed SDPA reads the whole cache under a mask.
-A finished row is refilled with a waiting prompt: the new prompts are prefilled together in one
-eager forward and their K/V copied into the free rows (static_cache.py says why stale K/V there is
-harmless).
+A finished row is refilled with a waiting prompt: the new prompts are prefilled, grouped by width,
+through forwards of fixed shapes captured as CUDA graphs (generate/prefill.py), and their K/V
+copied into the free rows (static_cache.py says why stale K/V there is harmless).
 
 The host never waits for the step it just launched: steps run in chunks of `chunk`, each chunk's
 new tokens copied to pinned host memory behind it, and the host reads a chunk while the next one
@@ -33,6 +33,7 @@ from functools import partial
 import torch
 
 from dflash_train.generate.backends import emit_tokens
+from dflash_train.generate.prefill import MIN_WIDTH, PREFILL_ROWS, Prefills, bucket
 from dflash_train.targets.flex_decode import FLEX_DECODE, flex_decode_problem
 from dflash_train.targets.static_cache import (ALIGN, PACKED_GQA, PositionedCache, Steps, attention_as, forward_at,
                                                prepare_steps, static_cache_problem)
@@ -82,8 +83,6 @@ class _Chunk:
     first: list[tuple[list[Job], torch.Tensor]]
 
 
-PREFILL_GROUP = 64
-"""Prompts up to this many tokens are prefilled together whatever their lengths."""
 @dataclass
 class Timings:
     """Where the serving thread's wall time went (host clocks): what `serve` logs at its end."""
@@ -195,8 +194,10 @@ class GraphedEngine:
                 old.layers[i].keys = old.layers[i].values = None  # one layer of both caches at a time
         self.length = length
         del old
+        self.prefills = None  # its graphs and buffers go before the new ones are made
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        self.prefills = Prefills(self.model, self.config, self.kv_shapes, length, self.pad_id, self.graphs)
         self._prepare()
 
     @torch.no_grad()
@@ -227,25 +228,26 @@ class GraphedEngine:
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def _admit(self, rows: list[int], jobs: list[Job]) -> list[tuple[list[Job], torch.Tensor]]:
-        """Prefills `jobs` into the free `rows`, one forward per group of prompts of similar length
-        (a prompt is padded to at most twice its length: chat prompts run from a few tokens to
-        over a thousand, and one padded batch would cost its longest prompt times its size).
-        Returns each group's jobs and their first tokens."""
-        pairs = sorted(zip(jobs, rows), key=lambda pair: len(pair[0].prompt))
-        groups, width = [], 0
-        for job, row in pairs:
-            if not groups or len(job.prompt) > width:
-                groups.append([])
-                width = max(PREFILL_GROUP, 2 * len(job.prompt))
-            groups[-1].append((job, row))
-        self.timings.prefills += len(groups)
-        return [([j for j, _ in group], self._prefill([r for _, r in group], [j for j, _ in group])) for group in groups]
+        """Prefills `jobs` into the free `rows`: one forward per width (a power of two: a prompt is
+        padded to at most twice its length, where one batch would pad every prompt to the longest,
+        and chat prompts run from a few tokens to over a thousand), at most PREFILL_ROWS prompts
+        each. Returns each prefill's jobs and their first tokens."""
+        groups: dict[int, list[list[tuple[Job, int]]]] = {}
+        for job, row in zip(jobs, rows):
+            pieces = groups.setdefault(bucket(len(job.prompt), MIN_WIDTH), [[]])
+            if len(pieces[-1]) == PREFILL_ROWS:
+                pieces.append([])
+            pieces[-1].append((job, row))
+        pieces = [piece for _, width_pieces in sorted(groups.items()) for piece in width_pieces]
+        self.timings.prefills += len(pieces)
+        return [([j for j, _ in piece], self._prefill([r for _, r in piece], [j for j, _ in piece])) for piece in pieces]
 
     def _prefill(self, rows: list[int], jobs: list[Job]) -> torch.Tensor:
-        """Prefills `jobs` into `rows`: one eager forward over the prompts, left-padded so
-        the last logit of every row is the prompt's. A pad token sits at a position after its prompt
-        (invisible to the prompt's queries, overwritten by the answer), so positions stay per row.
-        Returns each job's first token, on the host once the GPU gets there (pinned, non-blocking)."""
+        """Prefills `jobs` into `rows` through a fixed-shape forward (generate/prefill.py), prompts
+        left-padded so the last logit of every row is the prompt's. A pad token sits at a position
+        after its prompt (invisible to the prompt's queries, overwritten by the answer), so positions
+        stay per row. Returns each job's first token, on the host once the GPU gets there (pinned,
+        non-blocking)."""
         width = max(len(j.prompt) for j in jobs)
         ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)
         positions = torch.empty((len(jobs), width), dtype=torch.long)
@@ -253,14 +255,13 @@ class GraphedEngine:
             n = len(job.prompt)
             ids[i, width - n:] = torch.tensor(job.prompt)
             positions[i] = torch.cat([torch.arange(n, width), torch.arange(n)])
-        prefill = PositionedCache(self.config, width)
-        logits = forward_at(self.model, prefill, self._to_device(ids), self._to_device(positions), logits_to_keep=1).logits
+        logits, shape = self.prefills.run(self._to_device(ids), self._to_device(positions))
         index = self._to_device(torch.tensor(rows))
         temperature = self._to_device(torch.tensor([j.temperature for j in jobs], dtype=torch.float32))
-        first = sample(logits[:, -1], temperature)
-        for layer, fresh in zip(self.cache.layers, prefill.layers):
-            layer.keys[index, :, :width] = fresh.keys
-            layer.values[index, :, :width] = fresh.values
+        first = sample(logits, temperature)
+        for layer, fresh in zip(self.cache.layers, shape.cache.layers):
+            layer.keys[index, :, : shape.width] = fresh.keys[: len(jobs)]
+            layer.values[index, :, : shape.width] = fresh.values[: len(jobs)]
         lengths = self._to_device(torch.tensor([len(j.prompt) for j in jobs]))
         self.ids[index] = first[:, None]
         self.pos[index] = lengths[:, None]

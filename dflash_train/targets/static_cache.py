@@ -66,6 +66,17 @@ class PositionedLayer(StaticLayer):
         super().lazy_initialization(key_states, value_states)
         self.rows = torch.arange(key_states.shape[0], device=key_states.device)[:, None]
 
+    def hold(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Initialised over `keys` and `values` [R, heads, L, dim] held elsewhere (views of a shared
+        buffer), not buffers of its own."""
+        self.device = keys.device
+        self.batch_size, self.num_heads = keys.shape[:2]
+        self.k_head_dim, self.v_head_dim = keys.shape[-1], values.shape[-1]
+        self.keys, self.values = keys, values
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        self.rows = torch.arange(keys.shape[0], device=keys.device)[:, None]
+        self.is_initialized = True
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
