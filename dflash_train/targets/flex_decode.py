@@ -52,6 +52,8 @@ def decode_block_mask(positions: torch.Tensor, length: int, group: int) -> Block
     """The block mask of queries at `positions` [R, Q] over cache positions 0..length-1 (a multiple
     of KV_BLOCK), for the packed layout: query row i of a K/V head is query i % Q of its row.
     A query at position p sees the keys at positions <= p; a row reads blocks 0..max(p) // KV_BLOCK."""
+    if length % KV_BLOCK:
+        raise ValueError(f"a flex-decoding cache is a whole number of {KV_BLOCK}-position blocks, not {length}")
     rows, queries = positions.shape
     blocks = length // KV_BLOCK
     reach = (positions.amax(-1) // KV_BLOCK + 1).to(torch.int32)

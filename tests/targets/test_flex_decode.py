@@ -35,6 +35,11 @@ def test_flex_decode_equals_brute_force(queries):
     torch.testing.assert_close(out.double(), brute_force(query, key, value, bias, scale), atol=1e-5, rtol=1e-5)
 
 
+def test_a_cache_of_part_of_a_block_is_refused():
+    with pytest.raises(ValueError, match="whole number of 128-position blocks, not 200"):
+        decode_block_mask(torch.zeros(2, 1, dtype=torch.long), 200, 1)
+
+
 def test_flex_decode_problem_names_what_it_cannot_do():
     assert flex_decode_problem(tiny_target(hidden=64).model) is None  # head_dim 16
     assert flex_decode_problem(tiny_target(hidden=32).model) == "head_dim 8 < 16"
