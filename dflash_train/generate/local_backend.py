@@ -318,7 +318,10 @@ class LocalBackend:
             return jobs
 
         def answer(r: _Request, job: Job) -> None:
-            _resolve(r.future, completion(self.tokenizer, r.prompt, job.tokens, job.stopped))
+            try:
+                _resolve(r.future, completion(self.tokenizer, r.prompt, job.tokens, job.stopped))
+            except Exception as err:  # noqa: BLE001 -- a callback's error would only be logged: the caller must see it
+                _fail(r.future, err)
 
         def give(job: Job) -> None:  # decoded to text in the event loop: the engine's thread goes on decoding
             loop.call_soon_threadsafe(answer, inflight.pop(id(job.tag)), job)

@@ -8,8 +8,10 @@ costs the host a replay and the copy of the new rows' K/V into the engine's cach
 
 Every shape's small cache is a view of one buffer per layer ([PREFILL_ROWS, heads, cache length,
 dim], 1/16 of a 1,024-row cache), and all graphs share one memory pool: replays never overlap,
-and nothing a graph allocates outlives its replay. Padding rows hold pad tokens at positions
-0..width-1; their K/V is never copied. On CPU (tests), and where a capture fails (logged once),
+and each graph's logits are sampled right after its own replay. Padding rows keep whatever an
+earlier prefill left (positions a permutation of 0..width-1); their K/V is never copied. A shape
+is captured when first needed, a pause of the decoding pipeline while it is (a few dozen shapes
+at most per cache length). On CPU (tests), and where a capture fails (logged once),
 the same fixed-shape forward runs eagerly.
 """
 
@@ -47,6 +49,8 @@ class _Shape:
         if prefills.graphs:
             try:
                 self.graph, self.logits = capture_graph(self.forward, device, pool=prefills.pool)
+            except torch.OutOfMemoryError:
+                raise  # the backend's to handle (fewer rows), not a reason to give up graphs
             except Exception as e:  # a forward that cannot be captured still prefills, eagerly
                 prefills.graphs = False
                 prefills.graph_error = f"{type(e).__name__}: {e}"

@@ -137,3 +137,22 @@ def test_an_admission_prefills_prompts_of_similar_length_together(backend):
     assert engine.timings.prefills == 3 and engine.timings.chunks >= 2
     for job in jobs:
         assert (job.tokens, job.stopped) == plain_greedy(model, job.prompt, job.max_tokens, set())
+
+
+def test_an_answer_that_cannot_be_turned_into_text_fails_its_request(tiny_target, monkeypatch):
+    """Answers become text in the event loop: an error there must reach the caller, not hang it."""
+    import dflash_train.generate.local_backend as local_backend
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot decode")
+    backend = LocalBackend.load(str(tiny_target), LocalConfig(device="cpu", engine="graphed", batch_size=2))
+    monkeypatch.setattr(local_backend, "completion", broken)
+
+    async def ask():
+        try:
+            with pytest.raises(RuntimeError, match="cannot decode"):
+                await asyncio.wait_for(backend.complete([{"role": "user", "content": "hi"}],
+                                                        GenParams(temperature=0.0, top_p=1.0, max_tokens=4)), 60)
+        finally:
+            await backend.aclose()
+    asyncio.run(ask())

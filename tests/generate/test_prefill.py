@@ -2,6 +2,7 @@
 same last logits and the same K/V at the prompts' positions, whatever the padding rows and the
 extra left padding of a wider shape; shapes are made once and reused (CPU: forwards run eagerly)."""
 
+import pytest
 import torch
 from tiny import tiny_target
 
@@ -70,3 +71,17 @@ def test_a_prefill_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog):
     assert "capturing a prefill failed" in caplog.text
     prefills.run(*left_padded([[1] * 80], pad=0))  # a new shape: eager, no second attempt
     assert caplog.text.count("capturing a prefill failed") == 1
+
+
+def test_out_of_memory_in_a_capture_reaches_the_caller(monkeypatch):
+    """Out of memory is the backend's to handle (it halves its rows), not a reason to give up graphs."""
+    import dflash_train.generate.prefill as prefill
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(prefill, "capture_graph", out_of_memory)
+    model = tiny_target(hidden=64).model
+    prefills = Prefills(model, model.config, kv_shapes_of(model), length=128, pad_id=0, graphs=True)
+    with pytest.raises(torch.OutOfMemoryError):
+        prefills.run(*left_padded([[5, 6]], pad=0))
+    assert prefills.graphs and prefills.graph_error is None
