@@ -197,7 +197,7 @@ class GraphedEngine:
         self.prefills = None  # its graphs and buffers go before the new ones are made
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.prefills = Prefills(self.model, self.config, self.kv_shapes, length, self.pad_id, self.graphs)
+        self.prefills = Prefills(self.model, self.kv_shapes, length, self.pad_id, self.graphs)
         self._prepare()
 
     @torch.no_grad()
@@ -255,17 +255,19 @@ class GraphedEngine:
             n = len(job.prompt)
             ids[i, width - n:] = torch.tensor(job.prompt)
             positions[i] = torch.cat([torch.arange(n, width), torch.arange(n)])
-        logits, shape = self.prefills.run(self._to_device(ids), self._to_device(positions))
-        index = self._to_device(torch.tensor(rows))
+        # one transfer for the prompts, one for the rows' integers: each is a pinned copy on the host
+        ids, positions = self._to_device(torch.stack([ids, positions]))
+        index, lengths, budgets = self._to_device(torch.tensor([rows, [len(j.prompt) for j in jobs],
+                                                                [j.max_tokens for j in jobs]]))
         temperature = self._to_device(torch.tensor([j.temperature for j in jobs], dtype=torch.float32))
+        logits, shape = self.prefills.run(ids, positions)
         first = sample(logits, temperature)
         for layer, fresh in zip(self.cache.layers, shape.cache.layers):
             layer.keys[index, :, : shape.width] = fresh.keys[: len(jobs)]
             layer.values[index, :, : shape.width] = fresh.values[: len(jobs)]
-        lengths = self._to_device(torch.tensor([len(j.prompt) for j in jobs]))
         self.ids[index] = first[:, None]
         self.pos[index] = lengths[:, None]
-        self.cap[index] = lengths + self._to_device(torch.tensor([j.max_tokens for j in jobs]))
+        self.cap[index] = lengths + budgets
         self.temperature[index] = temperature
         return first.to("cpu", non_blocking=True) if self.device.type == "cuda" else first
 
@@ -313,13 +315,14 @@ class GraphedEngine:
                 self.timings.admitting_s += time.perf_counter() - start
                 for r, job in zip(free, jobs):
                     occupant[r] = job
-            if any(job is not None for job in occupant):
-                sampled = any(job is not None and job.temperature > 0 for job in occupant)
+            busy = [job for job in occupant if job is not None]
+            if busy:
+                sampled = any(job.temperature > 0 for job in busy)
                 launched.append(self._launch(self.steps.run["sample" if sampled else "greedy"], occupant, admitted))
                 admitted = []
             elif not launched:
                 return
-            if len(launched) > 1 or not any(job is not None for job in occupant):
+            if len(launched) > 1 or not busy:
                 self._read(launched.popleft(), occupant, give)
 
     def _launch(self, step, occupant: list[Job | None], admitted: list) -> _Chunk:

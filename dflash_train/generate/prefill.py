@@ -64,11 +64,13 @@ class _Shape:
 
 
 class Prefills:
-    """`run(prompts)`: the last logits [n, vocab] of left-padded `prompts` and, in `layers()`, their
-    K/V at positions 0..width-1, through captured fixed-shape forwards."""
+    """`run(ids, positions)`: the last logits of left-padded prompts and the shape whose cache holds
+    their K/V at positions 0..width-1, through captured fixed-shape forwards. `kv_shapes`: each
+    layer's key and value of one token; `length`: the engine's cache length (the widest shape)."""
 
-    def __init__(self, model, config, kv_shapes, length: int, pad_id: int, graphs: bool):
-        self.model, self.config, self.pad_id, self.graphs = model, config, pad_id, graphs
+    def __init__(self, model, kv_shapes, length: int, pad_id: int, graphs: bool):
+        self.model, self.pad_id, self.graphs = model, pad_id, graphs
+        self.config = model.config.get_text_config(decoder=True)
         self.device = next(model.parameters()).device
         self.length = length
         self.buffers = [(key.new_zeros(PREFILL_ROWS, key.shape[1], length, key.shape[3]),

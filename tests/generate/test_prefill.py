@@ -35,7 +35,7 @@ def test_bucket_is_the_next_power_of_two_at_least_the_floor():
 def test_fixed_shape_prefills_equal_a_prefill_of_the_prompts_own_shape():
     model = tiny_target(hidden=64).model
     config = model.config
-    prefills = Prefills(model, config, kv_shapes_of(model), length=256, pad_id=0, graphs=False)
+    prefills = Prefills(model, kv_shapes_of(model), length=256, pad_id=0, graphs=False)
     g = torch.Generator().manual_seed(0)
     groups = [[torch.randint(1, 200, (n,), generator=g).tolist() for n in lengths]
               for lengths in ([5, 9, 3], [70, 100], [7, 8, 2, 6])]  # the third reuses the first's shape
@@ -62,7 +62,7 @@ def test_a_prefill_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog):
         raise RuntimeError("operation not permitted when stream is capturing")
     monkeypatch.setattr(prefill, "capture_graph", refuse)
     model = tiny_target(hidden=64).model
-    prefills = Prefills(model, model.config, kv_shapes_of(model), length=128, pad_id=0, graphs=True)
+    prefills = Prefills(model, kv_shapes_of(model), length=128, pad_id=0, graphs=True)
     ids, positions = left_padded([[5, 6, 7], [8]], pad=0)
     logits, _ = prefills.run(ids, positions)
     expected = forward_at(model, PositionedCache(model.config, 3), ids, positions, logits_to_keep=1).logits[:, -1]
@@ -81,7 +81,7 @@ def test_out_of_memory_in_a_capture_reaches_the_caller(monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory")
     monkeypatch.setattr(prefill, "capture_graph", out_of_memory)
     model = tiny_target(hidden=64).model
-    prefills = Prefills(model, model.config, kv_shapes_of(model), length=128, pad_id=0, graphs=True)
+    prefills = Prefills(model, kv_shapes_of(model), length=128, pad_id=0, graphs=True)
     with pytest.raises(torch.OutOfMemoryError):
         prefills.run(*left_padded([[5, 6]], pad=0))
     assert prefills.graphs and prefills.graph_error is None
