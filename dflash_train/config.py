@@ -94,9 +94,10 @@ class DataConfig(Section):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra arguments of the tokenizer's chat template, e.g. {enable_thinking: false}."""
     tokenize_workers: int = Field(0, ge=0)
-    """Processes that tokenise conversation files. 0 or 1: in process, each chunk encoded in one batch
-    on the fast tokenizer's threads (the fastest; history: docs/benchmarks/throughput.md); N: a pool
-    of N for inputs of 10,000 rows or more."""
+    """Processes that tokenise conversation files of 10,000 rows or more (fewer: in process). 0: one
+    forked process per core when forking is safe (no other thread, no CUDA context: the `prepare`
+    command), else in process; 1: in process, each chunk encoded on the fast tokenizer's threads;
+    N: a pool of N, spawned when forking is not safe. Measured: docs/benchmarks/throughput.md."""
     cache_features: bool = False
     """Keep the target's features in device memory after the first epoch, so later epochs skip the
     target; size: tokens x captured layers x hidden x 2 bytes in bf16."""

@@ -12,6 +12,8 @@ import json
 import logging
 import multiprocessing
 import os
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -70,10 +72,10 @@ class TokenizedDataset:
 
 
 PARALLEL_MIN_ROWS = 10_000
-"""Fewer rows than this are tokenised in process whatever `data.tokenize_workers` asks: a process
-pool takes seconds to start (each worker imports torch and transformers)."""
+"""Fewer rows than this are tokenised in process: a pool's start and transfers cost more than it saves."""
 CHUNK_ROWS = 1024
 """Conversations rendered, then encoded, together: large enough to keep the tokenizer's threads busy."""
+MAX_WORKERS = 32
 
 
 def _checked(conv, tok, max_length: int) -> tuple[np.ndarray, np.ndarray] | DataError:
@@ -129,38 +131,55 @@ def _tokenize_chunk(convs: list) -> list:
     return _tokenize_rows(tokenizer, convs, max_length, template_kwargs)
 
 
-def tokenize_workers(requested: int, rows: int) -> int:
-    """Processes for `rows` conversations: 1 (0 asks for the default), or `requested` for large inputs."""
-    return 1 if rows < PARALLEL_MIN_ROWS else max(requested, 1)
+def can_fork() -> bool:
+    """A forked worker starts at once with the parent's imports and tokenizer, but inherits only the
+    forking thread: safe while this process runs no other thread and holds no CUDA context (the
+    `prepare` command; not `train` once its target is on a GPU)."""
+    cuda = sys.modules.get("torch.cuda")
+    return (sys.platform == "linux" and threading.active_count() == 1
+            and not (cuda is not None and cuda.is_initialized()))
+
+
+def tokenize_workers(requested: int, rows: int) -> tuple[int, str]:
+    """(processes, start method) for `rows` conversations. 0 (the default): one forked process per
+    core for large inputs when forking is safe, else in process; 1: in process; N: a pool of N,
+    spawned when forking is not safe (each worker then imports torch and transformers: seconds)."""
+    if rows < PARALLEL_MIN_ROWS or requested == 1:
+        return 1, ""
+    fork = can_fork()
+    if requested == 0:
+        return (min(len(os.sched_getaffinity(0)), MAX_WORKERS), "fork") if fork else (1, "")
+    return requested, "fork" if fork else "spawn"
 
 
 def tokenize_files(
     files, tokenizer, max_length: int, skip_invalid: bool, template_kwargs=None, workers: int = 0
 ) -> TokenizedDataset:
     """Conversation files -> token ids and loss masks, in file order. The chat template is rendered
-    and encoded twice per single-turn answer (prompt, whole conversation; 2-4 ms a row): 35K rows
-    take minutes in one process, so large inputs are
-    cut into chunks for a pool of `workers` processes (0: one per core)."""
+    (Python) and encoded (the fast tokenizer, Rust) twice per single-turn answer (the prompt, the whole
+    conversation), in chunks of CHUNK_ROWS: in process, chunk k encodes on the tokenizer's threads
+    while chunk k+1 renders; in a pool (`tokenize_workers`), each worker renders and encodes whole
+    chunks, so the rendering runs on every core too."""
     ds, convs, unreadable = TokenizedDataset(), [], None
     try:
         convs.extend(iter_conversations(files, skip_invalid=skip_invalid, stats=ds.stats))
     except DataError as err:  # raised after the rows before it: one of those may fail first
         unreadable = err
-    processes = tokenize_workers(workers, len(convs))
+    processes, method = tokenize_workers(workers, len(convs))
     start = time.perf_counter()
     chunks = [convs[i : i + CHUNK_ROWS] for i in range(0, len(convs), CHUNK_ROWS)]
     if processes == 1:
         _collect(ds, _pipelined(tokenizer, chunks, max_length, template_kwargs), skip_invalid)
     else:
-        # spawn, not fork: the caller may hold CUDA state or threads that a forked child must not inherit.
-        ctx = multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context(method)
         with ctx.Pool(processes, initializer=_init_worker, initargs=(tokenizer, max_length, template_kwargs)) as pool:
             results = pool.imap(_tokenize_chunk, chunks)
-            first = next(results, [])  # the pool's start (imports in every worker) is most of a small input's time
-            log.info("tokeniser pool of %d: first chunk after %.1f s", processes, time.perf_counter() - start)
+            first = next(results, [])  # a spawned pool's start (imports in every worker) is seconds
+            log.info("tokeniser pool of %d (%s): first chunk after %.1f s", processes, method,
+                     time.perf_counter() - start)
             _collect(ds, (r for chunk in itertools.chain([first], results) for r in chunk), skip_invalid)
-    log.info("tokenised %d rows in %.1f s (%d process%s)", len(convs), time.perf_counter() - start, processes,
-             "es" if processes > 1 else "")
+    log.info("tokenised %d rows in %.1f s (%s)", len(convs), time.perf_counter() - start,
+             "in process" if processes == 1 else f"{processes} {method}ed processes")
     if unreadable is not None:
         raise unreadable
     return ds
@@ -185,12 +204,7 @@ def save_prepared(ds: TokenizedDataset, out_dir: str | Path, fingerprint: str, m
     shards = []
     for i, start in enumerate(range(0, max(len(ds), 1), SHARD_ROWS)):
         sl = slice(start, start + SHARD_ROWS)
-        table = pa.table(
-            {
-                "input_ids": pa.array([x.tolist() for x in ds.input_ids[sl]], type=pa.list_(pa.int32())),
-                "loss_mask": pa.array([x.tolist() for x in ds.loss_mask[sl]], type=pa.list_(pa.int8())),
-            }
-        )
+        table = pa.table({"input_ids": _list_array(ds.input_ids[sl]), "loss_mask": _list_array(ds.loss_mask[sl])})
         name = f"shard_{i:05d}.parquet"
         write_atomic(out / name, lambda f, t=table: pq.write_table(t, f))
         shards.append(name)
@@ -206,7 +220,24 @@ def save_prepared(ds: TokenizedDataset, out_dir: str | Path, fingerprint: str, m
     return out
 
 
-def load_prepared(path: str | Path, fingerprint: str) -> TokenizedDataset:
+def _list_array(rows: list[np.ndarray]) -> pa.ListArray:
+    """Rows as one Arrow list column, built from the concatenated values and their offsets (no
+    Python lists: 16M tokens take a second that way instead of ten)."""
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum([len(r) for r in rows], out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(rows)))
+
+
+def _rows(column: pa.ChunkedArray, dtype) -> list[np.ndarray]:
+    lists = column.combine_chunks()
+    values = np.array(lists.values.to_numpy(zero_copy_only=False), dtype=dtype)  # writable, one buffer
+    offsets = lists.offsets.to_numpy()
+    return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def load_prepared(path: str | Path, fingerprint: str, max_length: int | None = None) -> TokenizedDataset:
+    """A prepared dataset, refused when tokenised for another tokenizer or, given `max_length`, cut at
+    another length (its rows' cuts and skips are prepare's); its skipped rows stay counted."""
     path = Path(path)
     meta_file = path / "dataset.json"
     if not meta_file.is_file():
@@ -217,12 +248,17 @@ def load_prepared(path: str | Path, fingerprint: str) -> TokenizedDataset:
             f"{meta_file}: tokenised for another target (tokenizer fingerprint "
             f"{meta['tokenizer_fingerprint']} != this target's {fingerprint}); run `dflash-train prepare` again"
         )
+    if max_length is not None and meta["max_length"] != max_length:
+        raise DataError(f"{meta_file}: prepared with max_length {meta['max_length']}, but data.max_length is "
+                        f"{max_length}: prepare it again with data.max_length={max_length}, or train with "
+                        f"data.max_length={meta['max_length']}")
     ds = TokenizedDataset()
     for shard in meta["shards"]:
         table = pq.read_table(path / shard)
-        for ids, mask in zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()):
-            ds.append(ids, mask)
+        ds.input_ids += _rows(table.column("input_ids"), np.int32)
+        ds.loss_mask += _rows(table.column("loss_mask"), np.int8)
     ds.stats.ok = len(ds)
+    ds.stats.skipped.update(meta["rows"]["skipped"])
     return ds
 
 
@@ -256,7 +292,7 @@ def load_training_data(data_cfg, tokenizer, fingerprint: str) -> TokenizedDatase
     prepared = [f for f in data_cfg.train_files if (Path(f) / "dataset.json").is_file()]
     raw = [f for f in data_cfg.train_files if f not in prepared]
     for entry in prepared:
-        total.extend(load_prepared(entry, fingerprint))
+        total.extend(load_prepared(entry, fingerprint, data_cfg.max_length))
     if raw:
         total.extend(tokenize_files(
             raw, tokenizer, data_cfg.max_length, data_cfg.skip_invalid, data_cfg.chat_template_kwargs,

@@ -65,6 +65,22 @@ def test_fingerprint_mismatch_is_refused(tmp_path):
         load_prepared(out, tokenizer_fingerprint(other))
 
 
+def test_prepared_dataset_keeps_its_skips_and_refuses_another_max_length(tmp_path):
+    tok = tiny_tokenizer()
+    rows = conversations(4)
+    rows[1]["messages"][0]["content"] = "x" * 300  # no answer within max_length 128: skipped, counted
+    ds = tokenize_files([write_jsonl(tmp_path / "c.jsonl", rows)], tok, 128, skip_invalid=True)
+    fp = tokenizer_fingerprint(tok)
+    out = save_prepared(ds, tmp_path / "prep", fp, 128)
+    cfg = SimpleNamespace(train_files=[str(out)], max_length=128, skip_invalid=True, chat_template_kwargs={},
+                          tokenize_workers=0)
+    assert load_training_data(cfg, tok, fp).stats.to_dict() == ds.stats.to_dict() == {
+        "rows": 4, "ok": 3, "skipped": {"no response tokens within max_length": 1}}
+    cfg.max_length = 256  # rows cut at 128 would silently stand for rows of up to 256
+    with pytest.raises(DataError, match=r"dataset.json: prepared with max_length 128, but data.max_length is 256"):
+        load_training_data(cfg, tok, fp)
+
+
 def test_interrupted_prepare_is_refused(tmp_path):
     (tmp_path / "prep").mkdir()
     (tmp_path / "prep" / "shard_00000.parquet").write_bytes(b"")
@@ -102,9 +118,11 @@ def test_skip_invalid_skips_rows_the_template_cannot_render(tmp_path):
     assert len(ds) == ds.stats.ok == 3 and ds.stats.total == 4
 
 
-def test_worker_processes_tokenise_like_one_process(tmp_path, monkeypatch):
-    """Large inputs are tokenised by a pool of processes in chunks: same rows, same order, same
-    skipped-row accounting as in process; a bad row still fails the run when not skipped."""
+@pytest.mark.parametrize("fork", [True, False])
+def test_worker_processes_tokenise_like_one_process(tmp_path, monkeypatch, fork):
+    """Large inputs are tokenised by a pool of processes in chunks, forked when that is safe and
+    spawned otherwise: same rows, same order, same skipped-row accounting as in process; a bad row
+    still fails the run when not skipped."""
     import dflash_train.data.dataset as dataset
 
     tok = tiny_tokenizer()
@@ -114,12 +132,34 @@ def test_worker_processes_tokenise_like_one_process(tmp_path, monkeypatch):
     one = tokenize_files([src], tok, 128, skip_invalid=True, workers=1)
     monkeypatch.setattr(dataset, "PARALLEL_MIN_ROWS", 0)
     monkeypatch.setattr(dataset, "CHUNK_ROWS", 4)
+    monkeypatch.setattr(dataset, "can_fork", lambda: fork)
     pooled = tokenize_files([src], tok, 128, skip_invalid=True, workers=2)
     assert len(pooled) == len(one) == 22 and pooled.stats.to_dict() == one.stats.to_dict()
     for a, b in zip(one.input_ids + one.loss_mask, pooled.input_ids + pooled.loss_mask):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(DataError, match="c.jsonl:6.*max_length"):
         tokenize_files([src], tok, 128, skip_invalid=False, workers=2)
+
+
+def test_default_workers_fork_one_per_core_only_when_safe(monkeypatch):
+    import threading
+
+    import dflash_train.data.dataset as dataset
+
+    monkeypatch.setattr(dataset.os, "sched_getaffinity", lambda pid: set(range(6)))
+    assert dataset.tokenize_workers(0, dataset.PARALLEL_MIN_ROWS - 1) == (1, "")
+    assert dataset.tokenize_workers(1, 10**6) == (1, "")
+    assert dataset.tokenize_workers(0, 10**6) == ((6, "fork") if dataset.can_fork() else (1, ""))
+    stop = threading.Event()
+    busy = threading.Thread(target=stop.wait)
+    busy.start()
+    try:  # another thread alive: a forked child could inherit a lock it holds, so no fork
+        assert not dataset.can_fork()
+        assert dataset.tokenize_workers(0, 10**6) == (1, "")
+        assert dataset.tokenize_workers(3, 10**6) == (3, "spawn")
+    finally:
+        stop.set()
+        busy.join()
 
 
 def test_prepare_with_no_usable_row_writes_nothing(tmp_path):
