@@ -11,11 +11,14 @@
 #   generate-heldout -> SmolLM2's answers to the held-out prompts: `train` then scores tau_hat and
 #               tau_decode (decoding replayed) on them every PROBE_EVERY steps against device-seconds
 #               (heldout.jsonl; `dflash-train curve`)
-#   train    -> configs/smollm2-h200.yaml on TRAIN_FILES, then export the last checkpoint
+#   prepare  -> TRAIN_FILES tokenised once into $DATA/prepared (one forked process per core)
+#   warmup   -> the drafter's step compiled for every shape bucket into the compile cache, so the
+#               training budget goes to steps
+#   train    -> configs/smollm2-h200.yaml on $DATA/prepared, then export the last checkpoint
 #   eval     -> greedy speculative decoding on HumanEval (164), MT-Bench (80 x 2 turns) and the 200
 #               held-out prompts: tau, histogram, lossless check (fp32, prompts decoded in batches),
 #               then speedup (bf16, batch 1, KV caches: as served)
-# Usage: bash examples/smollm2_h200.sh [prompts|generate|generate-code|generate-heldout|train|eval|all]
+# Usage: bash examples/smollm2_h200.sh [prompts|generate|generate-code|generate-heldout|prepare|warmup|train|eval|all]
 #        (default: all; eval = eval-sets, eval-curve (tau at 1/3 and 2/3 of training), then speedup)
 # Each stage reads what the one before wrote under $RUN; each can be rerun (generate resumes).
 # The eval stages are independent: on two GPUs, run them side by side with CUDA_VISIBLE_DEVICES
@@ -36,7 +39,8 @@ BATCH=${BATCH:-1024}               # generation batch (one `generate` / `generat
 ENGINE=${ENGINE:-graphed}          # in-process generation engine: graphed (its step compiled: flex decoding), static, padded
 EVERY_PROMPTS=${EVERY_PROMPTS:-37000}  # training prompts: distinct user turns of every conversation (50,364 exist)
 CODE_PROMPTS=${CODE_PROMPTS:-3561} # all the stubs of <= 1,500 characters
-MULTI_PROMPTS=${MULTI_PROMPTS:-0}  # also conversations of 2..4 turns, answered turn after turn (10,679 exist; 0: none)
+MULTI_PROMPTS=${MULTI_PROMPTS:-0}  # also conversations of 2..MULTI_TURNS turns, answered turn after turn (0: none)
+MULTI_TURNS=${MULTI_TURNS:-2}      # 2: a third answer would mostly fall past data.max_length (1,024 tokens)
 TRAIN_FILES=${TRAIN_FILES:-$DATA/train,$DATA/code$([ "$MULTI_PROMPTS" -gt 0 ] && echo ",$DATA/multi")}  # comma-separated answer directories
 TRAIN_ARGS=${TRAIN_ARGS:-}         # extra dotted overrides of $CONFIG
 EVAL_BATCH=${EVAL_BATCH:-256}      # prompts decoded together for acceptance
@@ -54,7 +58,7 @@ prompts() {  # held-out first turns, then the training prompts: every turn of th
   "${DT[@]}" prompts --source sharegpt-conversations --every-turn --num "$EVERY_PROMPTS" --heldout 0 --max-chars 1500 \
     --exclude "$DATA/heldout_prompts.jsonl" humaneval mt-bench --out "$DATA/every"
   if [ "$MULTI_PROMPTS" -gt 0 ]; then
-    "${DT[@]}" prompts --source sharegpt-conversations --multi-turn 4 --num "$MULTI_PROMPTS" --heldout 0 --max-chars 1500 \
+    "${DT[@]}" prompts --source sharegpt-conversations --multi-turn "$MULTI_TURNS" --num "$MULTI_PROMPTS" --heldout 0 --max-chars 1500 \
       --exclude "$DATA/heldout_prompts.jsonl" humaneval mt-bench --out "$DATA/multi_prompts"
   fi
 }
@@ -77,11 +81,20 @@ generate() {  # $1: output directory, $2: prompt file; extra generate flags foll
     --concurrency $((2 * BATCH)) --engine "$ENGINE" $([ "$ENGINE" = graphed ] && echo --compile-step) "$@"
 }
 
+prepare() {  # every answer tokenised once (TRAIN_ARGS' data keys apply here too); train reads the shards
+  # shellcheck disable=SC2086
+  "${DT[@]}" prepare -c "$CONFIG" --out "$DATA/prepared" "data.train_files=[$TRAIN_FILES]" $TRAIN_ARGS
+}
+
+warmup() {  # shellcheck disable=SC2086
+  "${DT[@]}" warmup -c "$CONFIG" run_dir="$RUN" device="$DEVICE" "data.train_files=[$DATA/prepared]" $TRAIN_ARGS
+}
+
 train() {
   local probe=()  # held-out tau_hat and tau_decode against device-seconds, when the held-out answers exist (generate-heldout)
   [ -d "$DATA/heldout" ] && probe=("eval.heldout_files=[$DATA/heldout]" "eval.heldout_every=${PROBE_EVERY:-1500}")
   # shellcheck disable=SC2086  # TRAIN_ARGS is a list of overrides
-  "${DT[@]}" train -c "$CONFIG" run_dir="$RUN" device="$DEVICE" "data.train_files=[$TRAIN_FILES]" "${probe[@]}" \
+  "${DT[@]}" train -c "$CONFIG" run_dir="$RUN" device="$DEVICE" "data.train_files=[$DATA/prepared]" "${probe[@]}" \
     $TRAIN_ARGS --resume auto
   "${DT[@]}" export "$(last_checkpoint)" "$RUN/export"
 }
@@ -124,13 +137,15 @@ case "${1:-all}" in
   generate) generate_train ;;
   generate-code) generate_code ;;
   generate-heldout) generate "$DATA/heldout" "$DATA/heldout_prompts.jsonl" ;;
+  prepare) prepare ;;
+  warmup) warmup ;;
   train) train ;;
   eval) eval_sets; eval_curve; speedup ;;
   eval-sets) eval_sets ;;
   eval-curve) eval_curve ;;
   speedup) speedup ;;
   all) prompts; generate_train; generate_code
-       generate "$DATA/heldout" "$DATA/heldout_prompts.jsonl"; train; eval_sets; eval_curve; speedup ;;
-  *) echo "usage: $0 [prompts|generate|generate-code|generate-heldout|train|eval|eval-sets|eval-curve|speedup|all]" >&2
+       generate "$DATA/heldout" "$DATA/heldout_prompts.jsonl"; prepare; warmup; train; eval_sets; eval_curve; speedup ;;
+  *) echo "usage: $0 [prompts|generate|generate-code|generate-heldout|prepare|warmup|train|eval|eval-sets|eval-curve|speedup|all]" >&2
      exit 2 ;;
 esac

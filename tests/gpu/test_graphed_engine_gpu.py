@@ -47,6 +47,9 @@ def test_graphed_engine_on_cuda_equals_the_padded_generate_in_fp32(attention):
                                                                          engine.steps.compile_error)
     assert [(j.tokens, j.stopped) for j in jobs] == padded
     assert engine.length > 256
+    # the prefills ran as captured graphs (an eager fallback would pass the equality above too)
+    assert engine.prefills.graphs and engine.prefills.shapes, engine.prefills.graph_error
+    assert all(shape.run == shape.graph.replay for shape in engine.prefills.shapes.values())
 
 
 def test_compiled_flex_decoding_never_reads_past_a_rows_reach():
