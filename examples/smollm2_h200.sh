@@ -4,10 +4,11 @@
 #   prompts  -> 13,504 + 200 held-out distinct ShareGPT first turns (all the package has of <= 1,500
 #               characters, case and spaces ignored); then the training prompts: the first EVERY_PROMPTS
 #               distinct user turns of every conversation, each asked alone (a conversation that asks a
-#               held-out prompt dropped whole; HumanEval and MT-Bench excluded)
-#   generate -> SmolLM2 answers them itself, greedy, <= 512 new tokens (in-process, resumable)
-#   generate-code -> answers to CODE_PROMPTS HumanEval-shaped requests built from the standard
-#               library's documented functions (HumanEval's own excluded) in $DATA/code
+#               held-out prompt dropped whole; HumanEval and MT-Bench excluded); MULTI_PROMPTS
+#               conversations asked turn after turn; CODE_PROMPTS HumanEval-shaped requests built from
+#               the standard library's documented functions (HumanEval's own excluded)
+#   generate -> SmolLM2 answers every training prompt file itself in one invocation, greedy, <= 512
+#               new tokens (in-process, resumable), into $DATA/train
 #   generate-heldout -> SmolLM2's answers to the held-out prompts: `train` then scores tau_hat and
 #               tau_decode (decoding replayed) on them every PROBE_EVERY steps against device-seconds
 #               (heldout.jsonl; `dflash-train curve`)
@@ -18,7 +19,7 @@
 #   eval     -> greedy speculative decoding on HumanEval (164), MT-Bench (80 x 2 turns) and the 200
 #               held-out prompts: tau, histogram, lossless check (fp32, prompts decoded in batches),
 #               then speedup (bf16, batch 1, KV caches: as served)
-# Usage: bash examples/smollm2_h200.sh [prompts|generate|generate-code|generate-heldout|prepare|warmup|train|eval|all]
+# Usage: bash examples/smollm2_h200.sh [prompts|generate|generate-heldout|prepare|warmup|train|eval|all]
 #        (default: all; eval = eval-sets, eval-curve (tau at 1/3 and 2/3 of training), then speedup)
 # Each stage reads what the one before wrote under $RUN; each can be rerun (generate resumes).
 # The eval stages are independent: on two GPUs, run them side by side with CUDA_VISIBLE_DEVICES
@@ -41,7 +42,7 @@ EVERY_PROMPTS=${EVERY_PROMPTS:-37000}  # training prompts: distinct user turns o
 CODE_PROMPTS=${CODE_PROMPTS:-3561} # all the stubs of <= 1,500 characters
 MULTI_PROMPTS=${MULTI_PROMPTS:-0}  # also conversations of 2..MULTI_TURNS turns, answered turn after turn (0: none)
 MULTI_TURNS=${MULTI_TURNS:-2}      # 2: a third answer would mostly fall past data.max_length (1,024 tokens)
-TRAIN_FILES=${TRAIN_FILES:-$DATA/train,$DATA/code$([ "$MULTI_PROMPTS" -gt 0 ] && echo ",$DATA/multi")}  # comma-separated answer directories
+TRAIN_FILES=${TRAIN_FILES:-$DATA/train}  # comma-separated answer directories
 TRAIN_ARGS=${TRAIN_ARGS:-}         # extra dotted overrides of $CONFIG
 EVAL_BATCH=${EVAL_BATCH:-256}      # prompts decoded together for acceptance
 NEW_TOKENS=${NEW_TOKENS:-256}      # eval answer length
@@ -53,7 +54,8 @@ DT=(python3 -m dflash_train)
 
 last_checkpoint() { ls -d "$RUN"/checkpoints/step_* | sort | tail -1; }
 
-prompts() {  # held-out first turns, then the training prompts: every turn of the other conversations
+prompts() {  # held-out first turns, then the training prompts: every turn of the other conversations,
+  # the multi-turn conversations when asked, the code requests
   "${DT[@]}" prompts --source sharegpt --num "$NUM_PROMPTS" --heldout "$HELDOUT" --max-chars 1500 --out "$DATA"
   "${DT[@]}" prompts --source sharegpt-conversations --every-turn --num "$EVERY_PROMPTS" --heldout 0 --max-chars 1500 \
     --exclude "$DATA/heldout_prompts.jsonl" humaneval mt-bench --out "$DATA/every"
@@ -61,22 +63,22 @@ prompts() {  # held-out first turns, then the training prompts: every turn of th
     "${DT[@]}" prompts --source sharegpt-conversations --multi-turn "$MULTI_TURNS" --num "$MULTI_PROMPTS" --heldout 0 --max-chars 1500 \
       --exclude "$DATA/heldout_prompts.jsonl" humaneval mt-bench --out "$DATA/multi_prompts"
   fi
+  if [ "$CODE_PROMPTS" -gt 0 ]; then
+    "${DT[@]}" prompts --source python-stubs --num "$CODE_PROMPTS" --heldout 0 --max-chars 1500 \
+      --exclude humaneval --out "$DATA/code_prompts"
+  fi
 }
 
-generate_train() {  # the every-turn answers, and the multi-turn conversations when asked
-  generate "$DATA/train" "$DATA/every/train_prompts.jsonl"
-  if [ "$MULTI_PROMPTS" -gt 0 ]; then generate "$DATA/multi" "$DATA/multi_prompts/train_prompts.jsonl"; fi
+generate_train() {  # every training prompt file in one invocation: the model loads and its step compiles once
+  local inputs=(--input "$DATA/every/train_prompts.jsonl")
+  [ "$MULTI_PROMPTS" -gt 0 ] && inputs+=(--input "$DATA/multi_prompts/train_prompts.jsonl")
+  [ "$CODE_PROMPTS" -gt 0 ] && inputs+=(--input "$DATA/code_prompts/train_prompts.jsonl")
+  generate "$DATA/train" "${inputs[@]}"
 }
 
-generate_code() {
-  "${DT[@]}" prompts --source python-stubs --num "$CODE_PROMPTS" --heldout 0 --max-chars 1500 \
-    --exclude humaneval --out "$DATA/code_prompts"
-  generate "$DATA/code" "$DATA/code_prompts/train_prompts.jsonl"
-}
-
-generate() {  # $1: output directory, $2: prompt file; extra generate flags follow
-  local out=$1 input=$2; shift 2
-  "${DT[@]}" generate -c "$GEN_CONFIG" --model "$TARGET" --input "$input" \
+generate() {  # $1: output directory; then generate's flags: --input FILE (one or more), others
+  local out=$1; shift
+  "${DT[@]}" generate -c "$GEN_CONFIG" --model "$TARGET" \
     --output "$out" --max-tokens "$ANSWER_TOKENS" --device "$DEVICE" --batch-size "$BATCH" \
     --concurrency $((2 * BATCH)) --engine "$ENGINE" $([ "$ENGINE" = graphed ] && echo --compile-step) "$@"
 }
@@ -135,8 +137,7 @@ speedup() {  # speed as served: bf16 (the target's dtype), one prompt at a time,
 case "${1:-all}" in
   prompts) prompts ;;
   generate) generate_train ;;
-  generate-code) generate_code ;;
-  generate-heldout) generate "$DATA/heldout" "$DATA/heldout_prompts.jsonl" ;;
+  generate-heldout) generate "$DATA/heldout" --input "$DATA/heldout_prompts.jsonl" ;;
   prepare) prepare ;;
   warmup) warmup ;;
   train) train ;;
@@ -144,8 +145,7 @@ case "${1:-all}" in
   eval-sets) eval_sets ;;
   eval-curve) eval_curve ;;
   speedup) speedup ;;
-  all) prompts; generate_train; generate_code
-       generate "$DATA/heldout" "$DATA/heldout_prompts.jsonl"; prepare; warmup; train; eval_sets; eval_curve; speedup ;;
-  *) echo "usage: $0 [prompts|generate|generate-code|generate-heldout|prepare|warmup|train|eval|eval-sets|eval-curve|speedup|all]" >&2
+  all) prompts; generate_train; generate "$DATA/heldout" --input "$DATA/heldout_prompts.jsonl"; prepare; warmup; train; eval_sets; eval_curve; speedup ;;
+  *) echo "usage: $0 [prompts|generate|generate-heldout|prepare|warmup|train|eval|eval-sets|eval-curve|speedup|all]" >&2
      exit 2 ;;
 esac

@@ -52,9 +52,12 @@ def test_smollm2_example_runs_end_to_end_on_cpu(tmp_path):
     assert not {p["id"].split("/turn")[0] for p in every} & heldout
     code = (run / "data" / "code_prompts" / "train_prompts.jsonl").read_text()
     assert code.count("Complete the following Python") == 2
-    # two conversations of 2..4 turns, every turn answered after the target's own earlier answers
-    multi = [json.loads(line) for f in sorted((run / "data" / "multi").glob("*.jsonl")) for line in f.read_text().splitlines()]
-    assert len(multi) == 2 and all(r["status"] == "ok" and 2 <= r["num_turns"] <= 4 for r in multi)
+    # two conversations of 2 turns (MULTI_TURNS), the second answered after the target's own first answer
+    # (one `generate` answered the three prompt files into data/train)
+    answers = [json.loads(line) for f in sorted((run / "data" / "train").glob("*.jsonl"))
+               for line in f.read_text().splitlines()]
+    multi = [r for r in answers if r["num_turns"] > 1]
+    assert len(answers) == 16 and len(multi) == 2 and all(r["status"] == "ok" and r["num_turns"] == 2 for r in multi)
     greedy = json.loads((run / "summary.json").read_text())
     # every row read: 12 turns + 2 code answers + 2 conversations (a code request may not fit the
     # test's 256-token max_length: skipped, counted)
