@@ -21,7 +21,7 @@ from throughput import SHAPES  # noqa: E402
 from tiny import tiny_tokenizer  # noqa: E402
 
 from dflash_train.data.dataset import save_prepared  # noqa: E402
-from dflash_train.targets.model import tokenizer_fingerprint  # noqa: E402
+from dflash_train.targets.tokenizer import tokenizer_fingerprint  # noqa: E402
 
 
 def main(argv=None):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dflash_train.data.dataset import tokenize_files
 from dflash_train.data.prompts import load_prompts
-from dflash_train.targets.model import load_tokenizer, resolve_target_path
+from dflash_train.targets.tokenizer import load_tokenizer, resolve_target_path
 
 
 def conversations(prompts: list[str], rows: int, answer_chars: int) -> list[dict]:

@@ -58,7 +58,7 @@ def cmd_prepare(args) -> int:
     cfg = load_config(args.config, args.overrides)
     require_writable(args.out, "the prepared dataset")
     from dflash_train.data.dataset import check_training_files, save_prepared, tokenize_files
-    from dflash_train.targets.model import load_tokenizer, resolve_target_path, tokenizer_fingerprint
+    from dflash_train.targets.tokenizer import load_tokenizer, resolve_target_path, tokenizer_fingerprint
 
     check_training_files(cfg.data)
     tokenizer = load_tokenizer(resolve_target_path(cfg.target.path))

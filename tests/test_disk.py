@@ -144,11 +144,13 @@ def _run_config(tmp_path: Path, run_dir: Path) -> Path:
 
 def test_read_only_locations_fail_in_one_line_before_any_loading(tmp_path, read_only, monkeypatch, capsys):
     import dflash_train.targets.model as target
+    import dflash_train.targets.tokenizer as tokenizer
     import dflash_train.train.inputs as inputs
 
     never = lambda *a, **k: pytest.fail("a model loaded before the write check")  # noqa: E731
     monkeypatch.setattr(inputs, "load_target", never)
     monkeypatch.setattr(target, "resolve_target_path", never)
+    monkeypatch.setattr(tokenizer, "resolve_target_path", never)  # prepare's
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     read_only(mnt)

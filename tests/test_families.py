@@ -19,7 +19,8 @@ from dflash_train.train.capture import CapturedFeatures, fingerprint
 from dflash_train.cli import main
 from dflash_train.config import TargetConfig
 from dflash_train.data.dataset import load_prepared
-from dflash_train.targets.model import load_target, tokenizer_fingerprint
+from dflash_train.targets.model import load_target
+from dflash_train.targets.tokenizer import tokenizer_fingerprint
 
 BASE_MODELS = {"gemma3"}
 """Saved without a chat template: a base model, whose prompts are continued as plain text."""

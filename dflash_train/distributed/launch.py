@@ -21,7 +21,8 @@ from transformers import AutoConfig
 
 from dflash_train.config_flags import HelpFormatter
 from dflash_train.config import load_config
-from dflash_train.targets.model import resolve_target_path, synced_time
+from dflash_train.targets.model import synced_time
+from dflash_train.targets.tokenizer import resolve_target_path
 from dflash_train.targets.path import load_pretrained
 from dflash_train.distributed.run import build_layout, drafter_runs
 from dflash_train.distributed.layout import Plan, plan_split

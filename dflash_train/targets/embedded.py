@@ -16,9 +16,6 @@ import logging
 import shutil
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from dflash_train.atomic import new_temp_dir, swap_dir, write_json_atomic
 from dflash_train.disk import require_writable
 from dflash_train.package_data import GEMMA3_270M_GGUF, SMOLLM2_GGUF, cache_home, packaged_file
@@ -55,6 +52,9 @@ def converted_target(name: str) -> Path:
 
 
 def convert(packaged, model_name: str, out: Path) -> Path:
+    import torch  # here, not at the top: a converted target's users (`prepare`) need neither
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     gguf = packaged_file(packaged)
     src, gguf_file = gguf.parent, gguf.name
     log.info("converting %s from GGUF once (cached at %s)", model_name, out)

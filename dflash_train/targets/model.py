@@ -9,8 +9,6 @@ Layer id i = OUTPUT of decoder layer i (HF `hidden_states[i + 1]`).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -18,15 +16,15 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dflash_train.config import TargetConfig
-from dflash_train.data.chat import give_plain_template, text_format
-from dflash_train.targets.embedded import EMBEDDED_TARGETS, converted_target
+from dflash_train.data.chat import text_format
 from dflash_train.checks.fp8 import fp8_problem
 from dflash_train.targets.fp8 import quantize_decoder
-from dflash_train.targets.path import check_target_path, load_pretrained
+from dflash_train.targets.path import load_pretrained
+from dflash_train.targets.tokenizer import load_tokenizer, resolve_target_path, tokenizer_fingerprint
 from dflash_train.targets.tensor_parallel import shard_decoder
 
 log = logging.getLogger("dflash_train")
@@ -48,19 +46,6 @@ def synced_time(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def resolve_target_path(path: str) -> str:
-    """The embedded target's converted dir, or `path` once checked (see target_path.py)."""
-    return str(converted_target(path)) if path in EMBEDDED_TARGETS else check_target_path(path)
-
-
-def load_tokenizer(path: str):
-    """The target's tokenizer; one without a chat template (a base model) renders conversations as
-    plain text (data/chat.py PLAIN_TEXT)."""
-    tokenizer = load_pretrained(AutoTokenizer, path)
-    give_plain_template(tokenizer)
-    return tokenizer
-
-
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -77,15 +62,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         if isinstance(m, nn.ModuleList) and len(m) == n:
             return m
     raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Hash of vocabulary, special tokens and chat template: data tokenised for another target differs."""
-    h = hashlib.sha256()
-    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    h.update(json.dumps(sorted(map(str, tokenizer.all_special_tokens))).encode())
-    h.update((tokenizer.chat_template or "").encode() if isinstance(tokenizer.chat_template, str) else b"")
-    return h.hexdigest()[:16]
 
 
 CAUSAL_SDPA = "dflash_causal_sdpa"

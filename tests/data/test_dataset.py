@@ -11,7 +11,7 @@ import pytest
 from dflash_train.data.chat import tokenize_conversation
 from dflash_train.data.dataset import load_prepared, load_training_data, save_prepared, tokenize_files
 from dflash_train.data.formats import DataError
-from dflash_train.targets.model import tokenizer_fingerprint
+from dflash_train.targets.tokenizer import tokenizer_fingerprint
 from tiny import tiny_tokenizer
 
 

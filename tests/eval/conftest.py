@@ -6,7 +6,8 @@ import torch
 from transformers import AutoTokenizer
 
 from dflash_train.config import TargetConfig
-from dflash_train.targets.model import load_target, resolve_target_path
+from dflash_train.targets.model import load_target
+from dflash_train.targets.tokenizer import resolve_target_path
 
 from .tiny_models import tiny_drafter, tiny_target
 

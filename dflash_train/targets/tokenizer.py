@@ -1,0 +1,35 @@
+"""The target's tokenizer, without its model: what `prepare` needs, at a fraction of the imports
+(model loading pulls in transformers' quantisation and kernel integrations: seconds on a GPU host)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from transformers import AutoTokenizer
+
+from dflash_train.data.chat import give_plain_template
+from dflash_train.targets.embedded import EMBEDDED_TARGETS, converted_target
+from dflash_train.targets.path import check_target_path, load_pretrained
+
+
+def resolve_target_path(path: str) -> str:
+    """The embedded target's converted dir, or `path` once checked (see target_path.py)."""
+    return str(converted_target(path)) if path in EMBEDDED_TARGETS else check_target_path(path)
+
+
+def load_tokenizer(path: str):
+    """The target's tokenizer; one without a chat template (a base model) renders conversations as
+    plain text (data/chat.py PLAIN_TEXT)."""
+    tokenizer = load_pretrained(AutoTokenizer, path)
+    give_plain_template(tokenizer)
+    return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of vocabulary, special tokens and chat template: data tokenised for another target differs."""
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(sorted(map(str, tokenizer.all_special_tokens))).encode())
+    h.update((tokenizer.chat_template or "").encode() if isinstance(tokenizer.chat_template, str) else b"")
+    return h.hexdigest()[:16]
