@@ -1,5 +1,7 @@
-"""The target's tokenizer, without its model: what `prepare` needs, at a fraction of the imports
-(model loading pulls in transformers' quantisation and kernel integrations: seconds on a GPU host)."""
+"""The target's tokenizer, without its model: what `prepare` needs. Model loading imports
+transformers' quantisation and kernel integrations on top (5.1 s against 6.2 s on a 2-core machine);
+AutoTokenizer's own imports (torch, transformers' generation utilities) still took ~14 s on an H200
+host (docs/benchmarks/throughput.md)."""
 
 from __future__ import annotations
 
