@@ -88,7 +88,8 @@ prepare() {  # every answer tokenised once (TRAIN_ARGS' data keys apply here too
   "${DT[@]}" prepare -c "$CONFIG" --out "$DATA/prepared" "data.train_files=[$TRAIN_FILES]" $TRAIN_ARGS
 }
 
-warmup() {  # shellcheck disable=SC2086
+warmup() {  # the drafter's step compiled for every shape bucket, on the prepared data
+  # shellcheck disable=SC2086
   "${DT[@]}" warmup -c "$CONFIG" run_dir="$RUN" device="$DEVICE" "data.train_files=[$DATA/prepared]" $TRAIN_ARGS
 }
 

@@ -76,6 +76,7 @@ PARALLEL_MIN_ROWS = 10_000
 CHUNK_ROWS = 1024
 """Conversations rendered, then encoded, together: large enough to keep the tokenizer's threads busy."""
 MAX_WORKERS = 32
+"""Cap of the default pool (one process per core) on hosts with many cores; measured up to 16."""
 
 
 def _checked(conv, tok, max_length: int) -> tuple[np.ndarray, np.ndarray] | DataError:
