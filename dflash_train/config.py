@@ -99,8 +99,9 @@ class DataConfig(Section):
     command), else in process; 1: in process, each chunk encoded on the fast tokenizer's threads;
     N: a pool of N, spawned when forking is not safe. Measured: docs/benchmarks/throughput.md."""
     cache_features: bool = False
-    """Keep the target's features in device memory after the first epoch, so later epochs skip the
-    target; size: tokens x captured layers x hidden x 2 bytes in bf16."""
+    """Keep the target's features after the first epoch, so later epochs skip the target: in device
+    memory up to a reserve for the step, then in page-locked host memory up to a host reserve (rows
+    past both are recomputed); size: tokens x captured layers x hidden x 2 bytes in bf16."""
     captured_features: str | None = None
     """A `dflash-train capture` directory of this run's data, target and layers, read instead of running
     the target (its fingerprint is checked)."""

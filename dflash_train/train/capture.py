@@ -135,4 +135,5 @@ class CapturedFeatures:
 
     def batch(self, batch: dict, device: torch.device) -> torch.Tensor:
         """Features [rows, T, K*H] of a collated batch, zeros in its padding."""
-        return padded([self.row(i) for i in batch["indices"]], batch["input_ids"].shape).to(device, non_blocking=True)
+        rows = [self.row(i) for i in batch["indices"]]
+        return padded(rows, batch["input_ids"].shape, torch.device("cpu")).to(device, non_blocking=True)

@@ -1,14 +1,20 @@
-"""`data.cache_features`: the target's features of every answer, kept in device memory.
+"""`data.cache_features`: the target's features of every answer, kept in device memory, then in
+page-locked host memory.
 
 Each answer's features are made once (its first batch: the target runs, or with
 `data.captured_features` they are read from the capture's shards) and later epochs read them from
-here. The cache stops growing before the training step would run out of memory: rows not cached by
-then get their features made again every epoch (slower, never out of memory).
+here. The device part stops growing before the training step would run out of memory; rows past it
+go to host memory, from where a batch copies them back asynchronously (no host sync), until the host
+too keeps only its reserve. Rows cached in neither get their features made again every epoch:
+slower, never out of memory. Without the host part, 75K SmolLM2 answers (29.8M tokens, 172 GB at 5
+layers) made a quarter fewer steps in a 7.5-minute run on one H200 once 69% of them filled the device
+(docs/benchmarks/chain.md).
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -29,21 +35,76 @@ def step_reserve(ce_chunk_size: int, vocab_size: int) -> int:
     return RESERVE_GIB * 2**30 + 3 * 4 * vocab_size * max(0, ce_chunk_size - DEFAULT_CHUNK_ROWS)
 
 
-def padded(per_row: list[torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
-    """Rows' features [T_i, K*H] -> [rows, T, K*H] of a collated batch's `shape`, zeros in its
-    padding, rows included: with length_bucket a batch is padded beyond its real sequences."""
+HOST_RESERVE_GIB = 8
+"""Host memory the cache leaves available, besides a tenth of the host's total (the data, the
+process itself, other jobs on the host)."""
+SLAB_BYTES = 2**30
+"""Host rows live in page-locked slabs of this size: one pinning per slab, not per row (PyTorch's
+caching host allocator rounds every allocation up to a power of two)."""
+
+
+def host_room() -> int:
+    """Bytes the cache may still take from host memory: MemAvailable less the reserve (Linux; 0
+    where /proc/meminfo cannot be read, so the host part stays empty)."""
+    try:
+        info = {k: int(v.split()[0]) * 1024 for k, v in
+                (line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())}
+        return info["MemAvailable"] - HOST_RESERVE_GIB * 2**30 - info["MemTotal"] // 10
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+def padded(per_row: list[torch.Tensor], shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """Rows' features [T_i, K*H] -> [rows, T, K*H] of a collated batch's `shape` on `device`, zeros in
+    its padding, rows included: with length_bucket a batch is padded beyond its real sequences. Rows
+    in page-locked host memory are copied in without waiting for the copy."""
     rows, t = shape
-    out = per_row[0].new_zeros(rows, t, per_row[0].shape[-1])
+    out = torch.zeros(rows, t, per_row[0].shape[-1], dtype=per_row[0].dtype, device=device)
     for row, f in enumerate(per_row):
-        out[row, : f.shape[0]] = f
+        out[row, : f.shape[0]].copy_(f, non_blocking=True)
     return out
 
 
-class FeatureCache:
-    def __init__(self, dataset, device: torch.device, reserve_bytes: int = RESERVE_GIB * 2**30):
-        self.dataset, self.device, self.reserve_bytes = dataset, device, reserve_bytes
-        self.rows: dict[int, torch.Tensor] = {}
+class HostSlabs:
+    """Rows past the device's room, as views into page-locked slabs. A row is copied in without
+    waiting (the slab is page-locked and written once); the later copy back to the device is queued
+    on the same stream, so it reads the row only after it landed."""
+
+    def __init__(self, pin: bool, room: Callable[[], int] | None = None):
+        self.pin, self.room = pin, room or host_room
+        self.slabs: list[torch.Tensor] = []
+        self.used = 0  # bytes taken from the last slab
         self.full = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.numel() for s in self.slabs)
+
+    def keep(self, f: torch.Tensor) -> torch.Tensor | None:
+        """`f`'s copy in host memory, or None once the host keeps only its reserve."""
+        n = f.numel() * f.element_size()
+        start = -(-self.used // 64) * 64  # every row 64-byte aligned, whatever its dtype
+        if not self.slabs or start + n > self.slabs[-1].numel():
+            size = max(SLAB_BYTES, n)
+            if self.full or self.room() < size:
+                self.full = True
+                return None
+            self.slabs.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
+            start = 0
+        self.used = start + n
+        row = self.slabs[-1][start : start + n].view(f.dtype).view(f.shape)
+        return row.copy_(f, non_blocking=self.pin)
+
+
+class FeatureCache:
+    def __init__(self, dataset, device: torch.device, reserve_bytes: int = RESERVE_GIB * 2**30,
+                 host: HostSlabs | None = None):
+        self.dataset, self.device, self.reserve_bytes = dataset, device, reserve_bytes
+        self.rows: dict[int, torch.Tensor] = {}  # on the device, or views into `host`'s slabs
+        self.host = host if host is not None else HostSlabs(pin=device.type == "cuda")
+        self.full = False
+        self.on_host = 0
+        self.logged_host_full = False
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -53,15 +114,28 @@ class FeatureCache:
         rows not cached, on the device (`from_target` or `from_capture`)."""
         missing = [i for i in batch["indices"] if i not in self.rows]
         fresh = self.fill(missing, make) if missing else {}
-        return padded([fresh[i] if i in fresh else self.rows[i] for i in batch["indices"]], batch["input_ids"].shape)
+        return padded([fresh[i] if i in fresh else self.rows[i] for i in batch["indices"]], batch["input_ids"].shape,
+                      self.device)
 
     def fill(self, indices: list[int], make: Callable[[list[int]], list[torch.Tensor]]) -> dict[int, torch.Tensor]:
-        """Makes the rows' features and keeps them if the memory allows; returns them either way."""
+        """Makes the rows' features and keeps them where the memory allows (the device, else the
+        host); returns them either way."""
         fresh = dict(zip(indices, make(indices)))
         if self.has_room(sum(f.nbytes for f in fresh.values())):
             # A view (the target's rows) would keep the whole padded batch alive: copied. Rows that
             # own their memory (read from a capture) are kept as they are.
             self.rows.update({i: f.clone() if f._base is not None else f for i, f in fresh.items()})
+            return fresh
+        for i, f in fresh.items():
+            if self.host.full or (kept := self.host.keep(f)) is None:
+                break
+            self.rows[i] = kept
+            self.on_host += 1
+        if self.host.full and not self.logged_host_full:
+            self.logged_host_full = True
+            log.warning("feature cache full: %d rows on the device, %d in host memory (%.1f GiB): the other "
+                        "rows' features are recomputed", len(self.rows) - self.on_host, self.on_host,
+                        self.host.nbytes / 2**30)
         return fresh
 
     def has_room(self, nbytes: int) -> bool:
@@ -74,8 +148,9 @@ class FeatureCache:
             return True
         if not self.full:
             self.full = True
-            log.warning("feature cache full at %d rows (%.1f GiB free): the other rows' features are recomputed",
-                        len(self.rows), room / 2**30)
+            log.warning("feature cache: the device holds %d rows (%.1f GiB free); the next rows go to page-locked "
+                        "host memory (%.1f GiB available to the cache)", len(self.rows), room / 2**30,
+                        max(self.host.room(), 0) / 2**30)
         return False
 
 

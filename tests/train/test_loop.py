@@ -245,16 +245,32 @@ def test_cached_features_train_exactly_as_recomputed_ones(make_run_config, share
         assert f.untyped_storage().nbytes() == f.numel() * f.element_size()
 
 
-def test_a_full_feature_cache_recomputes_the_rest_and_trains_the_same(make_run_config, shared_tiny_target):
-    """Past the memory the cache may take, rows not cached get their features recomputed: same losses."""
+@pytest.mark.parametrize("host", ["room", "full"])
+def test_a_full_device_cache_keeps_the_rest_in_host_memory_then_recomputes(make_run_config, shared_tiny_target,
+                                                                           monkeypatch, host):
+    """Past the device memory the cache may take, rows go to host memory (the target runs once per
+    row); past the host's too, rows not cached get their features recomputed. Same losses either way."""
+    from dflash_train.train import feature_cache
+
     over = ["train.epochs=2"]
     plain = Trainer(make_run_config("plain", over), target=shared_tiny_target)
-    cached = Trainer(make_run_config("cached", [*over, "data.cache_features=true"]), target=shared_tiny_target)
-    room = iter([True])  # one batch fits, then the memory is "full"
-    cached.parts.features.cache.has_room = lambda nbytes: next(room, False)
+    monkeypatch.setattr(feature_cache, "SLAB_BYTES", 2**16)
+    monkeypatch.setattr(feature_cache, "host_room", lambda: 2**30 if host == "room" else 0)
+    calls = []
+    target = type(shared_tiny_target)(**{k: getattr(shared_tiny_target, k) for k in
+                                         ("model", "tokenizer", "name", "device")})
+    target.features = lambda ids, layers: calls.append(ids.shape[0]) or shared_tiny_target.features(ids, layers)
+    cached = Trainer(make_run_config("cached", [*over, "data.cache_features=true"]), target=target)
+    cache = cached.parts.features.cache
+    room = iter([True])  # one batch fits on the device, then it is "full"
+    cache.has_room = lambda nbytes: next(room, False)
     for _ in range(plain.progress.total_steps):
         assert float(cached.train_step()["loss"]) == pytest.approx(float(plain.train_step()["loss"]), rel=1e-6)
-    assert 0 < len(cached.parts.features.cache) < len(cached.parts.dataset)
+    rows = len(cached.parts.dataset)
+    if host == "room":
+        assert cache.on_host > 0 and len(cache) == rows and sum(calls) == rows
+    else:
+        assert cache.on_host == 0 and 0 < len(cache) < rows and sum(calls) > rows
 
 
 def test_the_loss_chunks_are_even_with_length_buckets_and_the_cache_leaves_room_for_them(
