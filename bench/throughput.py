@@ -189,6 +189,8 @@ def main(argv=None):
                     help="the drafter's linear layers in FP8 (draft.fp8, torchao float8 training)")
     ap.add_argument("--fp8-target", default="off", choices=["off", *GRANULARITIES],
                     help="the target's decoder in FP8 (target.fp8, torchao float8 inference)")
+    ap.add_argument("--compile-target", action="store_true",
+                    help="torch.compile each decoder layer of the target (with --fp8-target: the activations' casts fuse)")
     ap.add_argument("--headline", action="store_true", help="the three rates, memory, syncs and recompiles only")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -204,6 +206,9 @@ def main(argv=None):
     model.to(dtype).eval().requires_grad_(False)
     if args.fp8_target != "off":
         quantize_decoder(model.model.layers, args.fp8_target)
+    if args.compile_target:
+        for layer in model.model.layers:
+            layer.compile()
     target = Target(model=model, tokenizer=_NoTokenizer(), name=f"{shape}-random", device=device)
     cfg = build_config({"device": device.type, "draft": {"num_layers": 2 if args.tiny else args.draft_layers},
                         "objective": {"block_size": 16, "mask_token_id": SHAPES[shape]["vocab_size"] - 1,
@@ -277,7 +282,7 @@ def main(argv=None):
     result = {
         "shape": shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "seq_tokens_per_step": tokens, "anchors": anchors, "block_size": 16,
-        "loss": args.loss, "ce_kernel": args.ce_kernel, "fp8_draft": args.fp8_draft, "fp8_target": args.fp8_target, "batch": args.batch, "steps_per_s": 1 / t_e2e, "drafter_steps_per_s": 1 / t_draft,
+        "loss": args.loss, "ce_kernel": args.ce_kernel, "fp8_draft": args.fp8_draft, "fp8_target": args.fp8_target, "compile_target": args.compile_target, "batch": args.batch, "steps_per_s": 1 / t_e2e, "drafter_steps_per_s": 1 / t_draft,
         "draft_layers": drafter.config.num_hidden_layers, "compile": args.compile, "compile_loss": args.compile_loss,
         "target_tokens_per_s": tokens / t_target, "drafter_tokens_per_s": tokens / t_draft,
         "e2e_tokens_per_s": tokens / t_e2e, "harmonic_tokens_per_s": harmonic,
