@@ -54,8 +54,10 @@ def _render(tokenizer, messages, add_generation_prompt: bool, kwargs: dict, wher
 
 def _trailing_whitespace(tokenizer, ids: list[int], start: int, end: int) -> int:
     """Drop trailing tokens that are whitespace only (the newline templates put after end-of-turn):
-    the target never generates them, so the drafter should not be scored on them."""
-    while end > start and tokenizer.decode([ids[end - 1]]).strip() == "":
+    the target never generates them, so the drafter should not be scored on them. Decoded without
+    transformers' space clean-up, as everywhere here (its BPE tokenizers warn once per process that
+    they ignore it: once per worker of a tokeniser pool)."""
+    while end > start and tokenizer.decode([ids[end - 1]], clean_up_tokenization_spaces=False).strip() == "":
         end -= 1
     return end
 

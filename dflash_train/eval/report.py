@@ -102,7 +102,9 @@ def decode_turns(
                 if not record["lossless"]:
                     record["first_difference"] = first_difference(spec.tokens, reference)
             turns[i].append(record)
-            answers[i].append(target.tokenizer.decode(spec.tokens, skip_special_tokens=True))
+            # the text as `generate` writes it (no space clean-up): the next turn's context
+            answers[i].append(target.tokenizer.decode(spec.tokens, skip_special_tokens=True,
+                                                      clean_up_tokenization_spaces=False))
         log.info("eval turn %d: %d prompts, tau %.2f so far", t + 1, len(asked), sum(lengths) / max(1, len(lengths)))
     return {"num_prompts": len(prompts), "lengths": lengths, "position_accepts": position_accepts,
             "turns": [r for rows in turns for r in rows]}

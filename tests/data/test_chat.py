@@ -147,3 +147,19 @@ def test_text_rows_learn_every_ordinary_token():
     out = tokenize_text(tok, "<|im_start|>plain corpus text", max_length=10)
     assert out.input_ids == tok("<|im_start|>plain corpus text")["input_ids"][:10]
     assert out.loss_mask == [0] + [1] * 9  # the special token is context only
+
+
+def test_tokenising_leaves_transformers_space_clean_up_alone(caplog):
+    """A BPE tokenizer saved with clean_up_tokenization_spaces=True (SmolLM2's) warns at its first
+    decode that transformers ignores it; tokenising decodes without the clean-up, so no worker of a
+    tokeniser pool prints that warning."""
+    import logging
+
+    tok = tiny_tokenizer(CHATML)
+    tok.clean_up_tokenization_spaces = True
+    logging.Logger.warning_once.cache_clear()  # transformers warns once per process and message
+    with caplog.at_level(logging.WARNING):
+        tokenize_conversation(tok, MULTI_TURN, max_length=512)
+    assert not [r for r in caplog.records if "clean_up_tokenization_spaces" in r.getMessage()]
+    tok.decode(tok("a .")["input_ids"])  # the check itself can see the warning
+    assert [r for r in caplog.records if "clean_up_tokenization_spaces" in r.getMessage()]
