@@ -102,11 +102,21 @@ class DataConfig(Section):
     """Keep the target's features after the first epoch, so later epochs skip the target: in device
     memory up to a reserve for the step, then in page-locked host memory up to a host reserve (rows
     past both are recomputed); size: tokens x captured layers x hidden x 2 bytes in bf16."""
+    cache_host_gib: float | None = Field(None, ge=0)
+    """Host memory the feature cache may take once the device is full: unset = what the host (and the
+    process's cgroup limit) has available, less 8 GiB and a tenth of the total; 0 = none."""
     captured_features: str | None = None
     """A `dflash-train capture` directory of this run's data, target and layers, read instead of running
     the target (its fingerprint is checked)."""
     length_bucket: int = Field(0, ge=0)
     """Pad each batch's length up to a multiple of this (GPU: a few shapes, so no recompiles); 0 = off."""
+
+    @model_validator(mode="after")
+    def _host_part_of_a_cache(self) -> DataConfig:
+        if self.cache_host_gib is not None and not self.cache_features:
+            raise ValueError("data.cache_host_gib sizes the host part of data.cache_features, which is off: "
+                             "set data.cache_features=true or remove it")
+        return self
 
     @model_validator(mode="after")
     def _budget_fits_one_sequence(self) -> DataConfig:

@@ -63,6 +63,12 @@ def test_token_budget_below_max_length_is_refused():
         build_config({"data": {"max_length": 4096, "token_budget": 2048}})
 
 
+def test_a_host_cache_size_without_the_cache_is_refused():
+    with pytest.raises(ConfigError, match="cache_host_gib.*cache_features"):
+        build_config(overrides=["data.cache_host_gib=4"])
+    assert build_config(overrides=["data.cache_host_gib=4", "data.cache_features=true"]).data.cache_host_gib == 4
+
+
 def test_load_config_errors_and_dump_round_trip(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")

@@ -3,7 +3,7 @@
 `data.captured_features: DIR` makes training read every answer's features from DIR instead of
 running the target's layers, so later epochs and every ablation over the same data, target and
 layers skip the target. With `data.cache_features` too, each row is read from its shard once and
-then kept in device memory (train/feature_cache.py).
+then kept in device memory, or past its room in page-locked host memory (train/feature_cache.py).
 
 DIR holds `capture.json` (the fingerprint: target identity, captured layers, a hash of the tokenized
 rows; the shard list) and `shard-NNNNN.safetensors` files, each with

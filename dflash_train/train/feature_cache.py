@@ -5,10 +5,9 @@ Each answer's features are made once (its first batch: the target runs, or with
 `data.captured_features` they are read from the capture's shards) and later epochs read them from
 here. The device part stops growing before the training step would run out of memory; rows past it
 go to host memory, from where a batch copies them back asynchronously (no host sync), until the host
-too keeps only its reserve. Rows cached in neither get their features made again every epoch:
-slower, never out of memory. Without the host part, 75K SmolLM2 answers (29.8M tokens, 172 GB at 5
-layers) made a quarter fewer steps in a 7.5-minute run on one H200 once 69% of them filled the device
-(docs/benchmarks/chain.md).
+too keeps only its reserve (`data.cache_host_gib` caps it). Rows cached in neither get their
+features made again every epoch: slower, never out of memory, but the target then runs in nearly
+every step (docs/benchmarks/chain.md: a quarter fewer steps before the host part existed).
 """
 
 from __future__ import annotations
@@ -41,17 +40,56 @@ process itself, other jobs on the host)."""
 SLAB_BYTES = 2**30
 """Host rows live in page-locked slabs of this size: one pinning per slab, not per row (PyTorch's
 caching host allocator rounds every allocation up to a power of two)."""
+MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")
 
 
-def host_room() -> int:
-    """Bytes the cache may still take from host memory: MemAvailable less the reserve (Linux; 0
-    where /proc/meminfo cannot be read, so the host part stays empty)."""
+def _meminfo(path: Path) -> dict[str, int] | None:
+    """MemTotal and MemAvailable in bytes, or None where the file cannot be read."""
     try:
-        info = {k: int(v.split()[0]) * 1024 for k, v in
-                (line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())}
-        return info["MemAvailable"] - HOST_RESERVE_GIB * 2**30 - info["MemTotal"] // 10
-    except (OSError, KeyError, ValueError):
+        fields = dict(line.split(":", 1) for line in path.read_text().splitlines() if ":" in line)
+        return {k: int(fields[k].split()[0]) * 1024 for k in ("MemTotal", "MemAvailable")}
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def _cgroup_dir(root: Path, own: Path) -> Path:
+    """The process's cgroup v2 directory (`0::/path` in /proc/self/cgroup) where it exists, else
+    `root` (a container sees its own cgroup there)."""
+    try:
+        line = next(ln for ln in own.read_text().splitlines() if ln.startswith("0::"))
+    except (OSError, StopIteration):
+        return root
+    path = root / line[3:].lstrip("/")
+    return path if path.is_dir() else root
+
+
+def _cgroup_room(root: Path, own: Path = Path("/proc/self/cgroup")) -> int | None:
+    """What the process's memory cgroup (v2, else v1) still allows, or None without a limit: in a
+    container /proc/meminfo shows the whole host, and pinned pages count against the cgroup."""
+    v2 = _cgroup_dir(root, own)
+    for limit, usage in ((v2 / "memory.max", v2 / "memory.current"),
+                         (root / "memory/memory.limit_in_bytes", root / "memory/memory.usage_in_bytes")):
+        try:
+            cap = limit.read_text().strip()
+            if cap != "max" and int(cap) < 2**60:  # v1 writes "no limit" as a huge number
+                return int(cap) - int(usage.read_text().strip())
+            return None
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def host_room(meminfo: Path = MEMINFO, cgroup: Path = CGROUP) -> int:
+    """Bytes the cache may still take from host memory: MemAvailable (or the cgroup's room, if
+    smaller) less the reserve; 0 where /proc/meminfo cannot be read, so the host part stays empty."""
+    info = _meminfo(meminfo)
+    if info is None:
         return 0
+    available = info["MemAvailable"]
+    if (room := _cgroup_room(cgroup)) is not None:
+        available = min(available, room)
+    return available - HOST_RESERVE_GIB * 2**30 - info["MemTotal"] // 10
 
 
 def padded(per_row: list[torch.Tensor], shape: tuple[int, int], device: torch.device) -> torch.Tensor:
@@ -68,10 +106,11 @@ def padded(per_row: list[torch.Tensor], shape: tuple[int, int], device: torch.de
 class HostSlabs:
     """Rows past the device's room, as views into page-locked slabs. A row is copied in without
     waiting (the slab is page-locked and written once); the later copy back to the device is queued
-    on the same stream, so it reads the row only after it landed."""
+    on the same stream, so it reads the row only after it landed. `limit`: bytes at most (None: as
+    `host_room` allows)."""
 
-    def __init__(self, pin: bool, room: Callable[[], int] | None = None):
-        self.pin, self.room = pin, room or host_room
+    def __init__(self, pin: bool, limit: int | None = None, room: Callable[[], int] | None = None):
+        self.pin, self.limit, self.room = pin, limit, room or host_room
         self.slabs: list[torch.Tensor] = []
         self.used = 0  # bytes taken from the last slab
         self.full = False
@@ -82,24 +121,36 @@ class HostSlabs:
 
     def keep(self, f: torch.Tensor) -> torch.Tensor | None:
         """`f`'s copy in host memory, or None once the host keeps only its reserve."""
+        if self.full:
+            return None
         n = f.numel() * f.element_size()
-        start = -(-self.used // 64) * 64  # every row 64-byte aligned, whatever its dtype
+        start = -(-self.used // 64) * 64  # a row of any dtype starts on its element size (<= 64 bytes)
         if not self.slabs or start + n > self.slabs[-1].numel():
-            size = max(SLAB_BYTES, n)
-            if self.full or self.room() < size:
-                self.full = True
-                return None
-            self.slabs.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
             start = 0
+            if (slab := self._new_slab(max(SLAB_BYTES, 1 << (n - 1).bit_length()))) is None:
+                return None
+            self.slabs.append(slab)
         self.used = start + n
         row = self.slabs[-1][start : start + n].view(f.dtype).view(f.shape)
         return row.copy_(f, non_blocking=self.pin)
 
+    def _new_slab(self, size: int) -> torch.Tensor | None:
+        """A page-locked slab (a power of two: what the host allocator pins anyway), or None, and
+        the host part full, once the limit or the host's room is reached or pinning fails."""
+        if (self.limit is not None and self.nbytes + size > self.limit) or self.room() < size:
+            self.full = True
+            return None
+        try:
+            return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        except RuntimeError as err:  # the driver could not pin it: no host part beyond this
+            log.warning("feature cache: pinning %.1f GiB of host memory failed (%s)", size / 2**30, err)
+            self.full = True
+            return None
+
 
 class FeatureCache:
-    def __init__(self, dataset, device: torch.device, reserve_bytes: int = RESERVE_GIB * 2**30,
-                 host: HostSlabs | None = None):
-        self.dataset, self.device, self.reserve_bytes = dataset, device, reserve_bytes
+    def __init__(self, device: torch.device, reserve_bytes: int = RESERVE_GIB * 2**30, host: HostSlabs | None = None):
+        self.device, self.reserve_bytes = device, reserve_bytes
         self.rows: dict[int, torch.Tensor] = {}  # on the device, or views into `host`'s slabs
         self.host = host if host is not None else HostSlabs(pin=device.type == "cuda")
         self.full = False
@@ -127,7 +178,7 @@ class FeatureCache:
             self.rows.update({i: f.clone() if f._base is not None else f for i, f in fresh.items()})
             return fresh
         for i, f in fresh.items():
-            if self.host.full or (kept := self.host.keep(f)) is None:
+            if (kept := self.host.keep(f)) is None:
                 break
             self.rows[i] = kept
             self.on_host += 1

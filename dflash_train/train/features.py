@@ -1,4 +1,4 @@
-"""Where a batch's target features come from: the feature cache in device memory
+"""Where a batch's target features come from: the feature cache in device and host memory
 (`data.cache_features`), a capture on disk (`data.captured_features`), or the target itself."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dflash_train.config import RunConfig
 from dflash_train.data.dataset import TokenizedDataset
 from dflash_train.targets.model import Target
 from dflash_train.train.capture import CapturedFeatures, fingerprint
-from dflash_train.train.feature_cache import FeatureCache, from_capture, from_target, step_reserve
+from dflash_train.train.feature_cache import FeatureCache, HostSlabs, from_capture, from_target, step_reserve
 
 
 class Features:
@@ -21,7 +21,9 @@ class Features:
             self.captured = CapturedFeatures(cfg.data.captured_features, fingerprint(target, stream_layers, dataset))
         self.cache = None
         if cfg.data.cache_features:
-            self.cache = FeatureCache(dataset, device, step_reserve(chunk_rows, target.vocab_size))
+            limit = None if cfg.data.cache_host_gib is None else int(cfg.data.cache_host_gib * 2**30)
+            host = HostSlabs(pin=device.type == "cuda", limit=limit)
+            self.cache = FeatureCache(device, step_reserve(chunk_rows, target.vocab_size), host)
         # where the cache's missing rows come from
         self.make_rows = (from_capture(self.captured, device) if self.captured is not None else
                           from_target(dataset, device, lambda ids: target.features(ids, stream_layers)))

@@ -10,7 +10,7 @@ import torch
 from dflash_train.train import feature_cache
 from dflash_train.train.feature_cache import FeatureCache, HostSlabs
 
-from train.test_feature_cache import Rows, batches, reference  # tests/ is on sys.path (conftest.py)
+from train.helpers_cache import Rows, epoch_batches, reference  # tests/ is on sys.path (conftest.py)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,19 +21,16 @@ pytestmark = [
 def test_host_rows_are_pinned_and_read_back_without_a_host_sync(monkeypatch):
     monkeypatch.setattr(feature_cache, "SLAB_BYTES", 2**20)
     lengths = [300, 1024, 17, 512, 999, 64, 1024, 5] * 4
-    rows = Rows(lengths, width=2880, dtype=torch.bfloat16)
-    on_device = [r.cuda() for r in rows.rows]
-    make = lambda indices: [on_device[i] * 1 for i in indices]  # fresh device tensors, as the target's
-    cache = FeatureCache(None, torch.device("cuda"), host=HostSlabs(pin=True, room=lambda: 2**31))
+    rows = Rows(lengths, width=2880, dtype=torch.bfloat16, device="cuda")
+    cache = FeatureCache(torch.device("cuda"), host=HostSlabs(pin=True, room=lambda: 2**31))
     cache.has_room = lambda nbytes: False  # every row goes to the host
     out = []
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(2):  # epoch 1 copies to the host, epoch 2 reads back
-            for indices in batches(len(lengths), 4):
-                batch = {"indices": indices, "input_ids": torch.zeros(len(indices) + 1, 1024, dtype=torch.long)}
-                out.append((indices, cache.features(batch, make)))
+            for batch in epoch_batches(len(lengths), 4, 1024):
+                out.append((batch["indices"], cache.features(batch, rows)))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert cache.on_host == len(lengths) and all(s.is_pinned() for s in cache.host.slabs)

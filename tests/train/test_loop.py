@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -231,8 +232,7 @@ def test_cached_features_train_exactly_as_recomputed_ones(make_run_config, share
         calls.append(input_ids.shape[0])
         return real(input_ids, layer_ids)
 
-    target = type(shared_tiny_target)(**{k: getattr(shared_tiny_target, k) for k in
-                                         ("model", "tokenizer", "name", "device")})
+    target = copy.copy(shared_tiny_target)  # its features counted, the shared target left alone
     target.features = counting
     cached = Trainer(make_run_config("cached", [*over, "data.cache_features=true"]), target=target)
     assert not calls  # building the run computes no features
@@ -255,12 +255,12 @@ def test_a_full_device_cache_keeps_the_rest_in_host_memory_then_recomputes(make_
     over = ["train.epochs=2"]
     plain = Trainer(make_run_config("plain", over), target=shared_tiny_target)
     monkeypatch.setattr(feature_cache, "SLAB_BYTES", 2**16)
-    monkeypatch.setattr(feature_cache, "host_room", lambda: 2**30 if host == "room" else 0)
+    monkeypatch.setattr(feature_cache, "host_room", lambda: 2**30)
+    limit = [] if host == "room" else ["data.cache_host_gib=0"]  # the key reaches the cache
     calls = []
-    target = type(shared_tiny_target)(**{k: getattr(shared_tiny_target, k) for k in
-                                         ("model", "tokenizer", "name", "device")})
+    target = copy.copy(shared_tiny_target)  # its features counted, the shared target left alone
     target.features = lambda ids, layers: calls.append(ids.shape[0]) or shared_tiny_target.features(ids, layers)
-    cached = Trainer(make_run_config("cached", [*over, "data.cache_features=true"]), target=target)
+    cached = Trainer(make_run_config("cached", [*over, "data.cache_features=true", *limit]), target=target)
     cache = cached.parts.features.cache
     room = iter([True])  # one batch fits on the device, then it is "full"
     cache.has_room = lambda nbytes: next(room, False)
