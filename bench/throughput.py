@@ -190,7 +190,7 @@ def main(argv=None):
     ap.add_argument("--fp8-target", default="off", choices=["off", *GRANULARITIES],
                     help="the target's decoder in FP8 (target.fp8, torchao float8 inference)")
     ap.add_argument("--compile-target", action="store_true",
-                    help="torch.compile each decoder layer of the target (with --fp8-target: the activations' casts fuse)")
+                    help="torch.compile each decoder layer of the target (nn.Module.compile)")
     ap.add_argument("--headline", action="store_true", help="the three rates, memory, syncs and recompiles only")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
