@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=220)
 @pytest.mark.timeout(1200)  # the whole chain, three eval sets included: minutes on 2 loaded cores
 def test_smollm2_example_runs_end_to_end_on_cpu(tmp_path):
     run = tmp_path / "run"
