@@ -42,6 +42,7 @@ EVERY_PROMPTS=${EVERY_PROMPTS:-37000}  # training prompts: distinct user turns o
 CODE_PROMPTS=${CODE_PROMPTS:-3561} # all the stubs of <= 1,500 characters
 MULTI_PROMPTS=${MULTI_PROMPTS:-0}  # also conversations of 2..MULTI_TURNS turns, answered turn after turn (0: none)
 MULTI_TURNS=${MULTI_TURNS:-2}      # 2: a third answer would mostly fall past data.max_length (1,024 tokens)
+MAX_CHARS=${MAX_CHARS:-1500}       # longest prompt drawn (characters; the counts above are at 1,500)
 TRAIN_FILES=${TRAIN_FILES:-$DATA/train}  # comma-separated answer directories
 TRAIN_ARGS=${TRAIN_ARGS:-}         # extra dotted overrides of $CONFIG
 EVAL_BATCH=${EVAL_BATCH:-256}      # prompts decoded together for acceptance
@@ -56,15 +57,15 @@ last_checkpoint() { ls -d "$RUN"/checkpoints/step_* | sort | tail -1; }
 
 prompts() {  # held-out first turns, then the training prompts: every turn of the other conversations,
   # the multi-turn conversations when asked, the code requests
-  "${DT[@]}" prompts --source sharegpt --num "$NUM_PROMPTS" --heldout "$HELDOUT" --max-chars 1500 --out "$DATA"
-  "${DT[@]}" prompts --source sharegpt-conversations --every-turn --num "$EVERY_PROMPTS" --heldout 0 --max-chars 1500 \
+  "${DT[@]}" prompts --source sharegpt --num "$NUM_PROMPTS" --heldout "$HELDOUT" --max-chars "$MAX_CHARS" --out "$DATA"
+  "${DT[@]}" prompts --source sharegpt-conversations --every-turn --num "$EVERY_PROMPTS" --heldout 0 --max-chars "$MAX_CHARS" \
     --exclude "$DATA/heldout_prompts.jsonl" humaneval mt-bench --out "$DATA/every"
   if [ "$MULTI_PROMPTS" -gt 0 ]; then
-    "${DT[@]}" prompts --source sharegpt-conversations --multi-turn "$MULTI_TURNS" --num "$MULTI_PROMPTS" --heldout 0 --max-chars 1500 \
+    "${DT[@]}" prompts --source sharegpt-conversations --multi-turn "$MULTI_TURNS" --num "$MULTI_PROMPTS" --heldout 0 --max-chars "$MAX_CHARS" \
       --exclude "$DATA/heldout_prompts.jsonl" humaneval mt-bench --out "$DATA/multi_prompts"
   fi
   if [ "$CODE_PROMPTS" -gt 0 ]; then
-    "${DT[@]}" prompts --source python-stubs --num "$CODE_PROMPTS" --heldout 0 --max-chars 1500 \
+    "${DT[@]}" prompts --source python-stubs --num "$CODE_PROMPTS" --heldout 0 --max-chars "$MAX_CHARS" \
       --exclude humaneval --out "$DATA/code_prompts"
   fi
 }

@@ -23,11 +23,18 @@ import json  # noqa: E402
 import pytest  # noqa: E402
 
 
+def _seconds(item) -> float:
+    slow = item.get_closest_marker("slow")
+    return slow.kwargs["seconds"] if slow else 0
+
+
 def pytest_collection_modifyitems(config, items):
-    """Slow tests first (stable order otherwise): with two workers handed one test at a time (the
-    README's `-n 2 --maxschedchunk 1`), the longest start first on either worker and the quick ones
-    fill in around them, instead of one worker ending alone on a several-minute test."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Longest first (stable order otherwise), by the `slow(seconds=...)` markers: with two workers
+    handed one test at a time (the README's `-n 2 --maxschedchunk 1`), the longest start first on
+    either worker and the quick ones fill in around them, instead of one worker ending alone on a
+    minute-long test. In a fresh clone this also starts the other SmolLM2 tests after the example
+    (first) has converted it from GGUF (~45 s), rather than idle, waiting for its lock."""
+    items.sort(key=_seconds, reverse=True)
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from throughput import is_sync_warning, main  # noqa: E402
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=3)
 def test_throughput_benchmark_cpu_mode(tmp_path):
     out = tmp_path / "bench.json"
     result = main(["--tiny", "--steps", "1", "--profile", "--out", str(out)])
@@ -32,7 +32,7 @@ def test_sync_count_skips_the_debug_mode_notice():
                                "synchronizing operations (Triggered internally at /pytorch/torch/csrc/cuda/Module.cpp:1003.)")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=95)
 def test_multi_gpu_fault_run_cpu(tmp_path):
     """bench/multi_gpu.py on CPU (gloo): killing the target rank, then a drafter rank, stops each
     launch within seconds; two resumes finish the run with the uninterrupted run's exact losses."""

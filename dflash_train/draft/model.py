@@ -15,6 +15,7 @@ Shape names: b batch, Q block (query) tokens, C context tokens, H hidden, K capt
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -93,7 +94,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-_COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)  # compiles lazily, at first call
+@cache
+def _compiled_flex():
+    """Wrapped at first use, not at import: `torch.compile` imports inductor (~2 s), which every
+    command that imports the drafter (eval, export, launch) would pay without ever compiling."""
+    return torch.compile(flex_attention, dynamic=False)  # compiles lazily, at first call
 
 
 def _flex_attention(on_cuda: bool):
@@ -101,7 +106,7 @@ def _flex_attention(on_cuda: bool):
     under train.compile) dynamo handles it natively; on CPU (tests, forward only) eager is enough."""
     if torch.compiler.is_compiling() or not on_cuda:
         return flex_attention
-    return _COMPILED_FLEX
+    return _compiled_flex()
 
 
 class DraftKVCache:

@@ -103,6 +103,7 @@ def test_launch_refuses_the_single_process_feature_cache(assets, tmp_path, capfd
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow(seconds=30)
 def test_killed_rank_stops_everyone_then_resume_with_another_split(assets, tmp_path):
     config = write_config(assets, tmp_path / "run")
     steps = ["train.max_steps=60", "train.grad_accum=2"]

@@ -36,6 +36,7 @@ def start_two_nodes(argv: list[str]):
     return node0, launch_node(1, f"localhost:{port}", argv)
 
 
+@pytest.mark.slow(seconds=35)
 def test_two_nodes_train_like_one_node(assets, tmp_path):
     config = write_config(assets, tmp_path / "two")
     nodes = start_two_nodes(["-c", str(config), "--target-gpus", "1"])
@@ -47,6 +48,7 @@ def test_two_nodes_train_like_one_node(assets, tmp_path):
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
 
 
+@pytest.mark.slow(seconds=80)
 def test_a_lost_node_is_named_and_the_run_resumes(assets, tmp_path):
     config = write_config(assets, tmp_path / "run")
     argv = ["-c", str(config), "--target-gpus", "1", "--heartbeat-timeout", "10",

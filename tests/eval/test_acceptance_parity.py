@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from acceptance_parity import main  # noqa: E402
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=5)
 def test_real_acceptance_equals_teacher_forced_accuracy(smollm2_tokenizer, tmp_path):
     target = tiny_target(vocab_size=49152, tokenizer=smollm2_tokenizer)
     with torch.no_grad():  # one dominant LM-head row: target and drafter each pick it about half the time

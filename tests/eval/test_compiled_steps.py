@@ -31,7 +31,7 @@ def test_selected_hidden_states_are_the_captured_features():
         assert torch.equal(out.hidden_states[index], store[i])
 
 
-@pytest.mark.slow  # compiles five vectorised C++ graphs: ~40 s cold, seconds with inductor's cache warm
+@pytest.mark.slow(seconds=75)  # compiles five vectorised C++ graphs: ~40 s cold, seconds with inductor's cache warm
 def test_compiled_steps_decide_as_the_plain_ones(fresh_counters):
     target = tiny_target(num_layers=1, vocab_size=12, seed=1)  # few tokens: random drafts get accepted
     drafter = tiny_drafter(target, block_size=4, layer_ids=(0,), num_layers=1)

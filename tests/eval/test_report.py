@@ -51,7 +51,7 @@ def test_sampled_report_has_no_lossless_check(chat_target):
     assert report["lossless"] is None and report["turns"][0]["new_tokens"] == 5
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 def test_run_eval_on_smollm2_with_an_exported_drafter(smollm2, tmp_path):
     drafter = tiny_drafter(smollm2, block_size=4, layer_ids=(1, 14, 27), num_layers=1)
     export = export_drafter(save_checkpoint(drafter, tmp_path / "ckpt"), tmp_path / "export")

@@ -166,7 +166,7 @@ def test_accept_sampled_accepts_everything_when_drafter_equals_target():
         assert accept_sampled(proposals, p[:-1], p, g)[0] == 7
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=15)
 @pytest.mark.parametrize("batched", [False, True])
 def test_sampled_generation_follows_target_marginals(batched):
     """Tokens 2 and 3 (decided by verification) have the target's exact marginals, decoding one
@@ -197,7 +197,7 @@ def test_sampled_generation_follows_target_marginals(batched):
     assert chi_square_pvalue(samples[:, 2], marginal3) > 1e-3
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 def test_greedy_equals_reference_on_smollm2(smollm2):
     drafter = tiny_drafter(smollm2, block_size=8, layer_ids=(1, 14, 27), num_layers=1)
     stop_ids = stop_token_ids(smollm2)

@@ -60,6 +60,7 @@ def test_resumed_run_continues_the_device_seconds(make_run_config, shared_tiny_t
     assert 1000.0 < got[1]["device_seconds"] < 1000.0 + 60  # counted on from the first run, not from zero
 
 
+@pytest.mark.slow(seconds=75)
 def test_probe_runs_the_compiled_graphs_without_recompiling(make_run_config, shared_tiny_target):
     """The probe scores with the compiled layers and loss of training: it must reuse their graphs
     (training's bucket shapes, grad mode on), not recompile them after warm-up. Under no_grad, or
