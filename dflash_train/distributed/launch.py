@@ -21,17 +21,11 @@ from transformers import AutoConfig
 
 from dflash_train.config_flags import HelpFormatter
 from dflash_train.config import load_config
-from dflash_train.targets.model import synced_time
+from dflash_train.draft.model import target_layer_ids
 from dflash_train.targets.tokenizer import resolve_target_path
 from dflash_train.targets.path import load_pretrained
-from dflash_train.distributed.run import build_layout, drafter_runs
-from dflash_train.distributed.layout import Plan, plan_split
+from dflash_train.distributed.layout import Plan, build_layout, drafter_runs, plan_split
 from dflash_train.distributed.memory import GiB, check_fits, plan_memory
-from dflash_train.train.shapes import target_layer_ids
-from dflash_train.train.build import build
-from dflash_train.train.inputs import load_inputs
-from dflash_train.train.progress import Progress
-from dflash_train.train.step import TrainStep
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -78,31 +72,39 @@ def torchrun_command(args: argparse.Namespace, split: list[str]) -> list[str]:
     return cmd + list(args.overrides)
 
 
-def _timed(fn, device: torch.device) -> float:
-    t0 = synced_time(device)
-    fn()
-    return synced_time(device) - t0
-
-
 def measure(config: str, overrides: list[str], steps: int) -> tuple[float, list[float], float | None]:
     """Per-GPU tokens/s of the target alone, each drafter alone, and both colocated, from the real
     step functions on this process's GPU: a full train_step (target + drafter) and target.features
     over the same micro-batches; drafter time = step time - target time. Needs both to fit."""
+    # Imported here: a launch given its split loads no model and runs no step, and these
+    # (transformers' model classes, the training step) took ~2.5 s of every node's start.
+    from dflash_train.targets.model import synced_time
+    from dflash_train.train.build import build
+    from dflash_train.train.inputs import load_inputs
+    from dflash_train.train.progress import Progress
+    from dflash_train.train.step import TrainStep
+
     cfg = load_config(config, overrides)
     device, target, dataset = load_inputs(cfg)
+
+    def timed(fn) -> float:
+        t0 = synced_time(device)
+        fn()
+        return synced_time(device) - t0
+
     target_s, step_s, tokens = 0.0, [], 0
     for g, (_, run_cfg) in enumerate(drafter_runs(cfg)):
         parts = build(run_cfg, target, dataset)
         step, progress = TrainStep(run_cfg, parts), Progress(total_steps=parts.total_steps)
         step(progress)  # warm-up: compile, allocator
         start = progress.cursor
-        step_s.append(sum(_timed(lambda: step(progress), device) for _ in range(steps)))
+        step_s.append(sum(timed(lambda: step(progress)) for _ in range(steps)))
         if g == 0:
             progress.cursor = start  # the same micro-batches again, through the target alone
             for _ in range(steps * run_cfg.train.grad_accum):
                 batch, _ = step.local.next_micro_batch(progress)
                 tokens += batch["num_tokens"]
-                target_s += _timed(lambda b=batch: parts.features(b), device)
+                target_s += timed(lambda b=batch: parts.features(b))
     drafter_tps = [tokens / max(s - target_s, 1e-9) for s in step_s]
     colocated = tokens / step_s[0] if len(step_s) == 1 else None  # colocated runs one drafter group
     return tokens / target_s, drafter_tps, colocated

@@ -1,4 +1,5 @@
-"""Who does what in distributed training, and how many GPUs each role should get. Pure functions.
+"""Who does what in distributed training, and how many GPUs each role should get. Pure functions,
+light to import: `launch` checks a split with them before torchrun starts.
 
 Global ranks: target ranks 0..T-1, then the ranks of drafter group 0, group 1, ... in order.
 Target ranks form T/N tensor-parallel groups of N = `target.tensor_parallel` consecutive ranks
@@ -11,8 +12,34 @@ drafter group: balanced, and a pure function of m, so any split resumes from the
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_train.config import RunConfig, build_config
+
+
+LAYER_CHOICE = {"target_layer_ids", "num_target_features"}
+"""draft keys that each choose the captured target layers (setting both is a config error)."""
+
+
+def drafter_runs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
+    """(name, config) of every drafter group; each of several drafters gets <run_dir>/<name>."""
+    if not cfg.drafters:
+        return [("drafter", cfg)]
+    base = cfg.model_dump(mode="json", exclude={"drafters"})
+    runs = []
+    for spec in cfg.drafters:
+        tree = copy.deepcopy(base)
+        if LAYER_CHOICE & set(spec.draft):  # a drafter's own choice of target layers replaces the base's
+            tree["draft"].update(dict.fromkeys(LAYER_CHOICE))
+        tree["draft"].update(spec.draft)
+        tree["objective"].update(spec.objective)
+        tree["train"].update(spec.train)
+        tree["run_dir"] = str(Path(cfg.run_dir) / spec.name)
+        runs.append((spec.name, build_config(tree, source=f"drafters[{spec.name}]")))
+    return runs
 
 
 @dataclass(frozen=True)
@@ -97,6 +124,26 @@ class Layout:
                 f"train.grad_accum ({grad_accum}) < {widest} target groups or ranks of one drafter group: every one needs at least one "
                 "micro-batch per step; raise grad_accum or use fewer ranks"
             )
+
+
+def build_layout(world: int, names: list[str], *, target_ranks: int | None, drafter_ranks: str | None,
+                 colocated: bool, tensor_parallel: int) -> Layout:
+    """The layout of `world` processes (`launch` checks it before starting them, with the same call)."""
+    names_t = tuple(names)
+    if colocated:
+        return Layout(world, (world,), names_t, colocated=True, tensor_parallel=tensor_parallel)
+    rest = world - target_ranks
+    if drafter_ranks:
+        sizes = tuple(int(x) for x in drafter_ranks.split(","))
+    elif rest % len(names) == 0:
+        sizes = (rest // len(names),) * len(names)
+    else:
+        raise ValueError(f"{rest} drafter ranks do not split evenly over {len(names)} groups: give --drafter-ranks")
+    layout = Layout(target_ranks, sizes, names_t, tensor_parallel=tensor_parallel)
+    if layout.world_size != world or len(sizes) != len(names):
+        raise ValueError(f"layout {target_ranks} targets + {sizes} drafters does not match "
+                         f"{world} processes and {len(names)} drafter groups")
+    return layout
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ the GLOBAL data cursor, so a crashed run resumes with the same or another split.
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
 import os
 import socket
@@ -21,45 +20,22 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from dflash_train.config import RunConfig, build_config, load_config
+from dflash_train.config import RunConfig, load_config
 from dflash_train.data.dataset import load_training_data
 from dflash_train.targets.model import load_target, resolve_device
 from dflash_train.checkpoint import local as ckpt
-from dflash_train.distributed.layout import Layout
+from dflash_train.distributed.layout import Layout, build_layout, drafter_runs
 from dflash_train.train.shapes import stream_layer_ids
 from dflash_train.distributed.roles import (Link, TargetFeeder, agree_on_start, check_lead_rank_evals,
                                             check_single_process_keys, run_drafter)
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=15)
 """Backstop only (a first flex_attention compile can take minutes); the watchdog is the fast path."""
-
-
-LAYER_CHOICE = {"target_layer_ids", "num_target_features"}
-"""draft keys that each choose the captured target layers (setting both is a config error)."""
-
-
-def drafter_runs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
-    """(name, config) of every drafter group; each of several drafters gets <run_dir>/<name>."""
-    if not cfg.drafters:
-        return [("drafter", cfg)]
-    base = cfg.model_dump(mode="json", exclude={"drafters"})
-    runs = []
-    for spec in cfg.drafters:
-        tree = copy.deepcopy(base)
-        if LAYER_CHOICE & set(spec.draft):  # a drafter's own choice of target layers replaces the base's
-            tree["draft"].update(dict.fromkeys(LAYER_CHOICE))
-        tree["draft"].update(spec.draft)
-        tree["objective"].update(spec.objective)
-        tree["train"].update(spec.train)
-        tree["run_dir"] = str(Path(cfg.run_dir) / spec.name)
-        runs.append((spec.name, build_config(tree, source=f"drafters[{spec.name}]")))
-    return runs
 
 
 def check_wall_clock_stops(runs: list[tuple[str, RunConfig]], world_size: int) -> None:
@@ -161,26 +137,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-in-flight", type=int, default=4, help="unfinished sends per target rank")
     p.add_argument("--heartbeat-timeout", type=float, default=30.0, help="seconds without a heartbeat = failed")
     return p.parse_args(argv)
-
-
-def build_layout(world: int, names: list[str], *, target_ranks: int | None, drafter_ranks: str | None,
-                 colocated: bool, tensor_parallel: int) -> Layout:
-    """The layout of `world` processes (`launch` checks it before starting them, with the same call)."""
-    names_t = tuple(names)
-    if colocated:
-        return Layout(world, (world,), names_t, colocated=True, tensor_parallel=tensor_parallel)
-    rest = world - target_ranks
-    if drafter_ranks:
-        sizes = tuple(int(x) for x in drafter_ranks.split(","))
-    elif rest % len(names) == 0:
-        sizes = (rest // len(names),) * len(names)
-    else:
-        raise ValueError(f"{rest} drafter ranks do not split evenly over {len(names)} groups: give --drafter-ranks")
-    layout = Layout(target_ranks, sizes, names_t, tensor_parallel=tensor_parallel)
-    if layout.world_size != world or len(sizes) != len(names):
-        raise ValueError(f"layout {target_ranks} targets + {sizes} drafters does not match "
-                         f"{world} processes and {len(names)} drafter groups")
-    return layout
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
+from dflash_train.config import DraftConfig
+
 
 @dataclass
 class DraftModelConfig:
@@ -64,6 +66,21 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     start, end = 1, num_target_layers - 3
     span = end - start
     return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def target_layer_ids(draft: DraftConfig, num_target_layers: int) -> list[int]:
+    """The captured target layers: `draft.target_layer_ids` as listed, else `draft.num_target_features`
+    (default: the drafter's depth) evenly spaced layers."""
+    if draft.target_layer_ids:
+        return list(draft.target_layer_ids)
+    count = draft.num_target_features or draft.num_layers
+    ids = default_target_layer_ids(num_target_layers, count)
+    if draft.num_target_features is not None and len(set(ids)) < count:
+        raise ValueError(
+            f"draft.num_target_features={count}: a {num_target_layers}-layer target has no {count} distinct "
+            f"evenly spaced layers (got {ids}); capture fewer or list draft.target_layer_ids"
+        )
+    return ids
 
 
 class RMSNorm(nn.Module):

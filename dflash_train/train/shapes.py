@@ -6,25 +6,10 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from dflash_train.config import DataConfig, DraftConfig, RunConfig
+from dflash_train.config import DataConfig, RunConfig
 from dflash_train.data.batching import bucket_shape
-from dflash_train.draft.model import DraftModelConfig, default_target_layer_ids
+from dflash_train.draft.model import DraftModelConfig, target_layer_ids
 from dflash_train.targets.model import Target, resolve_mask_token_id
-
-
-def target_layer_ids(draft: DraftConfig, num_target_layers: int) -> list[int]:
-    """The captured target layers: `draft.target_layer_ids` as listed, else `draft.num_target_features`
-    (default: the drafter's depth) evenly spaced layers."""
-    if draft.target_layer_ids:
-        return list(draft.target_layer_ids)
-    count = draft.num_target_features or draft.num_layers
-    ids = default_target_layer_ids(num_target_layers, count)
-    if draft.num_target_features is not None and len(set(ids)) < count:
-        raise ValueError(
-            f"draft.num_target_features={count}: a {num_target_layers}-layer target has no {count} distinct "
-            f"evenly spaced layers (got {ids}); capture fewer or list draft.target_layer_ids"
-        )
-    return ids
 
 
 def draft_model_config(cfg: RunConfig, target: Target) -> DraftModelConfig:

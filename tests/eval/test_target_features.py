@@ -12,7 +12,7 @@ from tiny import tiny_target
 from dflash_train.config import ConfigError, DraftConfig
 from dflash_train.eval.export import export_drafter, load_drafter
 from dflash_train.eval.spec_decode import speculative_generate
-from dflash_train.train.shapes import target_layer_ids
+from dflash_train.draft.model import target_layer_ids
 from dflash_train.checkpoint.local import latest_checkpoint
 from dflash_train.train.loop import Trainer
 
