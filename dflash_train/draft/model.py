@@ -114,7 +114,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 @cache
 def _compiled_flex():
     """Wrapped at first use, not at import: `torch.compile` imports inductor (~2 s), which every
-    command that imports the drafter (eval, export, launch) would pay without ever compiling."""
+    command that imports the drafter (eval, export, launch) would pay without ever compiling.
+    Compiled regions never reach it (`_flex_attention` returns first), so no guard can name it: a
+    global set after the first trace once cost a recompile (docs/benchmarks/compile.md)."""
     return torch.compile(flex_attention, dynamic=False)  # compiles lazily, at first call
 
 

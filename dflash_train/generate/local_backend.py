@@ -95,15 +95,19 @@ def _plain_distribution(model):
 
 
 STATIC_WIDTH_STEP = 128
-"""The static engine pads prompts to a multiple of this: the cache length (prompt width + new tokens)
-then takes a few values, and each compiled decode graph is reused across batches."""
+"""On a GPU the static engine pads prompts to a multiple of this: the cache length (prompt width + new
+tokens) then takes a few values, and each compiled decode graph is reused across batches. On CPU
+transformers compiles nothing, and the padding was only prefill work: a batch of prompts of 92
+tokens or fewer ran 128 wide, 40% more."""
 
 
 def _static_generate(model, prompts: list[list[int]], gen: GenerationConfig) -> list[list[int]]:
     """`_padded_generate` with a preallocated KV cache: a dynamic cache grows by concatenation, copying
     every layer's whole cache at each new token (quadratic in the answer length at large batches);
     a static one is written in place, and on a GPU transformers captures its decode step as a graph."""
-    width = -(-max(map(len, prompts)) // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
+    width = max(map(len, prompts))
+    if model.device.type != "cpu":
+        width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
     static = gen.to_dict() | {"cache_implementation": "static"}
     return _padded_generate(model, prompts, GenerationConfig(**static), width)
 
