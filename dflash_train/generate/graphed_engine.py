@@ -11,10 +11,10 @@ through forwards of fixed shapes captured as CUDA graphs (generate/prefill.py), 
 copied into the free rows (static_cache.py says why stale K/V there is harmless).
 
 The host never waits for the step it just launched: steps run in chunks of `chunk`, each chunk's
-new tokens copied to pinned host memory behind it, and the host reads a chunk while the next one
-runs (admissions, too, go to the GPU without a synchronisation). A row that finishes therefore
-decodes one more chunk of tokens nobody reads before it is refilled; each chunk remembers which
-job held each row, so those tokens never reach the next occupant.
+new tokens copied to pinned host memory behind it, and the host reads a chunk while the `ahead`
+chunks launched after it run (admissions, too, go to the GPU without a synchronisation). A row that
+finishes therefore decodes `ahead` more chunks of tokens nobody reads before it is refilled; each
+chunk remembers which job held each row, so those tokens never reach the next occupant.
 
 Greedy and temperature sampling (Gumbel-max: exact sampling from softmax(logits / T)) per row;
 top-p is refused. The cache holds prompt + max_tokens positions of the longest request seen; a longer
@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import chain
 
 import torch
 
@@ -103,6 +104,14 @@ class Timings:
                 f"admitting {self.admitting_s:.1f} s, reading {self.reading_s:.1f} s, building {self.building_s:.1f} s")
 
 
+AHEAD = 2
+"""Chunks queued on the GPU behind the one the host reads. An admission's prefills cost the host
+tens of milliseconds at once (several captured forwards, their K/V copied layer by layer), as long
+as a chunk of steps takes the GPU at a thousand rows: with one chunk queued, the GPU can run dry
+while the host admits. Each more costs a finished row one more chunk of idle steps (8 of ~330
+per answer)."""
+
+
 LENGTH_BLOCK = 256
 """A multiple of flex_decode.KV_BLOCK and static_cache.ALIGN: every cache length is one of both."""
 
@@ -114,12 +123,15 @@ class GraphedEngine:
     `steps` says what happened (errors included)."""
 
     def __init__(self, model, rows: int, stops: set[int], pad_id: int, chunk: int = 8, graphs: bool | None = None,
-                 compile: bool = False, attention: str = "auto"):
+                 compile: bool = False, attention: str = "auto", ahead: int = AHEAD):
         problem = static_cache_problem(model)
         if problem:
             raise ValueError(f"generate engine 'graphed' cannot run {type(model).__name__}: {problem} "
                              "(use --engine padded or static)")
+        if ahead < 1:
+            raise ValueError(f"ahead must be at least 1 (chunks queued behind the one read), not {ahead}")
         self.model, self.rows, self.stops, self.pad_id, self.chunk = model, rows, stops, pad_id, chunk
+        self.ahead = ahead
         self.device = next(model.parameters()).device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.compile = compile
@@ -138,7 +150,8 @@ class GraphedEngine:
         self.history = torch.zeros(r, chunk, dtype=torch.long, device=self.device)
         self.column = torch.zeros(1, dtype=torch.long, device=self.device)
         pinned = self.device.type == "cuda"
-        self.host_tokens = [torch.zeros(r, chunk, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        # one per chunk in flight: a chunk's copy lands while the host reads the oldest
+        self.host_tokens = [torch.zeros(r, chunk, dtype=torch.long, pin_memory=pinned) for _ in range(ahead + 1)]
         self.launches = 0
         self.timings = Timings()
         self.sampling = False
@@ -248,17 +261,18 @@ class GraphedEngine:
         after its prompt (invisible to the prompt's queries, overwritten by the answer), so positions
         stay per row. Returns each job's first token, on the host once the GPU gets there (pinned,
         non-blocking)."""
-        width = max(len(j.prompt) for j in jobs)
+        lengths = torch.tensor([len(j.prompt) for j in jobs])
+        width = int(lengths.max())
+        # a few whole-batch ops, not a handful per prompt: the host builds these while the GPU waits
+        pad = (width - lengths)[:, None]
+        column = torch.arange(width)[None]
         ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)
-        positions = torch.empty((len(jobs), width), dtype=torch.long)
-        for i, job in enumerate(jobs):
-            n = len(job.prompt)
-            ids[i, width - n:] = torch.tensor(job.prompt)
-            positions[i] = torch.cat([torch.arange(n, width), torch.arange(n)])
+        ids[column >= pad] = torch.tensor(list(chain.from_iterable(j.prompt for j in jobs)), dtype=torch.long)
+        positions = (column - pad) % width  # prompt: 0..n-1 at the right; padding: n..width-1 before it
         # one transfer for the prompts, one for the rows' integers: each is a pinned copy on the host
         ids, positions = self._to_device(torch.stack([ids, positions]))
-        index, lengths, budgets = self._to_device(torch.tensor([rows, [len(j.prompt) for j in jobs],
-                                                                [j.max_tokens for j in jobs]]))
+        index, lengths, budgets = self._to_device(torch.stack([torch.tensor(rows), lengths,
+                                                               torch.tensor([j.max_tokens for j in jobs])]))
         temperature = self._to_device(torch.tensor([j.temperature for j in jobs], dtype=torch.float32))
         logits, shape = self.prefills.run(ids, positions)
         first = sample(logits, temperature)
@@ -322,14 +336,14 @@ class GraphedEngine:
                 admitted = []
             elif not launched:
                 return
-            if len(launched) > 1 or not busy:
+            if len(launched) > self.ahead or not busy:
                 self._read(launched.popleft(), occupant, give)
 
     def _launch(self, step, occupant: list[Job | None], admitted: list) -> _Chunk:
         """Runs a chunk of steps; its tokens follow it to the host without a wait."""
         for _ in range(self.chunk):
             step()
-        tokens = self.host_tokens[self.launches % 2]  # the other one may be read meanwhile
+        tokens = self.host_tokens[self.launches % len(self.host_tokens)]  # the others may be in flight or read
         self.launches += 1
         tokens.copy_(self.history, non_blocking=True)
         done = None
