@@ -12,7 +12,8 @@ in the same run. `--plain` times the captured step alone with every row at one c
 serving engine's step would run with no refill; `--profile`, the CUDA kernels of that step (a
 random-weight model of the target's shape, `--model smollm2-shape`, serves for both).
 `--check N`: N prompts in fp32, the engine's answers against transformers' padded `generate`
-(equal, token for token).
+(equal, token for token). `--flex-options JSON`: flex decoding's kernel options (e.g.
+'{"num_stages": 3, "num_warps": 4}'), inductor's own when not given.
 
     PYTHONPATH=. python3 bench/regen_speed.py --prompts data/every/train_prompts.jsonl --num 8192 \
         --rows 1024 --variants sdpa flex --plain 256 512 --check 64 --out regen.json    # one GPU
@@ -33,6 +34,7 @@ from dflash_train.data.formats import iter_rows, normalise_messages
 from dflash_train.generate.backends import GenParams
 from dflash_train.generate.graphed_engine import GraphedEngine, Job
 from dflash_train.generate.local_backend import encode_prompt, generate_ids, pad_token_id, stop_ids
+from dflash_train.targets import flex_decode
 
 VARIANTS = {"sdpa": dict(compile=False, attention="sdpa"), "flex": dict(compile=True, attention="flex")}
 
@@ -194,8 +196,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--check", type=int, default=0, metavar="N")
     ap.add_argument("--check-tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--flex-options", type=json.loads, default={}, metavar="JSON")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    flex_decode.KERNEL_OPTIONS.update(args.flex_options)  # read when the step compiles, below
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -205,7 +209,7 @@ def main(argv=None) -> dict:
     bandwidth = copy_bandwidth(device)
     report = {"model": args.model, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "prompts": len(prompts), "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
-              "prompt_tokens_max": max(map(len, prompts)), "copy_bandwidth_gbs": bandwidth and round(bandwidth / 1e9), "runs": []}
+              "prompt_tokens_max": max(map(len, prompts)), "copy_bandwidth_gbs": bandwidth and round(bandwidth / 1e9), "flex_options": args.flex_options, "runs": []}
     answers = {}
     for name in args.variants:
         result, answers[name] = run_variant(model, prompts, args, stops, pad_id, name, bandwidth)

@@ -26,8 +26,18 @@ def test_flex_decode_equals_brute_force(queries):
     starts = torch.tensor([0, 7, KV_BLOCK - queries, length - queries - 5])
     positions = starts[:, None] + torch.arange(queries)
     mask = decode_block_mask(positions, length, heads // kv_heads)
-    # blocks read: up to the one holding the row's last query, none past it
-    assert mask.kv_num_blocks.flatten().tolist() == [1, 1, 1, 3]
+    # blocks read: up to the one holding the row's last query, none past it; full (no mask_mod):
+    # those whose every key each query of the row sees (one query: up to 127 and 378 fill 1 and 2
+    # blocks; three: 125-127 fill none, 376-378 two)
+    full, partial = mask.full_kv_num_blocks.flatten().tolist(), mask.kv_num_blocks.flatten().tolist()
+    assert [f + p for f, p in zip(full, partial)] == [1, 1, 1, 3]
+    assert full == ([0, 0, 1, 2] if queries == 1 else [0, 0, 0, 2])
+    # eagerly the mask_mod runs on full blocks too, so the attention below cannot see a wrong full
+    # block: each one's keys must all be visible to every query of its row, by brute force
+    for row in range(rows):
+        for block in mask.full_kv_indices[row, 0, 0, : full[row]].tolist():
+            assert (block + 1) * KV_BLOCK - 1 <= positions[row].min()
+    assert mask.full_kv_indices.is_contiguous()  # the compiled kernel misread an expanded view (flex_decode.py)
     scale = 1 / math.sqrt(dim)
     out, _ = flex_decode_attention(None, query, key, value, mask, scaling=scale)
     assert out.shape == (rows, queries, heads, dim)
