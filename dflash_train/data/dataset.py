@@ -46,7 +46,7 @@ class TokenizedDataset:
 
     @property
     def lengths(self) -> np.ndarray:
-        return np.array([len(x) for x in self.input_ids], dtype=np.int64)
+        return np.fromiter(map(len, self.input_ids), dtype=np.int64, count=len(self.input_ids))
 
     def append(self, ids, mask) -> None:
         self.input_ids.append(np.asarray(ids, dtype=np.int32))
@@ -65,7 +65,8 @@ class TokenizedDataset:
         return {
             "sequences": int(len(lengths)),
             "tokens": int(lengths.sum()),
-            "loss_tokens": int(sum(int(m.sum()) for m in self.loss_mask)),
+            # One concatenation and sum: a sum per row took 0.1 s for 40K rows.
+            "loss_tokens": int(np.concatenate(self.loss_mask).sum(dtype=np.int64)),
             "mean": float(lengths.mean()),
             "p50": int(np.percentile(lengths, 50)),
             "p95": int(np.percentile(lengths, 95)),
@@ -158,10 +159,17 @@ def _tokenize_chunk(rows: list) -> tuple[list, np.ndarray, np.ndarray, list[int]
 
 
 def _unpacked(packed) -> Iterator:
+    """_tokenize_chunk's rows again: views into its two arrays, problems as they were."""
     problems, ids, masks, lengths = packed
-    bounds = np.cumsum(lengths)[:-1]
-    rows = zip(np.split(ids, bounds), np.split(masks, bounds))
-    return (next(rows) if problem is None else problem for problem in problems)
+    spans = iter(lengths)
+    start = 0
+    for problem in problems:
+        if problem is not None:
+            yield problem
+            continue
+        end = start + next(spans)
+        yield ids[start:end], masks[start:end]
+        start = end
 
 
 def can_fork() -> bool:
