@@ -1,9 +1,9 @@
 """Reading conversations: JSONL or Parquet, OpenAI `messages` or ShareGPT `conversations`, or
 plain `text` rows (a corpus: every token is learned, no template).
 
-Rows stream one at a time (a million-row file never sits in memory as a list). A bad row raises
-`DataError` naming file, line and problem; with `skip_invalid` it is skipped and counted in
-`RowStats` instead. Nothing is dropped silently.
+Rows stream one at a time (a million-row file never sits in memory as parsed objects). A bad row
+is a `DataError` naming file, line and problem: `tokenize_files` raises it, or with `skip_invalid`
+skips it and counts it in `RowStats`. Nothing is dropped silently.
 """
 
 from __future__ import annotations
@@ -277,25 +277,3 @@ def read_row(where: str, row, require_assistant: bool = True) -> Conversation | 
     except DataError as err:
         return err
     return Conversation(source=where, id=row_id(row, where), messages=messages, text=text)
-
-
-def iter_conversations(
-    paths: list[str | Path] | str | Path,
-    skip_invalid: bool = False,
-    stats: RowStats | None = None,
-    require_assistant: bool = True,
-) -> Iterator[Conversation]:
-    stats = stats if stats is not None else RowStats()
-    for path in expand_paths(paths):
-        for where, row in iter_unparsed_rows(path):
-            conv = read_row(where, row, require_assistant)
-            if isinstance(conv, str):
-                stats.skipped[conv] += 1
-                continue
-            if isinstance(conv, DataError):
-                if not skip_invalid:
-                    raise conv
-                stats.skip(conv)
-                continue
-            stats.ok += 1
-            yield conv
