@@ -55,6 +55,20 @@ def test_prepare_load_round_trip(tmp_path):
     assert len(both) == 14
 
 
+def test_shards_written_at_once_read_back_in_row_order(tmp_path, monkeypatch):
+    import dflash_train.data.dataset as dataset
+
+    tok = tiny_tokenizer()
+    ds = tokenize_files([write_jsonl(tmp_path / "c.jsonl", conversations(11))], tok, 256, False)
+    monkeypatch.setattr(dataset, "SHARD_ROWS", 3)
+    out = save_prepared(ds, tmp_path / "prep", tokenizer_fingerprint(tok), 256)
+    assert json.loads((out / "dataset.json").read_text())["shards"] == [f"shard_{i:05d}.parquet" for i in range(4)]
+    back = load_prepared(out, tokenizer_fingerprint(tok))
+    assert len(back) == 11
+    for a, b in zip(ds.input_ids + ds.loss_mask, back.input_ids + back.loss_mask):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_fingerprint_mismatch_is_refused(tmp_path):
     tok = tiny_tokenizer()
     ds = tokenize_files([write_jsonl(tmp_path / "c.jsonl", conversations(2))], tok, 256, False)
