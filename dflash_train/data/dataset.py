@@ -218,7 +218,7 @@ def tokenize_files(
         ctx = multiprocessing.get_context(method)
         with ctx.Pool(processes, initializer=_init_worker, initargs=(tokenizer, max_length, template_kwargs)) as pool:
             results = pool.imap(_tokenize_chunk, chunks)
-            first = next(results)  # a pool has >= PARALLEL_MIN_ROWS rows; a spawned pool's start (imports in every worker) is seconds
+            first = next(results)  # a spawned pool's start (imports in every worker) is seconds
             log.info("tokeniser pool of %d (%s): first chunk after %.1f s", processes, method,
                      time.perf_counter() - start)
             _collect(ds, (r for packed in itertools.chain([first], results) for r in _unpacked(packed)), skip_invalid)
