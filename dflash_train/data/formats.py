@@ -1,9 +1,9 @@
 """Reading conversations: JSONL or Parquet, OpenAI `messages` or ShareGPT `conversations`, or
 plain `text` rows (a corpus: every token is learned, no template).
 
-Rows stream one at a time (a million-row file never sits in memory as a list). A bad row raises
-`DataError` naming file, line and problem; with `skip_invalid` it is skipped and counted in
-`RowStats` instead. Nothing is dropped silently.
+Rows stream one at a time (a million-row file never sits in memory as parsed objects). A bad row
+is a `DataError` naming file, line and problem: `tokenize_files` raises it, or with `skip_invalid`
+skips it and counts it in `RowStats`. Nothing is dropped silently.
 """
 
 from __future__ import annotations
@@ -149,25 +149,28 @@ def _lines(f) -> Iterator[tuple[int, bytes | None]]:
         yield lineno, raw
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
+def _jsonl_lines(path: Path) -> Iterator[tuple[str, bytes | DataError]]:
+    """The non-blank lines of a JSONL file, unparsed (parse_line parses one)."""
     with path.open("rb") as f:
         for lineno, raw in _lines(f):
             where = f"{path}:{lineno}"
             if raw is None:
                 yield where, _too_long(where, f"longer than {MAX_ROW_BYTES} bytes")
-                continue
-            if not raw.strip():
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                yield where, DataError(f"{where}: not valid UTF-8 ({err.reason} at byte {err.start})")
-                continue
-            text = text.rstrip("\r\n")
-            try:
-                yield where, json.loads(text)
-            except json.JSONDecodeError as err:
-                yield where, DataError(f"{where}: not valid JSON: {_json_problem(err, text)}")
+            elif raw.strip():
+                yield where, raw
+
+
+def parse_line(where: str, raw: bytes) -> object:
+    """One JSONL line -> its JSON value, or the DataError saying why it has none."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return DataError(f"{where}: not valid UTF-8 ({err.reason} at byte {err.start})")
+    text = text.rstrip("\r\n")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        return DataError(f"{where}: not valid JSON: {_json_problem(err, text)}")
 
 
 def _json_problem(err: json.JSONDecodeError, line: str) -> str:
@@ -222,13 +225,20 @@ def _row_bytes(batch) -> list[int]:
 
 def iter_rows(path: str | Path) -> Iterator[tuple[str, object]]:
     """(location, parsed row or DataError) for every row of a JSONL or Parquet file."""
+    rows = iter_unparsed_rows(path)
+    return ((where, parse_line(where, row) if isinstance(row, bytes) else row) for where, row in rows)
+
+
+def iter_unparsed_rows(path: str | Path) -> Iterator[tuple[str, object]]:
+    """iter_rows with JSONL lines left as bytes: JSON parsing is most of the cost of reading, and
+    `tokenize_files` spreads it over its worker processes (read_row parses)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
     if path.suffix == ".parquet":
         return _parquet_rows(path)
     if path.suffix in (".jsonl", ".json", ".ndjson"):
-        return _jsonl_rows(path)
+        return _jsonl_lines(path)
     raise DataError(f"{path}: unsupported data format (use .jsonl or .parquet)")
 
 
@@ -247,32 +257,23 @@ def expand_paths(paths) -> list[Path]:
     return out
 
 
-def iter_conversations(
-    paths: list[str | Path] | str | Path,
-    skip_invalid: bool = False,
-    stats: RowStats | None = None,
-    require_assistant: bool = True,
-) -> Iterator[Conversation]:
-    stats = stats if stats is not None else RowStats()
-    for path in expand_paths(paths):
-        for where, row in iter_rows(path):
-            # Rows that regeneration already marked failed are accounted there; count, don't train.
-            if isinstance(row, dict) and row.get("status", "ok") != "ok":
-                stats.skipped[f"generation {row['status']}"] += 1
-                continue
-            try:
-                if isinstance(row, DataError):
-                    raise row
-                text = text_row(row)
-                if text is not None and (not isinstance(text, str) or not text.strip()):
-                    raise DataError(f"{where}: field 'text' must be a non-empty string")
-                messages = [] if text is not None else normalise_messages(row, where)
-                if text is None and require_assistant and not any(m["role"] == "assistant" for m in messages):
-                    raise DataError(f"{where}: no assistant turn to learn from")
-            except DataError as err:
-                if not skip_invalid:
-                    raise
-                stats.skip(err)
-                continue
-            stats.ok += 1
-            yield Conversation(source=where, id=row_id(row, where), messages=messages, text=text)
+def read_row(where: str, row, require_assistant: bool = True) -> Conversation | DataError | str:
+    """One row of iter_unparsed_rows -> its Conversation, the DataError that makes it unusable, or
+    the reason a row that regeneration marked failed is skipped (it is accounted there: counted,
+    never trained on)."""
+    if isinstance(row, bytes):
+        row = parse_line(where, row)
+    if isinstance(row, dict) and row.get("status", "ok") != "ok":
+        return f"generation {row['status']}"
+    try:
+        if isinstance(row, DataError):
+            raise row
+        text = text_row(row)
+        if text is not None and (not isinstance(text, str) or not text.strip()):
+            raise DataError(f"{where}: field 'text' must be a non-empty string")
+        messages = [] if text is not None else normalise_messages(row, where)
+        if text is None and require_assistant and not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where}: no assistant turn to learn from")
+    except DataError as err:
+        return err
+    return Conversation(source=where, id=row_id(row, where), messages=messages, text=text)

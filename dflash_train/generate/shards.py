@@ -5,7 +5,7 @@ directory fsynced: after a `kill -9` or a power cut a shard is either complete o
 half there. Resuming reads the `key` of every row in committed shards and skips those inputs;
 leftover temporary files are deleted. An exclusive lock on the directory keeps two runs from
 writing the same rows twice (the kernel drops it when the process dies, however it dies).
-The training reader (`formats.iter_conversations`) takes the directory and reads its shards.
+The training reader (`formats.expand_paths`) takes the directory and reads its shards.
 """
 
 from __future__ import annotations

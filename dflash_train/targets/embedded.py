@@ -32,6 +32,10 @@ fields transformers 4.x reads)."""
 
 FAST_TOKENIZER = "PreTrainedTokenizerFast"
 """The tokenizer class every transformers version loads from tokenizer.json alone."""
+TOKENIZER_CLASSES = {"SmolLM2-135M-Instruct": FAST_TOKENIZER, "gemma-3-270m": "GemmaTokenizer"}
+"""The class AutoTokenizer loads from each converted directory (tests/targets/test_tokenizer.py checks
+it). Named, it loads without AutoTokenizer, whose imports (torch, the model's config class) were most
+of `prepare`'s fixed seconds."""
 
 
 def converted_target(name: str) -> Path:
@@ -49,6 +53,14 @@ def converted_target(name: str) -> Path:
         if (out / "config.json").is_file():
             return out
         return convert(packaged, model_name, out)
+
+
+def converted_tokenizer_class(path: str | Path) -> str | None:
+    """The tokenizer class of an embedded target's converted directory; None for any other path."""
+    for _, model_name in EMBEDDED_TARGETS.values():
+        if Path(path) == cache_home() / "models" / f"{model_name}.v{CONVERSION_VERSION}":
+            return TOKENIZER_CLASSES[model_name]
+    return None
 
 
 def convert(packaged, model_name: str, out: Path) -> Path:

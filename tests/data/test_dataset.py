@@ -55,6 +55,20 @@ def test_prepare_load_round_trip(tmp_path):
     assert len(both) == 14
 
 
+def test_shards_written_at_once_read_back_in_row_order(tmp_path, monkeypatch):
+    import dflash_train.data.dataset as dataset
+
+    tok = tiny_tokenizer()
+    ds = tokenize_files([write_jsonl(tmp_path / "c.jsonl", conversations(11))], tok, 256, False)
+    monkeypatch.setattr(dataset, "SHARD_ROWS", 3)
+    out = save_prepared(ds, tmp_path / "prep", tokenizer_fingerprint(tok), 256)
+    assert json.loads((out / "dataset.json").read_text())["shards"] == [f"shard_{i:05d}.parquet" for i in range(4)]
+    back = load_prepared(out, tokenizer_fingerprint(tok))
+    assert len(back) == 11
+    for a, b in zip(ds.input_ids + ds.loss_mask, back.input_ids + back.loss_mask):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_fingerprint_mismatch_is_refused(tmp_path):
     tok = tiny_tokenizer()
     ds = tokenize_files([write_jsonl(tmp_path / "c.jsonl", conversations(2))], tok, 256, False)
@@ -120,24 +134,37 @@ def test_skip_invalid_skips_rows_the_template_cannot_render(tmp_path):
 
 @pytest.mark.parametrize("fork", [True, False])
 def test_worker_processes_tokenise_like_one_process(tmp_path, monkeypatch, fork):
-    """Large inputs are tokenised by a pool of processes in chunks, forked when that is safe and
-    spawned otherwise: same rows, same order, same skipped-row accounting as in process; a bad row
-    still fails the run when not skipped."""
+    """Large inputs are parsed and tokenised by a pool of processes in chunks, forked when that is
+    safe and spawned otherwise: same rows, same order, same skipped-row accounting as in process
+    (rows skipped unread listed first, as when the parent read every row before tokenising); the
+    first bad row in file order still fails the run when not skipped."""
     import dflash_train.data.dataset as dataset
 
     tok = tiny_tokenizer()
-    rows = conversations(23)
-    rows[5]["messages"][0]["content"] = "x" * 300  # no answer within max_length: skipped or an error
-    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    rows = [json.dumps(r) for r in conversations(23)]
+    rows[5] = json.dumps(conversations(6)[5] | {"messages": [{"role": "user", "content": "x" * 300},
+                                                             {"role": "assistant", "content": "a"}]})
+    rows[17] = json.dumps({"messages": [{"role": "user", "content": "a question, no answer"}]})
+    rows[19] = '{"messages": [}'
+    rows[21] = json.dumps({"status": "error", "prompt": "p"})
+    src = tmp_path / "c.jsonl"
+    src.write_text("\n".join(rows) + "\n")
     one = tokenize_files([src], tok, 128, skip_invalid=True, workers=1)
     monkeypatch.setattr(dataset, "PARALLEL_MIN_ROWS", 0)
-    monkeypatch.setattr(dataset, "CHUNK_ROWS", 4)
+    monkeypatch.setattr(dataset, "POOL_CHUNK_ROWS", 4)
     monkeypatch.setattr(dataset, "can_fork", lambda: fork)
     pooled = tokenize_files([src], tok, 128, skip_invalid=True, workers=2)
-    assert len(pooled) == len(one) == 22 and pooled.stats.to_dict() == one.stats.to_dict()
+    assert len(pooled) == len(one) == 19 and pooled.stats.to_dict() == one.stats.to_dict()
+    assert list(pooled.stats.skipped) == list(one.stats.skipped) == [
+        "no assistant turn to learn from", "not valid JSON: Expecting value", "generation error",
+        "no response tokens within max_length"]
     for a, b in zip(one.input_ids + one.loss_mask, pooled.input_ids + pooled.loss_mask):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(DataError, match="c.jsonl:6.*max_length"):
+        tokenize_files([src], tok, 128, skip_invalid=False, workers=2)
+    del rows[5], rows[16]
+    src.write_text("\n".join(rows) + "\n")
+    with pytest.raises(DataError, match="c.jsonl:18: not valid JSON"):
         tokenize_files([src], tok, 128, skip_invalid=False, workers=2)
 
 

@@ -1,4 +1,5 @@
-"""Conversation files: errors name file:line; skip_invalid accounts for every row; formats agree."""
+"""Conversation files: errors name file:line; skip_invalid accounts for every row; formats agree.
+Rows are read as `tokenize_files` reads them: unparsed (iter_unparsed_rows), then read_row each."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_train.data.formats import DataError, RowStats, iter_conversations, iter_rows
+from dflash_train.data.dataset import tokenize_files
+from dflash_train.data.formats import Conversation, DataError, expand_paths, iter_rows, iter_unparsed_rows, read_row
+from tiny import tiny_tokenizer
 
 GOOD_OPENAI = {
     "id": "c1",
@@ -47,9 +50,13 @@ def write_lines(path, lines: list) -> str:
     return str(path)
 
 
+def read(paths) -> list[Conversation | DataError | str]:
+    return [read_row(where, row) for path in expand_paths(paths) for where, row in iter_unparsed_rows(path)]
+
+
 def test_sharegpt_and_openai_give_the_same_messages(tmp_path):
-    a = list(iter_conversations(write_lines(tmp_path / "a.jsonl", [GOOD_OPENAI])))
-    b = list(iter_conversations(write_lines(tmp_path / "b.jsonl", [GOOD_SHAREGPT])))
+    a = read(write_lines(tmp_path / "a.jsonl", [GOOD_OPENAI]))
+    b = read(write_lines(tmp_path / "b.jsonl", [GOOD_SHAREGPT]))
     assert a[0].messages == b[0].messages == EXPECTED
     assert a[0].id == b[0].id == "c1"
     assert a[0].source.endswith("a.jsonl:1")
@@ -69,17 +76,19 @@ BAD_ROWS = [
 @pytest.mark.parametrize("name,row,message", BAD_ROWS, ids=[r[0] for r in BAD_ROWS])
 def test_bad_row_error_names_file_and_line(tmp_path, name, row, message):
     path = write_lines(tmp_path / "d.jsonl", [GOOD_OPENAI, "", GOOD_SHAREGPT, row, GOOD_OPENAI])
-    with pytest.raises(DataError) as err:
-        list(iter_conversations(path))
-    assert f"{path}:4" in str(err.value)
-    assert message in str(err.value)
+    rows = read(path)  # the blank line is no row
+    assert [type(r) for r in rows] == [Conversation, Conversation, DataError, Conversation]
+    assert f"{path}:4" in str(rows[2])
+    assert message in str(rows[2])
+    with pytest.raises(DataError, match=f"{path}:4"):
+        tokenize_files([path], tiny_tokenizer(), 256, skip_invalid=False)
 
 
 def test_skip_invalid_counts_every_row(tmp_path):
     rows = [GOOD_OPENAI] + [r[1] for r in BAD_ROWS] + [GOOD_SHAREGPT, GOOD_OPENAI]
     path = write_lines(tmp_path / "d.jsonl", rows)
-    stats = RowStats()
-    got = list(iter_conversations(path, skip_invalid=True, stats=stats))
+    got = tokenize_files([path], tiny_tokenizer(), 256, skip_invalid=True)
+    stats = got.stats
     assert len(got) == stats.ok == 3
     assert sum(stats.skipped.values()) == len(BAD_ROWS)
     assert stats.total == len(rows)
@@ -91,32 +100,33 @@ def test_parquet_input(tmp_path):
     path = tmp_path / "d.parquet"
     rows = [{"id": "c1", "messages": EXPECTED}, {"id": "c2", "messages": EXPECTED}]
     pq.write_table(pa.Table.from_pylist(rows), path)
-    got = list(iter_conversations(path))
+    got = read(path)
     assert [c.id for c in got] == ["c1", "c2"]
     assert got[0].messages == EXPECTED
     assert got[1].source == f"{path}:row 2"
     sharegpt = tmp_path / "s.parquet"
     pq.write_table(pa.Table.from_pylist([GOOD_SHAREGPT]), sharegpt)
-    assert next(iter_conversations(sharegpt)).messages == EXPECTED
+    assert read(sharegpt)[0].messages == EXPECTED
 
 
 def test_unsupported_format_and_missing_file(tmp_path):
     (tmp_path / "d.csv").write_text("a,b\n")
     with pytest.raises(DataError, match="unsupported"):
-        list(iter_conversations(tmp_path / "d.csv"))
+        read(tmp_path / "d.csv")
     with pytest.raises(DataError, match="not found"):
-        list(iter_conversations(tmp_path / "nope.jsonl"))
+        read(tmp_path / "nope.jsonl")
 
 
 def test_text_rows_are_a_corpus_and_an_empty_one_is_named(tmp_path):
     path = tmp_path / "corpus.jsonl"
     path.write_text(json.dumps({"id": "t1", "text": "some plain text"}) + "\n" + json.dumps({"text": " "}) + "\n")
-    rows = iter_conversations([path], skip_invalid=True, stats=(stats := RowStats()))
-    [row] = list(rows)
+    row, empty = read([path])
     assert (row.id, row.text, row.messages) == ("t1", "some plain text", [])
+    assert isinstance(empty, DataError)
+    stats = tokenize_files([path], tiny_tokenizer(), 256, skip_invalid=True).stats
     assert stats.to_dict() == {"rows": 2, "ok": 1, "skipped": {"field 'text' must be a non-empty string": 1}}
     with pytest.raises(DataError, match=r"corpus.jsonl:2: field 'text'"):
-        list(iter_conversations([path]))
+        tokenize_files([path], tiny_tokenizer(), 256, skip_invalid=False)
 
 
 def test_a_line_cut_short_is_reported_as_such_not_at_column_1(tmp_path):

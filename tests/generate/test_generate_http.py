@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.data.formats import RowStats, iter_conversations
+from dflash_train.data.dataset import tokenize_files
 from dflash_train.generate.job import generate
 from dflash_train.generate.config import build_generate_config
 from tests.generate.conftest import conversation, read_rows, run, write_jsonl
+from tiny import tiny_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from chat_server import echo_answer  # noqa: E402  the test server lives with the benchmarks
@@ -82,9 +83,8 @@ def test_a_request_that_keeps_failing_becomes_a_counted_error_row(tmp_path, star
     assert list(summary["top_reasons"].values()) == [1]
 
     # The training reader takes the output directory and trains on ok rows only.
-    stats = RowStats()
-    assert len(list(iter_conversations(tmp_path / "out", stats=stats))) == 9
-    assert stats.skipped == {"generation error": 1}
+    trained = tokenize_files([tmp_path / "out"], tiny_tokenizer(), 1024, skip_invalid=False)
+    assert len(trained) == 9 and trained.stats.skipped == {"generation error": 1}
 
 
 def test_load_spreads_over_servers_and_a_dead_one_costs_no_rows(tmp_path, start_server):
