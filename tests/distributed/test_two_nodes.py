@@ -51,8 +51,9 @@ def test_two_nodes_train_like_one_node(assets, tmp_path):
 @pytest.mark.slow(seconds=80)
 def test_a_lost_node_is_named_and_the_run_resumes(assets, tmp_path):
     config = write_config(assets, tmp_path / "run")
+    # 24 steps: the kill lands right after the first checkpoint (step 2), 22 steps before the end
     argv = ["-c", str(config), "--target-gpus", "1", "--heartbeat-timeout", "10",
-            "train.max_steps=60", "train.grad_accum=2"]
+            "train.max_steps=24", "train.grad_accum=2"]
     node0, node1 = start_two_nodes(argv)
     checkpoints = tmp_path / "run" / "checkpoints"
     deadline = time.monotonic() + 90
@@ -71,6 +72,6 @@ def test_a_lost_node_is_named_and_the_run_resumes(assets, tmp_path):
     nodes = start_two_nodes([*argv, "--resume", "auto"])
     outs = [n.communicate(timeout=120)[0] for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
-    expected = reference_losses(config, tmp_path / "ref", ["train.max_steps=60", "train.grad_accum=2"])
-    assert re.search(r"starting at step [1-9]\d* of 60", outs[1]), outs[1][-2000:]
+    expected = reference_losses(config, tmp_path / "ref", ["train.max_steps=24", "train.grad_accum=2"])
+    assert re.search(r"starting at step [1-9]\d* of 24", outs[1]), outs[1][-2000:]
     assert losses(tmp_path / "run") == pytest.approx(expected, abs=1e-5)
