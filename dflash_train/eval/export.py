@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,7 +22,9 @@ from dflash_train.checkpoint.integrity import require_intact
 from dflash_train.checkpoint.local import read_checkpoint_file
 from dflash_train.disk import require_writable, writes_to
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
-from dflash_train.targets.model import Target
+
+if TYPE_CHECKING:  # an annotation only: `export` loads no target, and transformers' model code took
+    from dflash_train.targets.model import Target  # ~3.5 s of its start
 
 CHECKPOINT_CONFIG = "draft_config.json"
 WEIGHTS = "model.safetensors"
