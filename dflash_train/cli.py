@@ -163,12 +163,12 @@ def cmd_eval(args) -> int:
         raise ConfigError(f"overrides {args.run_overrides} need -c: they change a run config")
     run = load_config(args.config, args.run_overrides) if args.config else None
     job = build_eval_config(run, args.overrides)
-    from dflash_train.eval.report import format_table, run_eval
+    from dflash_train.eval.report import format_table, report_dirs, run_eval
 
-    report = run_eval(job)
-    print(format_table(report))
-    if job.out:
-        print(f"report: {job.out}/eval.json, chart: {job.out}/eval.png")
+    for report, out in zip(run_eval(job), report_dirs(job) or [None] * len(job.prompts)):
+        print(format_table(report))
+        if out is not None:
+            print(f"report: {out}/eval.json, chart: {out}/eval.png")
     return 0
 
 

@@ -103,36 +103,38 @@ train() {
   "${DT[@]}" export "$(last_checkpoint)" "$RUN/export"
 }
 
-evaluate() {  # $1: drafter dir, $2: prompt set, $3: report dir; extra args follow (the last --num-prompts wins)
-  local drafter=$1 set=$2 out=$3; shift 3
-  "${DT[@]}" eval --target "$TARGET" --drafter "$drafter" --prompts "$set" --max-new-tokens "$NEW_TOKENS" \
+evaluate() {  # $1: drafter dir, $2: report dir; then eval's flags (--prompts SET, one or more; the last --num-prompts wins)
+  local drafter=$1 out=$2; shift 2
+  "${DT[@]}" eval --target "$TARGET" --drafter "$drafter" --max-new-tokens "$NEW_TOKENS" \
     --device "$DEVICE" --batch-size "$EVAL_BATCH" ${EVAL_PROMPTS:+--num-prompts "$EVAL_PROMPTS"} --out "$out" "$@"
 }
 
-eval_sets() {  # the trained drafter on the three sets; fp32: the lossless check is exact
-  local set
+eval_sets() {  # the trained drafter on the sets, in one process (target and drafter loaded once), each
+  # report in $RUN/eval/<set>; fp32: the lossless check is exact
+  local sets=() set
   for set in $EVAL_SETS; do
     case $set in
-      humaneval|mt-bench) evaluate "$RUN/export" "$set" "$RUN/eval/$set" --dtype float32 --speed-prompts 0 ;;
-      sharegpt) evaluate "$RUN/export" "$DATA/heldout_prompts.jsonl" "$RUN/eval/sharegpt" --dtype float32 \
-                  --speed-prompts 0 ;;
+      humaneval|mt-bench) sets+=(--prompts "$set") ;;
+      sharegpt) sets+=(--prompts "sharegpt=$DATA/heldout_prompts.jsonl") ;;
       *) echo "unknown eval set '$set' in EVAL_SETS (humaneval, sharegpt, mt-bench)" >&2; return 2 ;;
     esac
   done
+  # one set writes its report where --out says, several one directory each inside it
+  evaluate "$RUN/export" "$RUN/eval$([ ${#sets[@]} -eq 2 ] && echo "/$set")" "${sets[@]}" --dtype float32 --speed-prompts 0
 }
 
 eval_curve() {  # tau against training length: the checkpoints at ~1/3 and ~2/3 of the run
   local ckpts=("$RUN"/checkpoints/step_*) m
   m=$((${#ckpts[@]} - 1))  # the earlier checkpoints (eval-sets has the last)
   for ckpt in $(printf '%s\n' "${ckpts[$((m / 3))]}" "${ckpts[$((2 * m / 3))]}" | sort -u); do
-    evaluate "$ckpt" humaneval "$RUN/eval/humaneval_$(basename "$ckpt")" --dtype float32 --speed-prompts 0 \
+    evaluate "$ckpt" "$RUN/eval/humaneval_$(basename "$ckpt")" --prompts humaneval --dtype float32 --speed-prompts 0 \
       ${CURVE_PROMPTS:+--num-prompts "$CURVE_PROMPTS"}
   done
 }
 
 speedup() {  # speed as served: bf16 (the target's dtype), one prompt at a time, KV caches (its lossless
   # count is bf16's: near-ties may flip between a 16-token verification and a 1-token decode)
-  evaluate "$RUN/export" humaneval "$RUN/eval/humaneval_speedup" --num-prompts "$SPEEDUP_PROMPTS" \
+  evaluate "$RUN/export" "$RUN/eval/humaneval_speedup" --prompts humaneval --num-prompts "$SPEEDUP_PROMPTS" \
     --speed-prompts "$SPEEDUP_PROMPTS"
 }
 

@@ -162,10 +162,17 @@ def test_eval_runs_the_job_its_flags_describe(tmp_path, monkeypatch, capsys):
     from dflash_train.cli import main
 
     jobs = []
-    monkeypatch.setattr(report, "run_eval", lambda job: jobs.append(job) or {})
+    monkeypatch.setattr(report, "run_eval", lambda job: jobs.append(job) or [{}] * len(job.prompts))
     monkeypatch.setattr(report, "format_table", lambda rep: "table")
     out = tmp_path / "eval"
     assert main(["eval", "--target", "smollm2", "--drafter", "d", "--max-new-tokens", "9", "--out", str(out)]) == 0
     (job,) = jobs
     assert (job.target.path, job.drafter, job.decode.max_new_tokens, job.out) == ("smollm2", "d", 9, str(out))
+    assert job.prompts == ["mt-bench"]
     assert capsys.readouterr().out == f"table\nreport: {out}/eval.json, chart: {out}/eval.png\n"
+    # several sets: one job, a report directory per label
+    assert main(["eval", "--target", "smollm2", "--drafter", "d", "--prompts", "humaneval", "--prompts",
+                 "held=h.jsonl", "--out", str(out)]) == 0
+    assert jobs[1].prompts == ["humaneval", "held=h.jsonl"]
+    assert capsys.readouterr().out == "".join(f"table\nreport: {out / label}/eval.json, chart: {out / label}/eval.png\n"
+                                              for label in ("humaneval", "held"))

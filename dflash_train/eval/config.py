@@ -8,9 +8,10 @@ number of prompts and answer length, and its newest checkpoint as the drafter; f
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from dflash_train.config import ConfigError, RunConfig, TargetConfig
 from dflash_train.config_loader import Override, Section, build, override_pairs
@@ -46,15 +47,41 @@ class EvalJobConfig(Section):
     target: TargetConfig = Field(default_factory=TargetConfig)
     drafter: str
     """A training checkpoint dir or an export dir (with -c: default the run's newest checkpoint)."""
-    prompts: str = "mt-bench"
-    """mt-bench, humaneval, sharegpt or a JSONL file."""
+    prompts: list[str] = Field(default_factory=lambda: ["mt-bench"])
+    """Prompt sets: mt-bench, humaneval, sharegpt or a JSONL file, LABEL=SET to name one. Several
+    are evaluated one after another in this process, the target and drafter loaded once."""
     num_prompts: int | None = Field(None, ge=1)
-    """The first N prompts of the set; default: all."""
+    """The first N prompts of each set; default: all."""
     out: str | None = None
-    """Directory for eval.json and eval.png; default: print only."""
+    """Directory for eval.json and eval.png (several sets: one directory per set's label inside it,
+    the label being LABEL, else the set's name or the file's stem); default: print only."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when a GPU is visible."""
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _one_or_more(cls, value):
+        return [value] if isinstance(value, str) else value  # a run config's eval.prompts, one set
+
+    @field_validator("prompts")
+    @classmethod
+    def _distinct_labels(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("no prompt set given")
+        labels = [label for label, _ in prompt_sets(value)]
+        if len(set(labels)) < len(labels):
+            raise ValueError(f"two prompt sets share a label ({', '.join(labels)}): name them LABEL=SET")
+        return value
+
+
+def prompt_sets(prompts: list[str]) -> list[tuple[str, str]]:
+    """(label, set) of each `prompts` entry: LABEL=SET, else the set's name or its file's stem."""
+    pairs = []
+    for entry in prompts:
+        label, sep, source = entry.partition("=")
+        pairs.append((label, source) if sep else (Path(entry).stem if entry.endswith(".jsonl") else entry, entry))
+    return pairs
 
 
 def build_eval_config(run: RunConfig | None, overrides: Iterable[Override] | Mapping[str, Any] = (),

@@ -29,7 +29,7 @@ from dflash_train.eval.export import load_drafter
 from dflash_train.generate.backends import GenParams
 from dflash_train.generate.local_backend import generate_ids, pad_token_id
 from dflash_train.eval.batched import batched_speculative
-from dflash_train.eval.config import DecodeSettings, EvalJobConfig
+from dflash_train.eval.config import DecodeSettings, EvalJobConfig, prompt_sets
 from dflash_train.data.prompts import Prompt, load_prompts
 from dflash_train.eval.ragged_cache import RaggedCache
 from dflash_train.eval.served_speed import first_difference, pick_speed_engine, served_speed
@@ -218,7 +218,8 @@ def periodic_eval_for(ec: EvalConfig):
 
 def format_table(report: dict) -> str:
     """The report's headline numbers as a rich table, rendered to a string for the terminal."""
-    table = Table(title=f"DFlash eval: {report['target']} ({report['num_turns']} turns, B={report['block_size']}, "
+    on = f" on {report['label']}" if "label" in report else ""
+    table = Table(title=f"DFlash eval: {report['target']}{on} ({report['num_turns']} turns, B={report['block_size']}, "
                         f"T={report['temperature']})")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -277,19 +278,34 @@ def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
     return json_path, png_path
 
 
-def run_eval(cfg: EvalJobConfig) -> dict:
-    """`dflash-train eval`: load target, drafter and prompts, evaluate, write the report if `cfg.out`.
+def run_eval(cfg: EvalJobConfig) -> list[dict]:
+    """`dflash-train eval`: load target and drafter once, then per prompt set: its prompts, evaluate,
+    write the report if `cfg.out` (`report_dirs`). One report per set, in order.
 
     target.dtype: the target's (and drafter's) compute dtype; float32 makes the lossless check exact
     where bf16 rounding can flip near-ties between a 16-token verification and a 1-token decode.
     """
-    if cfg.out is not None:
-        require_writable(cfg.out, "the eval report")
-    chosen = load_prompts(cfg.prompts, cfg.num_prompts)
+    sets, dirs = prompt_sets(cfg.prompts), report_dirs(cfg)
+    for out in dirs:
+        require_writable(out, "the eval report")
+    chosen = [load_prompts(source, cfg.num_prompts) for _, source in sets]  # a bad set fails before loading
     dev = resolve_device(cfg.device)
     loaded = load_target(cfg.target, dev)
-    report = evaluate(loaded, load_drafter(cfg.drafter, loaded, dev), chosen, cfg.decode)
-    report.update(drafter=cfg.drafter, prompts=cfg.prompts)
-    if cfg.out is not None:
-        write_report(report, cfg.out)
-    return report
+    drafter = load_drafter(cfg.drafter, loaded, dev)
+    reports = []
+    for (label, source), prompts, out in zip(sets, chosen, dirs or [None] * len(sets)):
+        report = evaluate(loaded, drafter, prompts, cfg.decode)
+        report.update(drafter=cfg.drafter, prompts=source, label=label)
+        if out is not None:
+            write_report(report, out)
+        reports.append(report)
+    return reports
+
+
+def report_dirs(cfg: EvalJobConfig) -> list[Path]:
+    """Where each set's report goes: `cfg.out` for one set, `cfg.out`/<label> for several; none
+    without `cfg.out`."""
+    if cfg.out is None:
+        return []
+    sets = prompt_sets(cfg.prompts)
+    return [Path(cfg.out)] if len(sets) == 1 else [Path(cfg.out) / label for label, _ in sets]

@@ -55,9 +55,9 @@ def test_sampled_report_has_no_lossless_check(chat_target):
 def test_run_eval_on_smollm2_with_an_exported_drafter(smollm2, tmp_path):
     drafter = tiny_drafter(smollm2, block_size=4, layer_ids=(1, 14, 27), num_layers=1)
     export = export_drafter(save_checkpoint(drafter, tmp_path / "ckpt"), tmp_path / "export")
-    report = run_eval(EvalJobConfig(target={"path": "smollm2"}, drafter=str(export), prompts="humaneval",
-                                    num_prompts=1, out=str(tmp_path / "eval"), device="cpu",
-                                    decode={"max_new_tokens": 6}))
+    (report,) = run_eval(EvalJobConfig(target={"path": "smollm2"}, drafter=str(export), prompts="humaneval",
+                                       num_prompts=1, out=str(tmp_path / "eval"), device="cpu",
+                                       decode={"max_new_tokens": 6}))
     assert report["lossless"] == {"matches": 1, "total": 1} and report["drafter"] == str(export)
     assert (tmp_path / "eval" / "eval.json").is_file()
 
@@ -149,11 +149,47 @@ def test_eval_settings_come_from_the_run_config_then_the_flags(tmp_path, make_ru
         checkpoint_path(run.run_dir, step).mkdir(parents=True)
     cfg = build_eval_config(run, eval_flags("--batch-size", "5", "--dtype", "float32"))
     assert cfg.target.path == run.target.path and cfg.target.dtype == "float32"
-    assert (cfg.prompts, cfg.num_prompts, cfg.decode.max_new_tokens) == ("humaneval", 3, 9)
+    assert (cfg.prompts, cfg.num_prompts, cfg.decode.max_new_tokens) == (["humaneval"], 3, 9)
     assert cfg.drafter == str(checkpoint_path(run.run_dir, 10)) and cfg.decode.batch_size == 5
     flags = build_eval_config(None, eval_flags("--target", "smollm2", "--drafter", "x", "--temperature", "0.5"))
-    assert flags.decode.temperature == 0.5 and flags.prompts == "mt-bench" and flags.decode.max_new_tokens == 256
+    assert flags.decode.temperature == 0.5 and flags.prompts == ["mt-bench"] and flags.decode.max_new_tokens == 256
     with pytest.raises(ConfigError, match="--drafter"):
         build_eval_config(None, eval_flags("--target", "smollm2"))
     with pytest.raises(ConfigError, match="decode.block_size"):
         build_eval_config(None, eval_flags("--target", "smollm2", "--drafter", "x", "--block-size", "1"))
+
+
+def test_several_sets_in_one_run_equal_each_set_evaluated_alone(chat_target, tmp_path, monkeypatch):
+    """`--prompts` twice: the target and drafter load once, and each set's report is the one it gets
+    evaluated alone, written under its label."""
+    import dflash_train.eval.report as report_module
+
+    drafter = tiny_drafter(chat_target, block_size=4)
+    loads = []
+    monkeypatch.setattr(report_module, "load_target", lambda cfg, dev: loads.append(cfg) or chat_target)
+    monkeypatch.setattr(report_module, "load_drafter", lambda path, target, dev: drafter)
+    held = tmp_path / "held_prompts.jsonl"
+    held.write_text(json.dumps({"messages": [{"role": "user", "content": "Name three rivers."}]}) + "\n")
+    cfg = EvalJobConfig(target={"path": "tiny"}, drafter="d", prompts=["mt-bench", f"held={held}"], num_prompts=1,
+                        out=str(tmp_path / "eval"), device="cpu",
+                        decode={"max_new_tokens": 6, "block_size": 3, "speed_prompts": 0})
+    reports = run_eval(cfg)
+    assert len(loads) == 1 and [r["label"] for r in reports] == ["mt-bench", "held"]
+    keys = ("tau", "num_rounds", "num_turns", "acceptance_histogram", "position_acceptance", "lossless")
+    for report, source in zip(reports, ["mt-bench", str(held)]):
+        alone = evaluate(chat_target, drafter, load_prompts(source, 1), cfg.decode)
+        assert {k: report[k] for k in keys} == {k: alone[k] for k in keys}
+        written = json.loads((tmp_path / "eval" / report["label"] / "eval.json").read_text())
+        assert written["prompts"] == source and written["tau"] == report["tau"]
+    assert reports[0]["num_turns"] == 2 and reports[1]["num_turns"] == 1
+
+
+def test_prompt_set_labels(tmp_path):
+    from dflash_train.eval.config import prompt_sets
+
+    assert prompt_sets(["humaneval", "held=a/b.jsonl", "c/heldout_prompts.jsonl"]) == [
+        ("humaneval", "humaneval"), ("held", "a/b.jsonl"), ("heldout_prompts", "c/heldout_prompts.jsonl")]
+    with pytest.raises(ValueError, match="share a label"):
+        EvalJobConfig(target={"path": "t"}, drafter="d", prompts=["a/x.jsonl", "b/x.jsonl"])
+    with pytest.raises(ValueError, match="no prompt set"):
+        EvalJobConfig(target={"path": "t"}, drafter="d", prompts=[])
