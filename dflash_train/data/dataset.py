@@ -189,8 +189,13 @@ def tokenize_workers(requested: int, rows: int) -> tuple[int, str]:
         return 1, ""
     fork = can_fork()
     if requested == 0:
-        return (min(len(os.sched_getaffinity(0)), MAX_WORKERS), "fork") if fork else (1, "")
+        return (min(_cores(), MAX_WORKERS), "fork") if fork else (1, "")
     return requested, "fork" if fork else "spawn"
+
+
+def _cores() -> int:
+    """The cores this process may run on (Linux); every core elsewhere."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def tokenize_files(
@@ -268,7 +273,7 @@ def save_prepared(ds: TokenizedDataset, out_dir: str | Path, fingerprint: str, m
 
     # Shards at once, one thread each: pyarrow encodes without the GIL (a 50K-row shard takes ~1 s).
     count = -(-len(ds) // SHARD_ROWS)
-    with ThreadPoolExecutor(min(count, len(os.sched_getaffinity(0)))) as writers:
+    with ThreadPoolExecutor(min(count, _cores())) as writers:
         shards = list(writers.map(write_shard, range(count)))
     meta = {
         "tokenizer_fingerprint": fingerprint,

@@ -257,7 +257,7 @@ def expand_paths(paths) -> list[Path]:
     return out
 
 
-def read_row(where: str, row, require_assistant: bool = True) -> Conversation | DataError | str:
+def read_row(where: str, row) -> Conversation | DataError | str:
     """One row of iter_unparsed_rows -> its Conversation, the DataError that makes it unusable, or
     the reason a row that regeneration marked failed is skipped (it is accounted there: counted,
     never trained on)."""
@@ -272,7 +272,7 @@ def read_row(where: str, row, require_assistant: bool = True) -> Conversation | 
         if text is not None and (not isinstance(text, str) or not text.strip()):
             raise DataError(f"{where}: field 'text' must be a non-empty string")
         messages = [] if text is not None else normalise_messages(row, where)
-        if text is None and require_assistant and not any(m["role"] == "assistant" for m in messages):
+        if text is None and not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where}: no assistant turn to learn from")
     except DataError as err:
         return err

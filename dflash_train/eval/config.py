@@ -76,11 +76,16 @@ class EvalJobConfig(Section):
 
 
 def prompt_sets(prompts: list[str]) -> list[tuple[str, str]]:
-    """(label, set) of each `prompts` entry: LABEL=SET, else the set's name or its file's stem."""
+    """(label, set) of each `prompts` entry: LABEL=SET, else the set's name or its file's stem. A
+    prefix with a path separator, or an entry that is a file, is no label: `runs/lr=3e-4/held.jsonl`
+    is a path (its label held)."""
     pairs = []
     for entry in prompts:
         label, sep, source = entry.partition("=")
-        pairs.append((label, source) if sep else (Path(entry).stem if entry.endswith(".jsonl") else entry, entry))
+        if sep and label and "/" not in label and not Path(entry).is_file():
+            pairs.append((label, source))
+        else:
+            pairs.append((Path(entry).stem if "/" in entry or entry.endswith(".jsonl") else entry, entry))
     return pairs
 
 

@@ -187,8 +187,13 @@ def test_several_sets_in_one_run_equal_each_set_evaluated_alone(chat_target, tmp
 def test_prompt_set_labels(tmp_path):
     from dflash_train.eval.config import prompt_sets
 
-    assert prompt_sets(["humaneval", "held=a/b.jsonl", "c/heldout_prompts.jsonl"]) == [
-        ("humaneval", "humaneval"), ("held", "a/b.jsonl"), ("heldout_prompts", "c/heldout_prompts.jsonl")]
+    assert prompt_sets(["humaneval", "held=a/b.jsonl", "c/heldout_prompts.jsonl", "runs/lr=3e-4/held.jsonl",
+                        "d/x.json"]) == [
+        ("humaneval", "humaneval"), ("held", "a/b.jsonl"), ("heldout_prompts", "c/heldout_prompts.jsonl"),
+        ("held", "runs/lr=3e-4/held.jsonl"), ("x", "d/x.json")]
+    odd = tmp_path / "a=b.jsonl"  # a file whose name has "=" is that file, not a label
+    odd.touch()
+    assert prompt_sets([str(odd)]) == [("a=b", str(odd))]
     with pytest.raises(ValueError, match="share a label"):
         EvalJobConfig(target={"path": "t"}, drafter="d", prompts=["a/x.jsonl", "b/x.jsonl"])
     with pytest.raises(ValueError, match="no prompt set"):

@@ -38,6 +38,10 @@ def test_flex_decode_equals_brute_force(queries):
         for block in mask.full_kv_indices[row, 0, 0, : full[row]].tolist():
             assert (block + 1) * KV_BLOCK - 1 <= positions[row].min()
     assert mask.full_kv_indices.is_contiguous()  # the compiled kernel misread an expanded view (flex_decode.py)
+    # and the partial blocks read are exactly those from the first not full one to the reach
+    for row in range(rows):
+        read = mask.kv_indices[row, 0, 0, : partial[row]].tolist()
+        assert read == list(range(full[row], full[row] + partial[row])), (row, read)
     scale = 1 / math.sqrt(dim)
     out, _ = flex_decode_attention(None, query, key, value, mask, scaling=scale)
     assert out.shape == (rows, queries, heads, dim)
