@@ -111,16 +111,19 @@ evaluate() {  # $1: drafter dir, $2: report dir; then eval's flags (--prompts SE
 
 eval_sets() {  # the trained drafter on the sets, in one process (target and drafter loaded once), each
   # report in $RUN/eval/<set>; fp32: the lossless check is exact
-  local sets=() set
+  local names=() sets=() set out="$RUN/eval"
   for set in $EVAL_SETS; do
     case $set in
       humaneval|mt-bench) sets+=(--prompts "$set") ;;
       sharegpt) sets+=(--prompts "sharegpt=$DATA/heldout_prompts.jsonl") ;;
       *) echo "unknown eval set '$set' in EVAL_SETS (humaneval, sharegpt, mt-bench)" >&2; return 2 ;;
     esac
+    names+=("$set")
   done
+  [ ${#names[@]} -eq 0 ] && return 0
   # one set writes its report where --out says, several one directory each inside it
-  evaluate "$RUN/export" "$RUN/eval$([ ${#sets[@]} -eq 2 ] && echo "/$set")" "${sets[@]}" --dtype float32 --speed-prompts 0
+  [ ${#names[@]} -eq 1 ] && out="$RUN/eval/${names[0]}"
+  evaluate "$RUN/export" "$out" "${sets[@]}" --dtype float32 --speed-prompts 0
 }
 
 eval_curve() {  # tau against training length: the checkpoints at ~1/3 and ~2/3 of the run
