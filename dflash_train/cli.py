@@ -165,7 +165,7 @@ def cmd_eval(args) -> int:
     job = build_eval_config(run, args.overrides)
     from dflash_train.eval.report import format_table, report_dirs, run_eval
 
-    for report, out in zip(run_eval(job), report_dirs(job) or [None] * len(job.prompts)):
+    for report, out in zip(run_eval(job), report_dirs(job)):
         print(format_table(report))
         if out is not None:
             print(f"report: {out}/eval.json, chart: {out}/eval.png")

@@ -286,14 +286,14 @@ def run_eval(cfg: EvalJobConfig) -> list[dict]:
     where bf16 rounding can flip near-ties between a 16-token verification and a 1-token decode.
     """
     sets, dirs = prompt_sets(cfg.prompts), report_dirs(cfg)
-    for out in dirs:
+    for out in filter(None, dirs):
         require_writable(out, "the eval report")
     chosen = [load_prompts(source, cfg.num_prompts) for _, source in sets]  # a bad set fails before loading
     dev = resolve_device(cfg.device)
     loaded = load_target(cfg.target, dev)
     drafter = load_drafter(cfg.drafter, loaded, dev)
     reports = []
-    for (label, source), prompts, out in zip(sets, chosen, dirs or [None] * len(sets)):
+    for (label, source), prompts, out in zip(sets, chosen, dirs):
         report = evaluate(loaded, drafter, prompts, cfg.decode)
         report.update(drafter=cfg.drafter, prompts=source, label=label)
         if out is not None:
@@ -302,10 +302,10 @@ def run_eval(cfg: EvalJobConfig) -> list[dict]:
     return reports
 
 
-def report_dirs(cfg: EvalJobConfig) -> list[Path]:
-    """Where each set's report goes: `cfg.out` for one set, `cfg.out`/<label> for several; none
-    without `cfg.out`."""
-    if cfg.out is None:
-        return []
+def report_dirs(cfg: EvalJobConfig) -> list[Path | None]:
+    """Where each set's report goes, one entry per set: `cfg.out` for one set, `cfg.out`/<label> for
+    several; None without `cfg.out`."""
     sets = prompt_sets(cfg.prompts)
+    if cfg.out is None:
+        return [None] * len(sets)
     return [Path(cfg.out)] if len(sets) == 1 else [Path(cfg.out) / label for label, _ in sets]
