@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# SmolLM2-135M-Instruct end to end on one GPU, the way a user runs it (the recipe of the 2026-12-01
-# quality runs: real held-out tau 3.04 ShareGPT, 2.87 HumanEval, 2.78 MT-Bench from ~19 device-minutes):
+# SmolLM2-135M-Instruct end to end on one GPU, the way a user runs it (the recipe of the 2026-12-03
+# chain: real held-out tau 3.31 ShareGPT, 3.11 HumanEval, 3.15 MT-Bench from 20.0 device-minutes in its
+# stages; docs/benchmarks/chain.md):
 #   prompts  -> 13,504 + 200 held-out distinct ShareGPT first turns (all the package has of <= 1,500
 #               characters, case and spaces ignored); then the training prompts: the first EVERY_PROMPTS
 #               distinct user turns of every conversation, each asked alone (a conversation that asks a
@@ -38,9 +39,9 @@ HELDOUT=${HELDOUT:-200}
 ANSWER_TOKENS=${ANSWER_TOKENS:-512}
 BATCH=${BATCH:-1024}               # generation batch (one `generate` / `generate_batch` call each)
 ENGINE=${ENGINE:-graphed}          # in-process generation engine: graphed (its step compiled: flex decoding), static, padded
-EVERY_PROMPTS=${EVERY_PROMPTS:-37000}  # training prompts: distinct user turns of every conversation (50,364 exist)
+EVERY_PROMPTS=${EVERY_PROMPTS:-50564}  # training prompts: distinct user turns of every conversation (all of them)
 CODE_PROMPTS=${CODE_PROMPTS:-3561} # all the stubs of <= 1,500 characters
-MULTI_PROMPTS=${MULTI_PROMPTS:-0}  # also conversations of 2..MULTI_TURNS turns, answered turn after turn (0: none)
+MULTI_PROMPTS=${MULTI_PROMPTS:-10524}  # also conversations of 2..MULTI_TURNS turns, answered turn after turn (0: none; all of them)
 MULTI_TURNS=${MULTI_TURNS:-2}      # 2: a third answer would mostly fall past data.max_length (1,024 tokens)
 MAX_CHARS=${MAX_CHARS:-1500}       # longest prompt drawn (characters; the counts above are at 1,500)
 TRAIN_FILES=${TRAIN_FILES:-$DATA/train}  # comma-separated answer directories
@@ -96,7 +97,7 @@ warmup() {  # the drafter's step compiled for every shape bucket, on the prepare
 
 train() {
   local probe=()  # held-out tau_hat and tau_decode against device-seconds, when the held-out answers exist (generate-heldout)
-  [ -d "$DATA/heldout" ] && probe=("eval.heldout_files=[$DATA/heldout]" "eval.heldout_every=${PROBE_EVERY:-1500}")
+  [ -d "$DATA/heldout" ] && probe=("eval.heldout_files=[$DATA/heldout]" "eval.heldout_every=${PROBE_EVERY:-3000}")
   # shellcheck disable=SC2086  # TRAIN_ARGS is a list of overrides
   "${DT[@]}" train -c "$CONFIG" run_dir="$RUN" device="$DEVICE" "data.train_files=[$DATA/prepared]" "${probe[@]}" \
     $TRAIN_ARGS --resume auto
