@@ -13,6 +13,7 @@ every step (docs/benchmarks/chain.md: a quarter fewer steps before the host part
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -114,6 +115,8 @@ class HostSlabs:
         self.slabs: list[torch.Tensor] = []
         self.used = 0  # bytes taken from the last slab
         self.full = False
+        self.pin_seconds = 0.0
+        """Host time spent pinning slabs: the driver page-locks each one, which the step waits for."""
 
     @property
     def nbytes(self) -> int:
@@ -140,17 +143,23 @@ class HostSlabs:
         if (self.limit is not None and self.nbytes + size > self.limit) or self.room() < size:
             self.full = True
             return None
+        start = time.perf_counter()
         try:
             return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
         except RuntimeError as err:  # the driver could not pin it: no host part beyond this
             log.warning("feature cache: pinning %.1f GiB of host memory failed (%s)", size / 2**30, err)
             self.full = True
             return None
+        finally:
+            self.pin_seconds += time.perf_counter() - start
 
 
 class FeatureCache:
-    def __init__(self, device: torch.device, reserve_bytes: int = RESERVE_GIB * 2**30, host: HostSlabs | None = None):
-        self.device, self.reserve_bytes = device, reserve_bytes
+    """`expected_rows`: the dataset's rows; once every one is kept, where they went is logged."""
+
+    def __init__(self, device: torch.device, reserve_bytes: int = RESERVE_GIB * 2**30, host: HostSlabs | None = None,
+                 expected_rows: int | None = None):
+        self.device, self.reserve_bytes, self.expected_rows = device, reserve_bytes, expected_rows
         self.rows: dict[int, torch.Tensor] = {}  # on the device, or views into `host`'s slabs
         self.host = host if host is not None else HostSlabs(pin=device.type == "cuda")
         self.full = False
@@ -160,11 +169,19 @@ class FeatureCache:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def placement(self) -> str:
+        """Where the kept rows are, and what the host part cost to pin."""
+        return (f"{len(self.rows) - self.on_host} rows on the device, {self.on_host} in host memory "
+                f"({self.host.nbytes / 2**30:.1f} GiB in {len(self.host.slabs)} slabs, pinned in "
+                f"{self.host.pin_seconds:.1f} s)")
+
     def features(self, batch: dict, make: Callable[[list[int]], list[torch.Tensor]]) -> torch.Tensor:
         """The batch's features [rows, T, K*H]; `make(indices)` gives the features [T_i, K*H] of the
         rows not cached, on the device (`from_target` or `from_capture`)."""
         missing = [i for i in batch["indices"] if i not in self.rows]
         fresh = self.fill(missing, make) if missing else {}
+        if missing and len(self.rows) == self.expected_rows:
+            log.info("feature cache: every row kept: %s", self.placement())
         return padded([fresh[i] if i in fresh else self.rows[i] for i in batch["indices"]], batch["input_ids"].shape,
                       self.device)
 
@@ -184,9 +201,7 @@ class FeatureCache:
             self.on_host += 1
         if self.host.full and not self.logged_host_full:
             self.logged_host_full = True
-            log.warning("feature cache full: %d rows on the device, %d in host memory (%.1f GiB): the other "
-                        "rows' features are recomputed", len(self.rows) - self.on_host, self.on_host,
-                        self.host.nbytes / 2**30)
+            log.warning("feature cache full: %s; the other rows' features are recomputed", self.placement())
         return fresh
 
     def has_room(self, nbytes: int) -> bool:

@@ -23,7 +23,7 @@ class Features:
         if cfg.data.cache_features:
             limit = None if cfg.data.cache_host_gib is None else int(cfg.data.cache_host_gib * 2**30)
             host = HostSlabs(pin=device.type == "cuda", limit=limit)
-            self.cache = FeatureCache(device, step_reserve(chunk_rows, target.vocab_size), host)
+            self.cache = FeatureCache(device, step_reserve(chunk_rows, target.vocab_size), host, len(dataset))
         # where the cache's missing rows come from
         self.make_rows = (from_capture(self.captured, device) if self.captured is not None else
                           from_target(dataset, device, lambda ids: target.features(ids, stream_layers)))
