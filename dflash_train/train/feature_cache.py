@@ -13,8 +13,8 @@ every step (docs/benchmarks/chain.md: a quarter fewer steps before the host part
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
+from time import perf_counter
 from typing import Callable
 
 import torch
@@ -116,7 +116,8 @@ class HostSlabs:
         self.used = 0  # bytes taken from the last slab
         self.full = False
         self.pin_seconds = 0.0
-        """Host time spent pinning slabs: the driver page-locks each one, which the step waits for."""
+        """Host time spent allocating slabs: on a GPU host the driver page-locks each one, and the step
+        waits for it."""
 
     @property
     def nbytes(self) -> int:
@@ -143,7 +144,7 @@ class HostSlabs:
         if (self.limit is not None and self.nbytes + size > self.limit) or self.room() < size:
             self.full = True
             return None
-        start = time.perf_counter()
+        start = perf_counter()
         try:
             return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
         except RuntimeError as err:  # the driver could not pin it: no host part beyond this
@@ -151,7 +152,7 @@ class HostSlabs:
             self.full = True
             return None
         finally:
-            self.pin_seconds += time.perf_counter() - start
+            self.pin_seconds += perf_counter() - start
 
 
 class FeatureCache:
