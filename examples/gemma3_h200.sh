@@ -12,4 +12,7 @@ export CONFIG=${CONFIG:-configs/gemma3-270m-h200.yaml}
 export ANSWER_TOKENS=${ANSWER_TOKENS:-256}
 export NEW_TOKENS=${NEW_TOKENS:-128}
 export EVAL_SETS=${EVAL_SETS:-sharegpt humaneval}
+# Gemma's data as measured (docs/benchmarks/gemma3.md): every-turn prompts and code, no two-turn
+# conversations (SmolLM2's example asks all of them), the probe every 1,500 steps
+export EVERY_PROMPTS=${EVERY_PROMPTS:-37000} MULTI_PROMPTS=${MULTI_PROMPTS:-0} PROBE_EVERY=${PROBE_EVERY:-1500}
 exec bash "$(dirname "$0")/smollm2_h200.sh" "$@"
