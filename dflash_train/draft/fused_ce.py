@@ -1,6 +1,6 @@
 """Fused LM head + cross-entropy from maintained libraries (`train.ce_kernel`), CUDA only.
 
-Our chunked loss (`loss.py`) materialises one chunk of logits at a time under checkpointing. These
+Our chunked loss (`loss.py`) materialises one chunk of logits at a time. These
 kernels never hold a logits tensor: liger-kernel (`pip install "dflash-train[fused-ce]"`, Triton)
 computes loss and argmax in one pass over the vocabulary and the gradient in its backward;
 cut-cross-entropy (Apple's CCE, Triton) the same without an argmax, which a no-grad chunked pass

@@ -1,9 +1,10 @@
 """Decayed block loss through the target's LM head, in chunks, and acceptance metrics.
 
 512 anchors x 16 slots x a 152K vocabulary would be 1.2G logits per sequence; the head is applied
-to `chunk_size` query tokens at a time under activation checkpointing, so only one chunk of logits
-ever exists, in the forward and in the backward. The same holds for the target's logits when the
-loss distils from the target: its final hidden states at the label positions travel with the
+to `chunk_size` query tokens at a time, and each chunk forms its gradient for the hidden states in
+closed form while its logits exist. So only one chunk of logits ever exists, and none is formed
+twice (a checkpointed chunk would form them again in the backward: three head matmuls, not two).
+The same holds for the target's logits when the loss distils from the target: its final hidden states at the label positions travel with the
 drafter's, and each chunk applies the target's head to its own rows only.
 
 The per-slot loss is a weighted mix (`objective.loss`):
@@ -20,7 +21,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from dflash_train.draft.fused_ce import fused_ce
 
@@ -42,33 +42,96 @@ class LossMix:
         return self.target_argmax > 0 or self.kl > 0
 
 
-def _chunk_loss(h, lm_head_weight, labels, weights, target_h, target_logits_fn, mix: LossMix):
-    logits = (h @ lm_head_weight.t()).float()
+def _logits(head, h: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of `h` [rows, H] through the frozen head: a weight [V, H] (a matmul in its dtype,
+    as autocast runs it) or an `Fp8Head`."""
+    if isinstance(head, torch.Tensor):
+        return (h.to(head.dtype) @ head.t()).float()
+    return head.logits(h)
+
+
+def _input_grad(head, dlogits: torch.Tensor) -> torch.Tensor:
+    """The gradient `dlogits` [rows, V] passes back to the hidden states: dlogits @ W."""
+    if isinstance(head, torch.Tensor):
+        return dlogits.to(head.dtype) @ head
+    return head.input_grad(dlogits)
+
+
+def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossMix, with_grad: bool):
+    """(sum of weighted per-row losses, [rows] 1.0 where the argmax is right, d sum / d h or None).
+
+    The gradient is formed here, in closed form, while the chunk's logits exist; autograd would have
+    to form them again in the backward (the recompute of a checkpoint: a third head matmul).
+      d CE(z, y) / dz             = softmax(z) - onehot(y)
+      d T^2 KL(p_T || q_T) / dz   = T (softmax(z / T) - p_T)"""
+    logits = _logits(head, h)
+    log_q = F.log_softmax(logits, dim=-1)
     per_row = logits.new_zeros(logits.shape[0])
     reference = labels
+    log_p = None
     if mix.ce:
-        per_row = per_row + mix.ce * F.cross_entropy(logits, labels, reduction="none")
+        per_row = per_row - mix.ce * log_q.gather(1, labels[:, None]).squeeze(1)
     if target_h is not None:
         with torch.no_grad():
             t_logits = target_logits_fn(target_h).float()
         reference = t_logits.argmax(-1)  # acceptance is agreement with the target's own choice
         if mix.target_argmax:
-            per_row = per_row + mix.target_argmax * F.cross_entropy(logits, reference, reduction="none")
+            per_row = per_row - mix.target_argmax * log_q.gather(1, reference[:, None]).squeeze(1)
         if mix.kl:
             t = mix.temperature
             log_p = F.log_softmax(t_logits / t, dim=-1)
-            log_q = F.log_softmax(logits / t, dim=-1)
-            kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-            per_row = per_row + mix.kl * (t * t) * kl
+            log_q_t = log_q if t == 1 else F.log_softmax(logits / t, dim=-1)
+            per_row = per_row + mix.kl * (t * t) * (log_p.exp() * (log_p - log_q_t)).sum(-1)
     correct = (logits.argmax(-1) == reference).float()
-    return (per_row * weights).sum(), correct
+    total = (per_row * weights).sum()
+    if not with_grad:
+        return total, correct, None
+    hard = mix.ce + mix.target_argmax
+    dlogits = hard * log_q.exp() if hard else torch.zeros_like(log_q)
+    if mix.ce:
+        dlogits = _minus_at(dlogits, labels, mix.ce)
+    if mix.target_argmax:
+        dlogits = _minus_at(dlogits, reference, mix.target_argmax)
+    if log_p is not None:
+        dlogits = dlogits + (mix.kl * mix.temperature) * (log_q_t.exp() - log_p.exp())
+    return total, correct, _input_grad(head, dlogits * weights[:, None])
+
+
+def _minus_at(dlogits: torch.Tensor, index: torch.Tensor, amount: float) -> torch.Tensor:
+    """`dlogits` less `amount` at each row's column `index` (the one-hot of a CE target)."""
+    return dlogits.scatter_add(1, index[:, None], dlogits.new_full((index.shape[0], 1), -amount))
+
+
+class _ChunkLoss(torch.autograd.Function):
+    """A chunk's loss whose backward only scales the gradient its forward formed (`_chunk_loss`):
+    no logits are kept or recomputed, and the frozen head gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, h, head, labels, weights, target_h, target_logits_fn, mix, chunk_loss):
+        total, correct, grad_h = chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix, True)
+        ctx.save_for_backward(grad_h)
+        ctx.h_dtype = h.dtype
+        ctx.mark_non_differentiable(correct)
+        return total, correct
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_correct):
+        (grad_h,) = ctx.saved_tensors
+        return (grad_h.float() * grad_total).to(ctx.h_dtype), None, None, None, None, None, None, None
+
+
+def _run_chunk(chunk_loss, h, head, labels, weights, target_h, target_logits_fn, mix: LossMix):
+    """One chunk: with its gradient when `h` needs one, else the loss and counts alone."""
+    if h.requires_grad:
+        return _ChunkLoss.apply(h, head, labels, weights, target_h, target_logits_fn, mix, chunk_loss)
+    return chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix, False)[:2]
 
 
 @functools.cache
 def _compiled_chunk_loss():
-    """`_chunk_loss` under torch.compile: the distilled kinds are a dozen vocabulary-wide elementwise
-    passes and reductions per row in eager mode (the KL step measured 1.7x the CE step on an H200);
-    compiled, they fuse. Static shapes: `block_loss` pads the last chunk, so one graph serves all."""
+    """`_chunk_loss` under torch.compile: the loss and its gradient are a dozen vocabulary-wide
+    elementwise passes and reductions per row in eager mode; compiled, they fuse. Static shapes:
+    `block_loss` pads the last chunk, so one graph serves all (one more without the gradient: probes)."""
     return torch.compile(_chunk_loss, dynamic=False)
 
 
@@ -88,7 +151,7 @@ def loss_chunk_rows(ce_chunk_size: int | None, vocab_size: int) -> int:
 def chunk_rows(rows: int, max_rows: int) -> int:
     """Rows per LM-head chunk: the fewest chunks of at most `max_rows`, split evenly (rounded up to
     a multiple of 64, the matmuls' tile) so that the compiled loss pads its last chunk by little.
-    Each chunk costs a checkpointed forward and backward of host work, which bounds a small
+    Each chunk costs a forward and a backward of host work, which bounds a small
     target's step (docs/benchmarks/throughput.md): fewer, larger chunks where memory allows."""
     if rows <= max_rows:
         return max(rows, 1)  # one chunk of exactly the rows
@@ -114,7 +177,7 @@ class BlockLoss:
 
 def block_loss(
     hidden_BQH: torch.Tensor,
-    lm_head_weight: torch.Tensor,
+    lm_head,
     labels_BQ: torch.Tensor,
     weights_BQ: torch.Tensor,
     block_size: int,
@@ -126,7 +189,8 @@ def block_loss(
     kernel: str = "chunked",
     even_chunks: bool = False,
 ) -> BlockLoss:
-    """`target_hidden_BQH`: the target's final-normed hidden state at the position that predicts
+    """`lm_head`: the target's frozen head, its weight [V, H] or an `Fp8Head` (chunked kernel only).
+    `target_hidden_BQH`: the target's final-normed hidden state at the position that predicts
     each slot's label (needed by the target kinds of `mix`); `target_logits_fn` turns it into logits.
     `compiled`: each chunk runs compiled (GPU training with train.compile). `kernel`: "chunked" (this
     module) or a fused library kernel for the CE-only mix (`fused_ce.py`, CUDA). `even_chunks`: the
@@ -139,12 +203,17 @@ def block_loss(
     labels, weights = labels_BQ.reshape(-1), weights_BQ.reshape(-1)
     t_h = None if target_hidden_BQH is None else target_hidden_BQH.reshape(-1, target_hidden_BQH.shape[-1])
     rows = h.shape[0]
+    if isinstance(lm_head, torch.Tensor) and lm_head.requires_grad:
+        raise ValueError("the LM head is the target's, frozen: the loss gives no gradient for it")
     counted = (weights > 0).float()
     if kernel != "chunked":
         if mix.needs_target or compiled:
             raise ValueError(f"train.ce_kernel={kernel} computes the CE loss only, uncompiled: set objective.loss "
                              "to ce and train.compile_loss to false, or use train.ce_kernel=chunked")
-        total, correct = fused_ce(kernel, h, lm_head_weight, labels, weights, chunk_size)
+        if not isinstance(lm_head, torch.Tensor):
+            raise ValueError(f"train.ce_kernel={kernel} runs the head in bf16: use train.ce_kernel=chunked with "
+                             "train.fp8_lm_head")
+        total, correct = fused_ce(kernel, h, lm_head, labels, weights, chunk_size)
         return _block_loss(mix.ce * total, correct * counted, counted, block_size)
     kept = None
     if not compiled and h.device.type == "cpu":
@@ -168,11 +237,8 @@ def block_loss(
     correct = []
     for start in range(0, h.shape[0], chunk_size):
         sl = slice(start, start + chunk_size)
-        args = (h[sl], lm_head_weight, labels[sl], weights[sl], None if t_h is None else t_h[sl], target_logits_fn, mix)
-        if h.requires_grad:  # deterministic: no RNG state to save and restore around the recompute
-            s, c = checkpoint(chunk_loss, *args, use_reentrant=False, preserve_rng_state=False)
-        else:
-            s, c = chunk_loss(*args)
+        s, c = _run_chunk(chunk_loss, h[sl], lm_head, labels[sl], weights[sl], None if t_h is None else t_h[sl],
+                          target_logits_fn, mix)
         total = total + s
         correct.append(c.detach())
     correct = torch.cat(correct) if correct else counted.new_zeros(0)

@@ -82,7 +82,7 @@ def draft_loss(
     task: BlockTask,
     stream: torch.Tensor,
     embed_weight: torch.Tensor,
-    lm_head_weight: torch.Tensor,
+    lm_head,
     use_flex: bool,
     ce_chunk_size: int,
     mix: LossMix = LossMix(),
@@ -91,8 +91,9 @@ def draft_loss(
     ce_kernel: str = "chunked",
     even_chunks: bool = False,
 ) -> BlockLoss:
-    """`stream`: the drafter's features, followed by the target's final hidden states when `mix`
-    distils from the target (see `split_features`). `even_chunks`: see `block_loss`."""
+    """`lm_head`: the target's head as `block_loss` takes it. `stream`: the drafter's features, followed
+    by the target's final hidden states when `mix` distils from the target (see `split_features`).
+    `even_chunks`: see `block_loss`."""
     cfg = drafter.config
     features, final = split_features(stream, len(cfg.target_layer_ids), cfg.hidden_size)
     if mix.needs_target and final is None:
@@ -102,5 +103,5 @@ def draft_loss(
     if mix.needs_target:
         pos = masks.label_source_positions(task.anchors, cfg.block_size, task.input_ids.shape[1])
         target_hidden = final.gather(1, pos[..., None].expand(-1, -1, final.shape[-1]))
-    return block_loss(hidden, lm_head_weight, task.labels, task.weights, cfg.block_size, ce_chunk_size,
+    return block_loss(hidden, lm_head, task.labels, task.weights, cfg.block_size, ce_chunk_size,
                       mix, target_hidden, target_logits_fn, compiled_loss, ce_kernel, even_chunks)

@@ -56,14 +56,28 @@ def test_block_loss_equals_float64_reference(chunk_size, even_chunks):
 def test_block_loss_gradients_match_across_chunk_sizes():
     hidden, head, labels, weights = problem(seed=1)
     h64 = hidden.double().requires_grad_()
-    w64 = head.double().requires_grad_()
-    reference(h64, w64, labels, weights)[0].backward()
+    reference(h64, head, labels, weights)[0].backward()
     for chunk_size in (3, 16, 4096):
         h = hidden.clone().requires_grad_()
-        w = head.clone().requires_grad_()
-        block_loss(h, w, labels, weights, B, chunk_size).weighted_ce_sum.backward()
+        block_loss(h, head, labels, weights, B, chunk_size).weighted_ce_sum.backward()
         torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_block_loss_scales_its_gradient_by_the_upstream_one():
+    """The chunk's gradient is formed in its forward: the backward must still apply what flows into
+    the loss (the global normalisation, gradient accumulation's sums)."""
+    hidden, head, labels, weights = problem(seed=4)
+    h64 = hidden.double().requires_grad_()
+    (reference(h64, head, labels, weights)[0] * -0.37).backward()
+    h = hidden.clone().requires_grad_()
+    (block_loss(h, head, labels, weights, B, 7).weighted_ce_sum * -0.37).backward()
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_trainable_head_is_refused():
+    hidden, head, labels, weights = problem()
+    with pytest.raises(ValueError, match="frozen"):
+        block_loss(hidden, head.requires_grad_(), labels, weights, B, 8)
 
 
 @pytest.mark.parametrize("rows,max_rows,expected", [
