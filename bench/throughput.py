@@ -32,6 +32,7 @@ from dflash_train.config import build_config
 from dflash_train.draft import masks
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.draft.fp8 import RECIPES, convert_to_fp8
+from dflash_train.draft.fp8_head import Fp8Head
 from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.targets.fp8 import GRANULARITIES, quantize_decoder
 from dflash_train.targets.model import Target
@@ -189,6 +190,8 @@ def main(argv=None):
                     help="the drafter's linear layers in FP8 (draft.fp8, torchao float8 training)")
     ap.add_argument("--fp8-target", default="off", choices=["off", *GRANULARITIES],
                     help="the target's decoder in FP8 (target.fp8, torchao float8 inference)")
+    ap.add_argument("--fp8-head", action="store_true",
+                    help="the loss's LM head matmuls in FP8 (train.fp8_lm_head)")
     ap.add_argument("--compile-target", action="store_true",
                     help="torch.compile each decoder layer of the target (nn.Module.compile)")
     ap.add_argument("--headline", action="store_true", help="the three rates, memory, syncs and recompiles only")
@@ -221,6 +224,7 @@ def main(argv=None):
             layer.compile()
     opt = build_optimizer(drafter.parameters(), cfg.train, device)
     use_flex = device.type == "cuda"
+    head = Fp8Head(target.lm_head_weight) if args.fp8_head else target.lm_head_weight
     layer_ids = stream_layer_ids(cfg, target)  # + the last layer when the loss distils
     mix = LossMix.from_weights(cfg.objective.loss, cfg.objective.kd_temperature)
     gen = torch.Generator().manual_seed(0)
@@ -237,7 +241,7 @@ def main(argv=None):
         block_task = block_task or task
         with autocast:
             out = draft_loss(drafter, block_task, feats if features is None else features, target.embed_weight,
-                             target.lm_head_weight, use_flex, 4096, mix, target.logits, compiled_loss=args.compile_loss,
+                             head, use_flex, 4096, mix, target.logits, compiled_loss=args.compile_loss,
                              ce_kernel=args.ce_kernel)
         (out.weighted_ce_sum / block_task.weights.sum()).backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -276,13 +280,15 @@ def main(argv=None):
     h, v = target.hidden_size, target.vocab_size
     q_tokens = args.batch * anchors * 16
     flop_target = 2 * n_target * tokens  # forward only
-    flop_draft = 3 * (2 * n_draft * q_tokens + 2 * h * v * q_tokens + 2 * drafter.fc.weight.numel() * tokens)
+    # The drafter's layers: forward and two backward matmuls each. The frozen head: logits and the
+    # hidden states' gradient (no weight gradient, no recompute).
+    flop_draft = 3 * (2 * n_draft * q_tokens + 2 * drafter.fc.weight.numel() * tokens) + 2 * (2 * h * v * q_tokens)
     peak_tflops = matmul_tflops(device)
     harmonic = 1 / (1 / (tokens / t_target) + 1 / (tokens / t_draft))
     result = {
         "shape": shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "seq_tokens_per_step": tokens, "anchors": anchors, "block_size": 16,
-        "loss": args.loss, "ce_kernel": args.ce_kernel, "fp8_draft": args.fp8_draft, "fp8_target": args.fp8_target, "compile_target": args.compile_target, "batch": args.batch, "steps_per_s": 1 / t_e2e, "drafter_steps_per_s": 1 / t_draft,
+        "loss": args.loss, "ce_kernel": args.ce_kernel, "fp8_draft": args.fp8_draft, "fp8_target": args.fp8_target, "fp8_head": args.fp8_head, "compile_target": args.compile_target, "batch": args.batch, "steps_per_s": 1 / t_e2e, "drafter_steps_per_s": 1 / t_draft,
         "draft_layers": drafter.config.num_hidden_layers, "compile": args.compile, "compile_loss": args.compile_loss,
         "target_tokens_per_s": tokens / t_target, "drafter_tokens_per_s": tokens / t_draft,
         "e2e_tokens_per_s": tokens / t_e2e, "harmonic_tokens_per_s": harmonic,

@@ -62,8 +62,9 @@ class DraftConfig(Section):
     """auto = flex_attention on CUDA, SDPA with a dense mask on CPU (flex has no CPU backward)."""
     fp8: Literal["off", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = "off"
     """Train the drafter's linear layers with FP8 matmuls (torchao float8 training, the `fp8` extra; GPUs
-    of compute capability >= 8.9), by torchao's recipe names; off by default: the gain is small while the
-    LM head dominates (docs/benchmarks/throughput.md#fp8)."""
+    of compute capability >= 8.9), by torchao's recipe names. Off by default: with train.fp8_lm_head it
+    gave 1.12x end to end at the Qwen3-8B shape (docs/benchmarks/throughput.md#fp8), short of what
+    would pay for a numerics change."""
 
     @model_validator(mode="after")
     def _one_layer_choice(self) -> DraftConfig:
@@ -207,6 +208,11 @@ class TrainConfig(Section):
     ce_kernel: Literal["chunked", "liger", "cce"] = "chunked"
     """LM head + CE of the loss: chunked (ours, every device), or the fused CUDA kernel of liger-kernel
     or cut-cross-entropy (CE only, extra `fused-ce`); opt-in (history: docs/benchmarks/throughput.md)."""
+    fp8_lm_head: bool = False
+    """The loss's two matmuls through the target's frozen LM head (logits, and the hidden states'
+    gradient) in FP8 with per-row scales (`draft/fp8_head.py`; CUDA, compute capability >= 8.9, the
+    chunked loss). The head is ~40% of an 8B drafter step: +4% end to end alone, 1.12x with draft.fp8;
+    off by default (docs/benchmarks/throughput.md#fp8)."""
     compile_warmup_steps: int = Field(10, ge=1)
     """Steps allowed to (re)compile; any recompile after them is warned about with its reason."""
     profile_at_step: int | None = Field(None, ge=1)
@@ -223,6 +229,9 @@ class TrainConfig(Section):
         if self.ce_kernel != "chunked" and self.compile_loss:
             raise ValueError(f"train.ce_kernel={self.ce_kernel} replaces the chunked loss that train.compile_loss "
                              "compiles: set one")
+        if self.ce_kernel != "chunked" and self.fp8_lm_head:
+            raise ValueError(f"train.ce_kernel={self.ce_kernel} runs its own bf16 head; train.fp8_lm_head is for "
+                             "the chunked loss: set one")
         return self
 
 

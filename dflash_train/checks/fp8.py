@@ -1,5 +1,5 @@
-"""Can this run use FP8 matmuls (`draft.fp8`, `target.fp8`)? torchao installed, a GPU with FP8
-tensor cores, and layer widths the kernels take."""
+"""Can this run use FP8 matmuls (`draft.fp8`, `target.fp8`, `train.fp8_lm_head`)? A GPU with FP8
+tensor cores, torchao installed for the two keys that use it, and layer widths the kernels take."""
 
 from __future__ import annotations
 
@@ -10,9 +10,14 @@ from torch import nn
 
 
 def fp8_problem(device: torch.device) -> str | None:
-    """Why FP8 matmuls cannot run on `device`, or None when they can."""
+    """Why torchao's FP8 layers cannot run on `device`, or None when they can."""
     if importlib.util.find_spec("torchao") is None:
         return "FP8 needs torchao: pip install 'dflash-train[fp8]'"
+    return fp8_device_problem(device)
+
+
+def fp8_device_problem(device: torch.device) -> str | None:
+    """Why `device` has no FP8 matmuls, or None when it has."""
     if device.type != "cuda":
         return f"FP8 matmuls need a CUDA GPU of compute capability >= 8.9 (the device is {device.type})"
     major, minor = torch.cuda.get_device_capability(device)

@@ -21,7 +21,7 @@ from dflash_train.disk import require_writable
 from dflash_train.draft.fp8 import convert_to_fp8
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.checks import compile_cache
-from dflash_train.checks.fp8 import fp8_problem
+from dflash_train.checks.fp8 import fp8_device_problem, fp8_problem
 from dflash_train.targets.model import Target, resolve_device
 from dflash_train.train.batches import epoch_plan
 from dflash_train.train.compiled import Compilation
@@ -68,6 +68,8 @@ def build(cfg: RunConfig, target: Target | None = None, dataset: TokenizedDatase
         raise ValueError("draft.attention: flex has no backward on CPU; use 'sdpa' or 'auto' there")
     if cfg.draft.fp8 != "off" and (problem := fp8_problem(resolve_device(cfg.device))):
         raise ValueError(f"draft.fp8={cfg.draft.fp8}: {problem}")  # before the target loads
+    if cfg.train.fp8_lm_head and (problem := fp8_device_problem(resolve_device(cfg.device))):
+        raise ValueError(f"train.fp8_lm_head: {problem}")
     device, target, dataset = load_inputs(cfg, target, dataset)
     drafter = build_drafter(cfg, target, device)  # seeds the RNG itself, right before its weights
     if cfg.draft.fp8 != "off":  # before the optimizer and torch.compile see the layers

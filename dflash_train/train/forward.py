@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 
 from dflash_train.config import RunConfig
+from dflash_train.draft.fp8_head import Fp8Head
 from dflash_train.draft.loss import BlockLoss, LossMix, loss_chunk_rows
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.draft.objective import BlockTask, draft_loss
@@ -34,13 +35,16 @@ class DraftForward:
     ce_kernel: str
     even_chunks: bool
     """Length buckets repeat the loss's row counts: even chunks give one compiled graph per bucket."""
+    fp8_head: Fp8Head | None = None
+    """The target's head quantised once for the loss (train.fp8_lm_head), else None: its weight as is."""
 
     @classmethod
     def for_run(cls, cfg: RunConfig, drafter: DFlashDraftModel, target: Target, device: torch.device,
                 use_flex: bool) -> DraftForward:
         return cls(drafter, target, device, LossMix.from_weights(cfg.objective.loss, cfg.objective.kd_temperature),
                    use_flex, loss_chunk_rows(cfg.objective.ce_chunk_size, target.vocab_size),
-                   cfg.train.compile_loss, cfg.train.ce_kernel, bool(cfg.data.length_bucket))
+                   cfg.train.compile_loss, cfg.train.ce_kernel, bool(cfg.data.length_bucket),
+                   Fp8Head(target.lm_head_weight) if cfg.train.fp8_lm_head else None)
 
     @property
     def attention_backend(self) -> str:
@@ -54,7 +58,8 @@ class DraftForward:
     def __call__(self, task: BlockTask, features: torch.Tensor) -> BlockLoss:
         with self.autocast():
             t = self.target
-            return draft_loss(self.drafter, task, features, t.embed_weight, t.lm_head_weight, self.use_flex,
+            head = t.lm_head_weight if self.fp8_head is None else self.fp8_head
+            return draft_loss(self.drafter, task, features, t.embed_weight, head, self.use_flex,
                               self.chunk_rows, self.loss_mix, t.logits, compiled_loss=self.compiled_loss,
                               ce_kernel=self.ce_kernel, even_chunks=self.even_chunks)
 
