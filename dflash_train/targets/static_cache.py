@@ -24,6 +24,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.utils import output_capturing
 
 from dflash_train.checks import compile_cache
 from dflash_train.targets.flex_decode import FLEX_DECODE, decode_block_mask
@@ -211,9 +212,23 @@ def compiled(step: Callable[[], object]) -> Callable[[], object]:
 
     def run():
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
-            return fn()
+            out = fn()
+        _end_output_capture()
+        return out
 
     return run
+
+
+def _end_output_capture() -> None:
+    """Switch transformers' output collector back to its per-context state after a compiled step.
+    While dynamo traces a forward the collector keeps its outputs in a process-wide global
+    (`output_capturing.CompileableContextVar`). A compiled step with flex_attention inside (flex
+    decoding) leaves that mode on (torch 2.13, transformers 5.24 and 5.25; the SDPA step does not),
+    and every later eager forward then records its hidden states into a stale dict:
+    `output_hidden_states` came back empty. Newer transformers may drop the name: then nothing to do."""
+    collector = getattr(output_capturing, "_active_collector", None)
+    if getattr(collector, "compiling", False):
+        collector.reset(None)
 
 
 def _error(e: Exception) -> str:

@@ -22,11 +22,16 @@ def fresh_counters():
 
 
 def test_selected_hidden_states_are_the_captured_features():
+    _check_selected_hidden_states()
+
+
+def _check_selected_hidden_states():
     target = tiny_target(num_layers=3)
     layer_ids = [2, 0]  # 2 is the last layer: final-normed either way
     ids = torch.randint(0, target.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), target.capture(layer_ids) as store:
         out = target.model(input_ids=ids, output_hidden_states=target.hidden_state_indices(layer_ids))
+    assert len(out.hidden_states) == 4  # the embeddings and 3 layers, the ones not selected None
     for i, index in zip(layer_ids, target.hidden_state_indices(layer_ids)):
         assert torch.equal(out.hidden_states[index], store[i])
 
@@ -59,3 +64,6 @@ def test_compiled_steps_decide_as_the_plain_ones(fresh_counters):
     assert answers[0] == answers[1]
     # one graph per step, none recompiled on a later call, none broken into pieces
     assert counters["stats"]["unique_graphs"] == 5 and not counters["graph_break"]
+    # an eager forward after the compiled flex-decoding step still gets the hidden states it selects
+    # (transformers' output collector once stayed in its compile mode and kept them from it)
+    _check_selected_hidden_states()
