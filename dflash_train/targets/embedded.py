@@ -71,7 +71,8 @@ def convert(packaged, model_name: str, out: Path) -> Path:
     src, gguf_file = gguf.parent, gguf.name
     log.info("converting %s from GGUF once (cached at %s)", model_name, out)
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file)
-    quantised = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file, dtype=torch.float32)
+    quantised = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file, dtype=torch.float32,
+                                                     use_kernels=False)  # as targets/model.py loads
     config = quantised.config
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -257,7 +257,10 @@ def load_target(cfg: TargetConfig, device: torch.device, *, mesh=None, decoder: 
     tokenizer = load_tokenizer(path)
     # auto: transformers' own choice, SDPA where the family supports it, else eager (gpt-oss's sinks)
     attention = None if cfg.attn_implementation == "auto" else cfg.attn_implementation
-    model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=attention)
+    # use_kernels=False: transformers >= 5.25 swaps layers for Hub kernels by default, fetched at load
+    # time; the target must run the code this package was tested with, offline too.
+    model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=attention,
+                            use_kernels=False)
     if not decoder:
         layers = decoder_layers(model)
         for i in range(len(layers)):
