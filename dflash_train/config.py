@@ -200,8 +200,9 @@ class TrainConfig(Section):
     compile: bool = False
     """torch.compile the draft layers (GPU)."""
     compile_loss: bool = False
-    """torch.compile the loss chunks too (GPU); faster in the benchmark, not yet in a real run, hence
-    opt-in (history: docs/benchmarks/throughput.md)."""
+    """torch.compile the loss chunks too (GPU): the SmolLM2 recipe's real runs and the Qwen3-8B config
+    use it (+11% drafter step at that shape, docs/benchmarks/throughput.md); opt-in, as its compile
+    adds to the warm-up."""
     cuda_graphs: bool = False
     """Replay each bucket shape's drafter step as one CUDA graph (`train/step_graph.py`): single-process
     `train` on CUDA with data.length_bucket, grad_accum 1 and the chunked loss."""

@@ -131,7 +131,9 @@ def _run_chunk(chunk_loss, h, head, labels, weights, target_h, target_logits_fn,
 def _compiled_chunk_loss():
     """`_chunk_loss` under torch.compile: the loss and its gradient are a dozen vocabulary-wide
     elementwise passes and reductions per row in eager mode; compiled, they fuse. Static shapes:
-    `block_loss` pads the last chunk, so one graph serves all (one more without the gradient: probes)."""
+    `block_loss` pads the last chunk, so one graph serves all (one more without the gradient, for
+    forwards under no_grad; the held-out probe keeps grad mode on, as training's graphs were traced,
+    and pays for a gradient it drops)."""
     return torch.compile(_chunk_loss, dynamic=False)
 
 

@@ -211,10 +211,11 @@ def compiled(step: Callable[[], object]) -> Callable[[], object]:
     fn = torch.compile(step, fullgraph=True, dynamic=False, options={"fallback_random": True})
 
     def run():
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
-            out = fn()
-        _end_output_capture()
-        return out
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+                return fn()
+        finally:  # a step that fails to compile falls back to eager: that must find the collector idle too
+            _end_output_capture()
 
     return run
 

@@ -91,3 +91,25 @@ def test_train_refuses_the_fp8_head_on_cpu_before_the_target_loads(tmp_path, cap
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
     assert "train.fp8_lm_head: FP8 matmuls need a CUDA GPU" in err.strip().splitlines()[-1], err
+
+
+def test_the_runs_forward_carries_the_fp8_head(shared_tiny_target, make_run_config):
+    """train.fp8_lm_head reaches the loss: DraftForward quantises the target's head once, and its
+    loss on a batch is the FP8 head's, close to but not the plain head's."""
+    from dflash_train.draft.model import DFlashDraftModel
+    from dflash_train.draft.objective import make_task
+    from dflash_train.train.forward import DraftForward
+    from dflash_train.train.shapes import draft_model_config
+
+    target = shared_tiny_target
+    losses = []
+    for fp8 in (False, True):
+        cfg = make_run_config(overrides=[f"train.fp8_lm_head={str(fp8).lower()}"])
+        torch.manual_seed(0)
+        drafter = DFlashDraftModel(draft_model_config(cfg, target))
+        forward = DraftForward.for_run(cfg, drafter, target, torch.device("cpu"), use_flex=False)
+        assert isinstance(forward.fp8_head, Fp8Head) == fp8
+        ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+        task = make_task(ids, torch.ones_like(ids, dtype=torch.bool), cfg.objective, 0)
+        losses.append(forward(task, target.features(ids, [0, 2])).weighted_ce_sum.item())
+    assert losses[1] != losses[0] and losses[1] == pytest.approx(losses[0], rel=0.02)
