@@ -224,8 +224,10 @@ def _end_output_capture() -> None:
     """Switch transformers' output collector back to its per-context state after a compiled step.
     While dynamo traces a forward the collector keeps its outputs in a process-wide global
     (`output_capturing.CompileableContextVar`). A compiled step with flex_attention inside (flex
-    decoding) leaves that mode on (torch 2.13, transformers 5.24 and 5.25; the SDPA step does not),
-    and every later eager forward then records its hidden states into a stale dict:
+    decoding) leaves that mode on: dynamo keeps an attribute as it was set before the flex call, not as
+    the function left it (torch 2.13; the SDPA step does not;
+    tests/targets/test_flex_decode.py::test_a_compiled_flex_call_leaves_no_mid_function_state).
+    Every later eager forward then recorded its hidden states into a stale dict:
     `output_hidden_states` came back empty. Newer transformers may drop the name: then nothing to do."""
     collector = getattr(output_capturing, "_active_collector", None)
     if getattr(collector, "compiling", False):
