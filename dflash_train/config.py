@@ -62,9 +62,10 @@ class DraftConfig(Section):
     """auto = flex_attention on CUDA, SDPA with a dense mask on CPU (flex has no CPU backward)."""
     fp8: Literal["off", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = "off"
     """Train the drafter's linear layers with FP8 matmuls (torchao float8 training, the `fp8` extra; GPUs
-    of compute capability >= 8.9), by torchao's recipe names. For targets of ~8B and up, with train.fp8_lm_head: 1.12x end to end at
-    the Qwen3-8B shape, no acceptance lost at equal steps on SmolLM2; off by default, as small drafters
-    run slower with it (docs/benchmarks/throughput.md#fp8, quality.md)."""
+    of compute capability >= 8.9), by torchao's recipe names. For targets of ~8B and up, with
+    train.fp8_lm_head: 1.12x end to end at the Qwen3-8B shape, no acceptance lost at equal steps on
+    SmolLM2; off by default, as small drafters run slower with it (docs/benchmarks/throughput.md#fp8,
+    quality.md)."""
 
     @model_validator(mode="after")
     def _one_layer_choice(self) -> DraftConfig:

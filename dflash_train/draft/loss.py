@@ -68,7 +68,7 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
     log_q = F.log_softmax(logits, dim=-1)
     per_row = logits.new_zeros(logits.shape[0])
     reference = labels
-    log_p = None
+    p_t = None
     if mix.ce:
         per_row = per_row - mix.ce * log_q.gather(1, labels[:, None]).squeeze(1)
     if target_h is not None:
@@ -80,8 +80,9 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
         if mix.kl:
             t = mix.temperature
             log_p = F.log_softmax(t_logits / t, dim=-1)
+            p_t = log_p.exp()  # read again by the gradient
             log_q_t = log_q if t == 1 else F.log_softmax(logits / t, dim=-1)
-            per_row = per_row + mix.kl * (t * t) * (log_p.exp() * (log_p - log_q_t)).sum(-1)
+            per_row = per_row + mix.kl * (t * t) * (p_t * (log_p - log_q_t)).sum(-1)
     correct = (logits.argmax(-1) == reference).float()
     total = (per_row * weights).sum()
     if not with_grad:
@@ -92,8 +93,8 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
         dlogits = _minus_at(dlogits, labels, mix.ce)
     if mix.target_argmax:
         dlogits = _minus_at(dlogits, reference, mix.target_argmax)
-    if log_p is not None:
-        dlogits = dlogits + (mix.kl * mix.temperature) * (log_q_t.exp() - log_p.exp())
+    if p_t is not None:
+        dlogits = dlogits + (mix.kl * mix.temperature) * (log_q_t.exp() - p_t)
     return total, correct, _input_grad(head, dlogits * weights[:, None])
 
 
