@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -71,6 +72,11 @@ def prompt_ids(path: str | None, tokenizer, num: int) -> list[list[int]]:
     return prompts
 
 
+def progress(message: str) -> None:
+    """Where a long run is (stderr, timed): a run cut by a time limit still says how far it got."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -79,6 +85,72 @@ def sync(device):
 def serve(engine: GraphedEngine, jobs: list[Job]) -> None:
     waiting = deque(jobs)
     engine.serve(lambda n: [waiting.popleft() for _ in range(min(n, len(waiting)))], lambda job: None)
+
+
+def serve_profiled(engine: GraphedEngine, jobs: list[Job], iterations: int) -> dict:
+    """`serve`, with the CUDA activity of `iterations` turns of the engine's loop (one chunk launched
+    each) recorded once a quarter of the jobs has been taken, so the window is steady state:
+    refills, prefills and steps as the whole job mixes them. The profiler's first step (`wait`)
+    lasts until then."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
+    waiting, result = deque(jobs), {}
+    start_after = len(jobs) // 4
+    turns = 0
+
+    def take(n: int) -> list[Job]:
+        nonlocal turns
+        if len(waiting) <= len(jobs) - start_after:
+            turns += 1
+            prof.step()
+        return [waiting.popleft() for _ in range(min(n, len(waiting)))]
+
+    def summarise(p) -> None:
+        progress("profiled window recorded; reading its events")
+        result.update(gpu_window(p, iterations, vars(engine.timings)))
+        progress(f"window read: {({k: v for k, v in result.items() if k != 'kernels'})}")
+
+    activity = ProfilerActivity.CUDA if engine.device.type == "cuda" else ProfilerActivity.CPU  # CPU: a test run
+    with torch_profile(activities=[activity], schedule=schedule(wait=1, warmup=2, active=iterations, repeat=1),
+                       on_trace_ready=summarise) as prof:
+        engine.serve(take, lambda job: None)
+    return result
+
+
+def merged(spans: list[tuple[float, float]]) -> tuple[float, list[float]]:
+    """Intervals (start, end), sorted by start -> the time any of them covers, and the gaps between."""
+    busy, gaps, (lo, hi) = 0.0, [], spans[0]
+    for start, end in spans[1:]:
+        if start > hi:
+            busy, gaps = busy + hi - lo, gaps + [start - hi]
+            lo, hi = start, end
+        else:
+            hi = max(hi, end)
+    return busy + hi - lo, gaps
+
+
+def gpu_window(prof, iterations: int, timings: dict) -> dict:
+    """From a profiled window: its wall time, the time the GPU ran anything (kernels and copies,
+    overlaps merged), its idle gaps, and the kernels that took most of the time. Read from the raw
+    profiler records (a window of steps holds ~10^5 kernels; key_averages would take minutes)."""
+    spans, by_name = [], {}
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type().name == "CUDA" and e.duration_ns() > 0:
+            spans.append((e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3))
+            total, count = by_name.get(e.name(), (0, 0))
+            by_name[e.name()] = (total + e.duration_ns() / 1e3, count + 1)
+    if not spans:
+        return {"error": "no CUDA activity recorded"}
+    spans.sort()
+    busy, gaps = merged(spans)
+    wall = max(end for _, end in spans) - spans[0][0]
+    long = [g for g in gaps if g >= 500]  # microseconds
+    kernels = sorted(by_name.items(), key=lambda kv: kv[1][0], reverse=True)[:25]
+    return {"iterations": iterations, "wall_ms": round(wall / 1e3, 1), "gpu_busy_ms": round(busy / 1e3, 1),
+            "gpu_busy_fraction": round(busy / wall, 3), "gaps_over_half_ms": len(long),
+            "idle_in_those_ms": round(sum(long) / 1e3, 1), "longest_gaps_ms": [round(g / 1e3, 2) for g in sorted(long)[-10:]],
+            "kernels": [{"name": name[:120], "ms": round(total / 1e3, 2), "count": count}
+                        for name, (total, count) in kernels],
+            "engine_timings_so_far": dict(timings)}
 
 
 def copy_bandwidth(device) -> float | None:
@@ -114,10 +186,11 @@ def run_variant(model, prompts, args, stops, pad_id, name: str, bandwidth: float
     # the cache every prompt fits, and the plain steps' contexts: built once
     engine._build(max(max(map(len, prompts)) + args.max_tokens + 1, max(args.plain, default=0) + 2 * PLAIN_STEPS))
     build_s = time.perf_counter() - t0
+    progress(f"{name}: cache of {engine.length} positions built in {build_s:.1f} s; serving {len(prompts)} prompts")
     jobs = [Job(p, args.max_tokens) for p in prompts]
     sync(engine.device)
     t0 = time.perf_counter()
-    serve(engine, jobs)
+    window = serve_profiled(engine, jobs, args.job_profile) if args.job_profile else serve(engine, jobs)
     sync(engine.device)
     seconds = time.perf_counter() - t0
     tokens = sum(len(j.tokens) for j in jobs)
@@ -130,6 +203,8 @@ def run_variant(model, prompts, args, stops, pad_id, name: str, bandwidth: float
               "compiled": engine.steps.compiled, "graphed": engine.steps.graphed,
               "compile_error": engine.steps.compile_error, "graph_error": engine.steps.graph_error,
               "timings": vars(engine.timings)}
+    if window:
+        result["job_profile"] = window
     if args.plain:
         result["plain"] = [plain_step(engine, context, bandwidth) for context in args.plain]
     if args.profile:
@@ -196,6 +271,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--check", type=int, default=0, metavar="N")
     ap.add_argument("--check-tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--job-profile", type=int, default=0, metavar="TURNS",
+                    help="record the GPU's activity over TURNS turns of each variant's serving loop, once a quarter of the jobs is in")
     ap.add_argument("--flex-options", type=json.loads, default={}, metavar="JSON")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
