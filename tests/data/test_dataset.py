@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,6 +18,8 @@ from dflash_train.data.dataset import load_prepared, load_training_data, save_pr
 from dflash_train.data.formats import DataError
 from dflash_train.targets.tokenizer import tokenizer_fingerprint
 from tiny import tiny_tokenizer
+
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def conversations(n: int) -> list[dict]:
@@ -132,14 +139,37 @@ def test_skip_invalid_skips_rows_the_template_cannot_render(tmp_path):
     assert len(ds) == ds.stats.ok == 3 and ds.stats.total == 4
 
 
-@pytest.mark.parametrize("fork", [True, False])
-def test_worker_processes_tokenise_like_one_process(tmp_path, monkeypatch, fork):
+POOLED = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO)
+import dflash_train.data.dataset as dataset
+from dflash_train.data.formats import DataError
+from tiny import tiny_tokenizer
+src, fork = sys.argv[1], sys.argv[2] == "fork"
+assert dataset.can_fork(), "a fresh interpreter runs one thread and no CUDA: forking is safe"
+dataset.PARALLEL_MIN_ROWS, dataset.POOL_CHUNK_ROWS = 0, 4
+if not fork:
+    dataset.can_fork = lambda: False  # as in a process with threads: the pool is spawned
+tok = tiny_tokenizer()
+ds = dataset.tokenize_files([src], tok, 128, skip_invalid=True, workers=2)
+try:
+    dataset.tokenize_files([src], tok, 128, skip_invalid=False, workers=2)
+    error = None
+except DataError as err:
+    error = str(err)
+print(json.dumps({"stats": ds.stats.to_dict(), "skipped": list(ds.stats.skipped), "error": error,
+                  "ids": [a.tolist() for a in ds.input_ids], "mask": [a.tolist() for a in ds.loss_mask]}))
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_worker_processes_tokenise_like_one_process(tmp_path, method):
     """Large inputs are parsed and tokenised by a pool of processes in chunks, forked when that is
     safe and spawned otherwise: same rows, same order, same skipped-row accounting as in process
     (rows skipped unread listed first, as when the parent read every row before tokenising); the
-    first bad row in file order still fails the run when not skipped."""
-    import dflash_train.data.dataset as dataset
-
+    first bad row in file order still fails the run when not skipped. The pool runs in a fresh
+    interpreter: forking from this one (threads of pytest and its plugins) could inherit a held lock,
+    which `can_fork` exists to avoid."""
     tok = tiny_tokenizer()
     rows = [json.dumps(r) for r in conversations(23)]
     rows[5] = json.dumps(conversations(6)[5] | {"messages": [{"role": "user", "content": "x" * 300},
@@ -150,22 +180,25 @@ def test_worker_processes_tokenise_like_one_process(tmp_path, monkeypatch, fork)
     src = tmp_path / "c.jsonl"
     src.write_text("\n".join(rows) + "\n")
     one = tokenize_files([src], tok, 128, skip_invalid=True, workers=1)
-    monkeypatch.setattr(dataset, "PARALLEL_MIN_ROWS", 0)
-    monkeypatch.setattr(dataset, "POOL_CHUNK_ROWS", 4)
-    monkeypatch.setattr(dataset, "can_fork", lambda: fork)
-    pooled = tokenize_files([src], tok, 128, skip_invalid=True, workers=2)
-    assert len(pooled) == len(one) == 19 and pooled.stats.to_dict() == one.stats.to_dict()
-    assert list(pooled.stats.skipped) == list(one.stats.skipped) == [
+
+    def pooled(path):
+        env = os.environ | {"PYTHONPATH": os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        out = subprocess.run([sys.executable, "-c", POOLED, str(path), method], env=env, capture_output=True,
+                             text=True, timeout=180)  # a deadlocked pool fails the test, not the whole run
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert f"tokeniser pool of 2 ({method})" in out.stderr  # the pool ran, started as asked
+        return json.loads(out.stdout.splitlines()[-1])
+
+    got = pooled(src)
+    assert len(got["ids"]) == len(one) == 19 and got["stats"] == one.stats.to_dict()
+    assert got["skipped"] == list(one.stats.skipped) == [
         "no assistant turn to learn from", "not valid JSON: Expecting value", "generation error",
         "no response tokens within max_length"]
-    for a, b in zip(one.input_ids + one.loss_mask, pooled.input_ids + pooled.loss_mask):
-        np.testing.assert_array_equal(a, b)
-    with pytest.raises(DataError, match="c.jsonl:6.*max_length"):
-        tokenize_files([src], tok, 128, skip_invalid=False, workers=2)
+    assert got["ids"] == [a.tolist() for a in one.input_ids] and got["mask"] == [a.tolist() for a in one.loss_mask]
+    assert re.search("c.jsonl:6.*max_length", got["error"])
     del rows[5], rows[16]
     src.write_text("\n".join(rows) + "\n")
-    with pytest.raises(DataError, match="c.jsonl:18: not valid JSON"):
-        tokenize_files([src], tok, 128, skip_invalid=False, workers=2)
+    assert re.search("c.jsonl:18: not valid JSON", pooled(src)["error"])
 
 
 def test_default_workers_fork_one_per_core_only_when_safe(monkeypatch):
