@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from packaging.utils import canonicalize_name
 
+from dflash_train.pinned_memory import ALLOC_CONF_VARS
+
 TRACKED_PACKAGES = ("torch", "triton", "transformers", "safetensors", "pydantic", "pyarrow")
 # Inference stacks pin their own torch/CUDA builds and kernels; they belong in a serving env.
 # The slow run had sglang, vllm and flashinfer installed next to the trainer.
@@ -86,8 +88,11 @@ def cuda_runtime_majors(found: dict[str, list[str]]) -> dict[str, list[str]]:
 
 
 def torch_build() -> dict:
+    """The build, and the allocator settings it runs with (how host memory is pinned decides how
+    fast the feature cache's host part fills: dflash_train/pinned_memory.py)."""
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    return {"version": torch.__version__, "cuda": torch.version.cuda, "cudnn": cudnn}
+    return {"version": torch.__version__, "cuda": torch.version.cuda, "cudnn": cudnn,
+            "alloc_conf": {name: os.environ[name] for name in ALLOC_CONF_VARS if name in os.environ}}
 
 
 def gpus() -> list[dict]:

@@ -9,7 +9,9 @@ def _config(**overrides) -> dict:
     return RunConfig(**overrides).model_dump(mode="json")
 
 
-def test_manifest_records_environment_and_round_trips(tmp_path):
+def test_manifest_records_environment_and_round_trips(tmp_path, monkeypatch):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_use_cuda_host_register:True")
     config = _config(run_dir=str(tmp_path / "run"))
     manifest = build_manifest(config, ["dflash-train", "train", "-c", "x.yaml"], tmp_path / "run")
     path = write_manifest(tmp_path / "run", manifest)
@@ -20,6 +22,8 @@ def test_manifest_records_environment_and_round_trips(tmp_path):
     assert manifest["config"] == config
     assert manifest["hardware_fingerprint"].startswith(("cpu:", "gpu:"))
     assert manifest["start_time"].endswith("+00:00")
+    # how host memory is pinned is part of the environment a run's speed depends on
+    assert manifest["torch"]["alloc_conf"] == {"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:True"}
 
 
 def test_config_fingerprint_ignores_run_specific_keys_only():
