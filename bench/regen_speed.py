@@ -11,7 +11,8 @@ read (weights, the K/V up to each row's position, the logits) over the copy band
 in the same run. `--plain` times the captured step alone with every row at one context, as a
 serving engine's step would run with no refill; `--profile`, the CUDA kernels of that step (a
 random-weight model of the target's shape, `--model smollm2-shape`, serves for both).
-`--check N`: N prompts in fp32, the engine's answers against transformers' padded `generate`
+`--timeline`: the job's GPU time split into
+steps, prefills and idle gaps by CUDA events around each launch. `--check N`: N prompts in fp32, the engine's answers against transformers' padded `generate`
 (equal, token for token). `--flex-options JSON`: flex decoding's kernel options (e.g.
 '{"num_stages": 3, "num_warps": 4}'), inductor's own when not given.
 
@@ -87,70 +88,73 @@ def serve(engine: GraphedEngine, jobs: list[Job]) -> None:
     engine.serve(lambda n: [waiting.popleft() for _ in range(min(n, len(waiting)))], lambda job: None)
 
 
-def serve_profiled(engine: GraphedEngine, jobs: list[Job], iterations: int) -> dict:
-    """`serve`, with the CUDA activity of `iterations` turns of the engine's loop (one chunk launched
-    each) recorded once a quarter of the jobs has been taken, so the window is steady state:
-    refills, prefills and steps as the whole job mixes them. The profiler's first step (`wait`)
-    lasts until then."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
-    waiting, result = deque(jobs), {}
-    start_after = len(jobs) // 4
-    turns = 0
+class StreamMarks:
+    """CUDA events recorded on the stream before and after each chunk of steps and each prefill the
+    engine launches, so the job's GPU time splits into steps, prefills and the idle gaps between
+    them (the GPU waiting for the host), at the cost of two event records a launch. (A profiler
+    window over this job ran past its time limit twice on the H200 without a result.) On CPU the
+    host's clock stands in: the bookkeeping runs, the figures mean nothing."""
 
-    def take(n: int) -> list[Job]:
-        nonlocal turns
-        if len(waiting) <= len(jobs) - start_after:
-            turns += 1
-            prof.step()
-        return [waiting.popleft() for _ in range(min(n, len(waiting)))]
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object, object]] = []
 
-    def summarise(p) -> None:
-        progress("profiled window recorded; reading its events")
-        result.update(gpu_window(p, iterations, vars(engine.timings)))
-        progress(f"window read: {({k: v for k, v in result.items() if k != 'kernels'})}")
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-    activity = ProfilerActivity.CUDA if engine.device.type == "cuda" else ProfilerActivity.CPU  # CPU: a test run
-    with torch_profile(activities=[activity], schedule=schedule(wait=1, warmup=2, active=iterations, repeat=1),
-                       on_trace_ready=summarise) as prof:
-        engine.serve(take, lambda job: None)
-    return result
+    def _ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def around(self, kind: str, launch):
+        def marked(*args, **kwargs):
+            start = self._now()
+            out = launch(*args, **kwargs)
+            self.marks.append((kind, start, self._now()))
+            return out
+        return marked
+
+    def summary(self, steps_per_chunk: int) -> dict:
+        """Over the whole job, and over its middle half (steady state: the pool full, before the
+        drain): GPU milliseconds in chunks of steps and in prefills, and idle between launches."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        n = len(self.marks)
+        return {"whole_job": self._part(self.marks, steps_per_chunk),
+                "middle_half": self._part(self.marks[n // 4: 3 * n // 4], steps_per_chunk)}
+
+    def _part(self, marks: list, steps_per_chunk: int) -> dict:
+        if not marks:
+            return {}
+        spent = {"chunk": [0.0, 0], "prefill": [0.0, 0]}
+        gaps = []
+        for i, (kind, start, end) in enumerate(marks):
+            spent[kind][0] += self._ms(start, end)
+            spent[kind][1] += 1
+            if i:
+                gaps.append(max(0.0, self._ms(marks[i - 1][2], start)))
+        span = self._ms(marks[0][1], marks[-1][2])
+        chunks, prefills = spent["chunk"], spent["prefill"]
+        return {"span_ms": round(span, 1), "chunks": chunks[1], "chunk_ms": round(chunks[0], 1),
+                "ms_per_step": round(chunks[0] / max(chunks[1] * steps_per_chunk, 1), 3),
+                "prefills": prefills[1], "prefill_ms": round(prefills[0], 1),
+                "idle_ms": round(sum(gaps), 1), "idle_fraction": round(sum(gaps) / span, 3) if span else None,
+                "gaps_over_half_ms": sum(g >= 0.5 for g in gaps), "idle_in_those_ms": round(sum(g for g in gaps if g >= 0.5), 1)}
 
 
-def merged(spans: list[tuple[float, float]]) -> tuple[float, list[float]]:
-    """Intervals (start, end), sorted by start -> the time any of them covers, and the gaps between."""
-    busy, gaps, (lo, hi) = 0.0, [], spans[0]
-    for start, end in spans[1:]:
-        if start > hi:
-            busy, gaps = busy + hi - lo, gaps + [start - hi]
-            lo, hi = start, end
-        else:
-            hi = max(hi, end)
-    return busy + hi - lo, gaps
-
-
-def gpu_window(prof, iterations: int, timings: dict) -> dict:
-    """From a profiled window: its wall time, the time the GPU ran anything (kernels and copies,
-    overlaps merged), its idle gaps, and the kernels that took most of the time. Read from the raw
-    profiler records (a window of steps holds ~10^5 kernels; key_averages would take minutes)."""
-    spans, by_name = [], {}
-    for e in prof.profiler.kineto_results.events():
-        if e.device_type().name == "CUDA" and e.duration_ns() > 0:
-            spans.append((e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3))
-            total, count = by_name.get(e.name(), (0, 0))
-            by_name[e.name()] = (total + e.duration_ns() / 1e3, count + 1)
-    if not spans:
-        return {"error": "no CUDA activity recorded"}
-    spans.sort()
-    busy, gaps = merged(spans)
-    wall = max(end for _, end in spans) - spans[0][0]
-    long = [g for g in gaps if g >= 500]  # microseconds
-    kernels = sorted(by_name.items(), key=lambda kv: kv[1][0], reverse=True)[:25]
-    return {"iterations": iterations, "wall_ms": round(wall / 1e3, 1), "gpu_busy_ms": round(busy / 1e3, 1),
-            "gpu_busy_fraction": round(busy / wall, 3), "gaps_over_half_ms": len(long),
-            "idle_in_those_ms": round(sum(long) / 1e3, 1), "longest_gaps_ms": [round(g / 1e3, 2) for g in sorted(long)[-10:]],
-            "kernels": [{"name": name[:120], "ms": round(total / 1e3, 2), "count": count}
-                        for name, (total, count) in kernels],
-            "engine_timings_so_far": dict(timings)}
+def serve_marked(engine: GraphedEngine, jobs: list[Job]) -> dict:
+    """`serve`, each chunk of steps and each prefill between two CUDA events (StreamMarks)."""
+    marks = StreamMarks(engine.device)
+    engine._launch = marks.around("chunk", engine._launch)
+    engine._prefill = marks.around("prefill", engine._prefill)
+    try:
+        serve(engine, jobs)
+    finally:
+        del engine._launch, engine._prefill  # the class's own again
+    return marks.summary(engine.chunk)
 
 
 def copy_bandwidth(device) -> float | None:
@@ -190,10 +194,11 @@ def run_variant(model, prompts, args, stops, pad_id, name: str, bandwidth: float
     jobs = [Job(p, args.max_tokens) for p in prompts]
     sync(engine.device)
     t0 = time.perf_counter()
-    window = serve_profiled(engine, jobs, args.job_profile) if args.job_profile else serve(engine, jobs)
+    timeline = serve_marked(engine, jobs) if args.timeline else serve(engine, jobs)
     sync(engine.device)
     seconds = time.perf_counter() - t0
     tokens = sum(len(j.tokens) for j in jobs)
+    progress(f"{name}: served {tokens} tokens in {seconds:.1f} s")
     context = sum(len(j.prompt) * len(j.tokens) + len(j.tokens) * (len(j.tokens) - 1) / 2 for j in jobs) / tokens
     roofline = bandwidth and args.rows * bandwidth / step_bytes(model, args.rows, context)
     result = {"variant": name, "rows": args.rows, "answers": len(jobs), "answer_tokens": tokens,
@@ -203,8 +208,8 @@ def run_variant(model, prompts, args, stops, pad_id, name: str, bandwidth: float
               "compiled": engine.steps.compiled, "graphed": engine.steps.graphed,
               "compile_error": engine.steps.compile_error, "graph_error": engine.steps.graph_error,
               "timings": vars(engine.timings)}
-    if window:
-        result["job_profile"] = window
+    if timeline:
+        result["gpu_timeline"] = timeline
     if args.plain:
         result["plain"] = [plain_step(engine, context, bandwidth) for context in args.plain]
     if args.profile:
@@ -271,8 +276,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--check", type=int, default=0, metavar="N")
     ap.add_argument("--check-tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--job-profile", type=int, default=0, metavar="TURNS",
-                    help="record the GPU's activity over TURNS turns of each variant's serving loop, once a quarter of the jobs is in")
+    ap.add_argument("--timeline", action="store_true",
+                    help="split each job's GPU time into steps, prefills and idle gaps (CUDA events around each launch)")
     ap.add_argument("--flex-options", type=json.loads, default={}, metavar="JSON")
     ap.add_argument("--out")
     args = ap.parse_args(argv)

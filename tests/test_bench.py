@@ -240,15 +240,17 @@ def test_regen_speed_cpu_mode():
     assert run["timings"]["chunks"] > 0 and run["profile"] == []  # no CUDA kernels on CPU
 
 
-def test_regen_speed_job_profile_serves_every_job_and_merges_spans():
-    """--job-profile wraps the real job's loop (every job still served; on CPU nothing to record),
-    and the GPU's busy time merges overlapping spans and keeps the gaps between them."""
+def test_regen_speed_timeline_marks_every_launch():
+    """--timeline wraps the engine's launches (every job still served) and accounts for every chunk
+    and prefill it made."""
     import regen_speed
 
     report = regen_speed.main(["--model", "tiny", "--num", "12", "--rows", "2", "--max-tokens", "8", "--variants", "sdpa",
-                               "--job-profile", "3"])
+                               "--timeline"])
     run = report["runs"][0]
     assert run["answers"] == 12 and run["answer_tokens"] == 96
-    assert run["job_profile"] == {"error": "no CUDA activity recorded"}
-    busy, gaps = regen_speed.merged([(0, 10), (5, 12), (12, 13), (20, 30), (21, 25), (40, 41)])
-    assert busy == 13 + 10 + 1 and gaps == [7, 10]
+    whole = run["gpu_timeline"]["whole_job"]
+    assert whole["chunks"] == run["timings"]["chunks"] and whole["prefills"] == run["timings"]["prefills"]
+    assert whole["ms_per_step"] > 0 and 0 <= whole["idle_fraction"] <= 1
+    assert 0 < run["gpu_timeline"]["middle_half"]["chunks"] + run["gpu_timeline"]["middle_half"]["prefills"] < \
+        whole["chunks"] + whole["prefills"]
