@@ -11,9 +11,9 @@ read (weights, the K/V up to each row's position, the logits) over the copy band
 in the same run. `--plain` times the captured step alone with every row at one context, as a
 serving engine's step would run with no refill; `--profile`, the CUDA kernels of that step (a
 random-weight model of the target's shape, `--model smollm2-shape`, serves for both).
-`--timeline`: the job's GPU time split into
-steps, prefills and idle gaps by CUDA events around each launch. `--check N`: N prompts in fp32, the engine's answers against transformers' padded `generate`
-(equal, token for token). `--flex-options JSON`: flex decoding's kernel options (e.g.
+`--timeline`: the job's GPU time split into steps, prefills and idle gaps by CUDA events around
+each launch. `--check N`: N prompts in fp32, the engine's answers against transformers' padded
+`generate` (equal, token for token). `--flex-options JSON`: flex decoding's kernel options (e.g.
 '{"num_stages": 3, "num_warps": 4}'), inductor's own when not given.
 
     PYTHONPATH=. python3 bench/regen_speed.py --prompts data/every/train_prompts.jsonl --num 8192 \
@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.data.formats import iter_rows, normalise_messages
+from dflash_train.eval.static_decode import DeviceClock
 from dflash_train.generate.backends import GenParams
 from dflash_train.generate.graphed_engine import GraphedEngine, Job
 from dflash_train.generate.local_backend import encode_prompt, generate_ids, pad_token_id, stop_ids
@@ -96,31 +97,24 @@ class StreamMarks:
     host's clock stands in: the bookkeeping runs, the figures mean nothing."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.clock = DeviceClock(device)
         self.marks: list[tuple[str, object, object]] = []
 
-    def _now(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
     def _ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+        return 1e3 * self.clock.seconds(a, b)
 
     def around(self, kind: str, launch):
         def marked(*args, **kwargs):
-            start = self._now()
+            start = self.clock.mark()
             out = launch(*args, **kwargs)
-            self.marks.append((kind, start, self._now()))
+            self.marks.append((kind, start, self.clock.mark()))
             return out
         return marked
 
     def summary(self, steps_per_chunk: int) -> dict:
         """Over the whole job, and over its middle half (steady state: the pool full, before the
         drain): GPU milliseconds in chunks of steps and in prefills, and idle between launches."""
-        if self.cuda:
+        if self.clock.cuda:
             torch.cuda.synchronize()
         n = len(self.marks)
         return {"whole_job": self._part(self.marks, steps_per_chunk),

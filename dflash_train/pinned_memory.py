@@ -20,14 +20,11 @@ ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
 def pin_by_registering(environ=os.environ, modules=sys.modules) -> bool:
-    """Adds PINNED_BY_REGISTER to PYTORCH_CUDA_ALLOC_CONF (keeping what it holds); returns whether it
-    did. Nothing changes once torch is imported (it may have read the variable already) or where
+    """Adds PINNED_BY_REGISTER to the allocator variable torch reads first (PYTORCH_ALLOC_CONF where
+    set, else PYTORCH_CUDA_ALLOC_CONF), keeping what it holds; returns whether it did. Nothing changes once torch is imported (it may have read the variable already) or where
     either allocator variable already names a pinned-memory key."""
     if "torch" in modules or any("pinned_" in environ.get(name, "") for name in ALLOC_CONF_VARS):
         return False
-    if environ.get("PYTORCH_ALLOC_CONF"):  # torch reads this one first: the key goes where it is read
-        environ["PYTORCH_ALLOC_CONF"] = f"{environ['PYTORCH_ALLOC_CONF']},{PINNED_BY_REGISTER}"
-        return True
-    current = environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    environ["PYTORCH_CUDA_ALLOC_CONF"] = f"{current},{PINNED_BY_REGISTER}" if current else PINNED_BY_REGISTER
+    name = "PYTORCH_ALLOC_CONF" if environ.get("PYTORCH_ALLOC_CONF") else "PYTORCH_CUDA_ALLOC_CONF"
+    environ[name] = ",".join(filter(None, [environ.get(name), PINNED_BY_REGISTER]))
     return True

@@ -49,7 +49,7 @@ class DraftStaticCache:
         return self.k[layer], self.v[layer]
 
 
-class _Clock:
+class DeviceClock:
     """Marks on the device's timeline: CUDA events on a GPU (no sync until read), wall time on CPU."""
 
     def __init__(self, device: torch.device):
@@ -224,7 +224,7 @@ class StaticDecoder:
                    for _ in prompts]
         out = Decoded(results)
         active = self._emit(results, first[: len(prompts), None].tolist(), max_new_tokens, stop_ids)
-        clock = _Clock(self.target.device)
+        clock = DeviceClock(self.target.device)
         t0 = synced_time(self.target.device)
         draft = lambda: self._draft(feats, positions)  # noqa: E731  round 1: the drafter's prompt pass
         while active:
