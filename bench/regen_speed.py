@@ -11,10 +11,11 @@ read (weights, the K/V up to each row's position, the logits) over the copy band
 in the same run. `--plain` times the captured step alone with every row at one context, as a
 serving engine's step would run with no refill; `--profile`, the CUDA kernels of that step (a
 random-weight model of the target's shape, `--model smollm2-shape`, serves for both).
-`--timeline`: the job's GPU time split into steps, prefills and idle gaps by CUDA events around
-each launch. `--check N`: N prompts in fp32, the engine's answers against transformers' padded
-`generate` (equal, token for token). `--flex-options JSON`: flex decoding's kernel options (e.g.
-'{"num_stages": 3, "num_warps": 4}'), inductor's own when not given.
+Each job's GPU time is split into steps, prefills and idle gaps by the engine's own marks
+(generate/launch_timeline.py), over the whole job and its middle half. `--check N`: N prompts in
+fp32, the engine's answers against transformers' padded `generate` (equal, token for token).
+`--flex-options JSON`: flex decoding's kernel options (e.g. '{"num_stages": 3, "num_warps": 4}'),
+inductor's own when not given.
 
     PYTHONPATH=. python3 bench/regen_speed.py --prompts data/every/train_prompts.jsonl --num 8192 \
         --rows 1024 --variants sdpa flex --plain 256 512 --check 64 --out regen.json    # one GPU
@@ -33,7 +34,6 @@ from pathlib import Path
 import torch
 
 from dflash_train.data.formats import iter_rows, normalise_messages
-from dflash_train.eval.static_decode import DeviceClock
 from dflash_train.generate.backends import GenParams
 from dflash_train.generate.graphed_engine import GraphedEngine, Job
 from dflash_train.generate.local_backend import encode_prompt, generate_ids, pad_token_id, stop_ids
@@ -89,66 +89,11 @@ def serve(engine: GraphedEngine, jobs: list[Job]) -> None:
     engine.serve(lambda n: [waiting.popleft() for _ in range(min(n, len(waiting)))], lambda job: None)
 
 
-class StreamMarks:
-    """CUDA events recorded on the stream before and after each chunk of steps and each prefill the
-    engine launches, so the job's GPU time splits into steps, prefills and the idle gaps between
-    them (the GPU waiting for the host), at the cost of two event records a launch. (A profiler
-    window over this job ran past its time limit twice on the H200 without a result.) On CPU the
-    host's clock stands in: the bookkeeping runs, the figures mean nothing."""
-
-    def __init__(self, device: torch.device):
-        self.clock = DeviceClock(device)
-        self.marks: list[tuple[str, object, object]] = []
-
-    def _ms(self, a, b) -> float:
-        return 1e3 * self.clock.seconds(a, b)
-
-    def around(self, kind: str, launch):
-        def marked(*args, **kwargs):
-            start = self.clock.mark()
-            out = launch(*args, **kwargs)
-            self.marks.append((kind, start, self.clock.mark()))
-            return out
-        return marked
-
-    def summary(self, steps_per_chunk: int) -> dict:
-        """Over the whole job, and over its middle half (steady state: the pool full, before the
-        drain): GPU milliseconds in chunks of steps and in prefills, and idle between launches."""
-        if self.clock.cuda:
-            torch.cuda.synchronize()
-        n = len(self.marks)
-        return {"whole_job": self._part(self.marks, steps_per_chunk),
-                "middle_half": self._part(self.marks[n // 4: 3 * n // 4], steps_per_chunk)}
-
-    def _part(self, marks: list, steps_per_chunk: int) -> dict:
-        if not marks:
-            return {}
-        spent = {"chunk": [0.0, 0], "prefill": [0.0, 0]}
-        gaps = []
-        for i, (kind, start, end) in enumerate(marks):
-            spent[kind][0] += self._ms(start, end)
-            spent[kind][1] += 1
-            if i:
-                gaps.append(max(0.0, self._ms(marks[i - 1][2], start)))
-        span = self._ms(marks[0][1], marks[-1][2])
-        chunks, prefills = spent["chunk"], spent["prefill"]
-        return {"span_ms": round(span, 1), "chunks": chunks[1], "chunk_ms": round(chunks[0], 1),
-                "ms_per_step": round(chunks[0] / max(chunks[1] * steps_per_chunk, 1), 3),
-                "prefills": prefills[1], "prefill_ms": round(prefills[0], 1),
-                "idle_ms": round(sum(gaps), 1), "idle_fraction": round(sum(gaps) / span, 3) if span else None,
-                "gaps_over_half_ms": sum(g >= 0.5 for g in gaps), "idle_in_those_ms": round(sum(g for g in gaps if g >= 0.5), 1)}
-
-
-def serve_marked(engine: GraphedEngine, jobs: list[Job]) -> dict:
-    """`serve`, each chunk of steps and each prefill between two CUDA events (StreamMarks)."""
-    marks = StreamMarks(engine.device)
-    engine._launch = marks.around("chunk", engine._launch)
-    engine._prefill = marks.around("prefill", engine._prefill)
-    try:
-        serve(engine, jobs)
-    finally:
-        del engine._launch, engine._prefill  # the class's own again
-    return marks.summary(engine.chunk)
+def gpu_timeline(timeline) -> dict:
+    """The engine's GPU clock over the whole job, and over its middle half (steady state: the rows
+    full, before the drain)."""
+    n = len(timeline.spans)
+    return {"whole_job": timeline.summary(), "middle_half": timeline.summary(timeline.spans[n // 4: 3 * n // 4])}
 
 
 def copy_bandwidth(device) -> float | None:
@@ -188,7 +133,7 @@ def run_variant(model, prompts, args, stops, pad_id, name: str, bandwidth: float
     jobs = [Job(p, args.max_tokens) for p in prompts]
     sync(engine.device)
     t0 = time.perf_counter()
-    timeline = serve_marked(engine, jobs) if args.timeline else serve(engine, jobs)
+    serve(engine, jobs)
     sync(engine.device)
     seconds = time.perf_counter() - t0
     tokens = sum(len(j.tokens) for j in jobs)
@@ -201,9 +146,7 @@ def run_variant(model, prompts, args, stops, pad_id, name: str, bandwidth: float
               "stopped": sum(j.stopped for j in jobs), "roofline_tokens_per_s": roofline and round(roofline),
               "compiled": engine.steps.compiled, "graphed": engine.steps.graphed,
               "compile_error": engine.steps.compile_error, "graph_error": engine.steps.graph_error,
-              "timings": vars(engine.timings)}
-    if timeline:
-        result["gpu_timeline"] = timeline
+              "timings": vars(engine.timings), "gpu_timeline": gpu_timeline(engine.timeline)}
     if args.plain:
         result["plain"] = [plain_step(engine, context, bandwidth) for context in args.plain]
     if args.profile:
@@ -270,8 +213,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--check", type=int, default=0, metavar="N")
     ap.add_argument("--check-tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--timeline", action="store_true",
-                    help="split each job's GPU time into steps, prefills and idle gaps (CUDA events around each launch)")
     ap.add_argument("--flex-options", type=json.loads, default={}, metavar="JSON")
     ap.add_argument("--out")
     args = ap.parse_args(argv)

@@ -12,8 +12,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "dflash_train"
 
 LAYERS = [
-    {"__init__", "pinned_memory", "errors", "disk", "atomic", "package_data", "config", "config_loader", "config_flags",
-     "checks"},
+    {"__init__", "pinned_memory", "device_clock", "errors", "disk", "atomic", "package_data", "config", "config_loader",
+     "config_flags", "checks"},
     {"data"},
     {"targets"},
     {"draft"},

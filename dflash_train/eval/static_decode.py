@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from dflash_train.device_clock import DeviceClock
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.spec_decode import DecodeResult, SpecResult, check_budget
 from dflash_train.generate.backends import emit_tokens
@@ -47,23 +48,6 @@ class DraftStaticCache:
         write_at(self.k[layer], self.rows, self.positions, k_ctx)
         write_at(self.v[layer], self.rows, self.positions, v_ctx)
         return self.k[layer], self.v[layer]
-
-
-class DeviceClock:
-    """Marks on the device's timeline: CUDA events on a GPU (no sync until read), wall time on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, a, b) -> float:
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
 
 @dataclass

@@ -15,6 +15,8 @@ new tokens copied to pinned host memory behind it, and the host reads a chunk wh
 chunks launched after it run (admissions, too, go to the GPU without a synchronisation). A row that
 finishes therefore decodes `ahead` more chunks of tokens nobody reads before it is refilled; each
 chunk remembers which job held each row, so those tokens never reach the next occupant.
+Where a job's time went is logged at its end on two clocks: the host's (`Timings`: waiting for the
+GPU, admitting, reading) and the GPU's (launch_timeline.py: steps, prefills, idle between launches).
 
 Greedy and temperature sampling (Gumbel-max: exact sampling from softmax(logits / T)) per row;
 top-p is refused. The cache holds prompt + max_tokens positions of the longest request seen; a longer
@@ -34,6 +36,7 @@ from itertools import chain
 import torch
 
 from dflash_train.generate.backends import emit_tokens
+from dflash_train.generate.launch_timeline import LaunchTimeline
 from dflash_train.generate.prefill import MIN_WIDTH, PREFILL_ROWS, Prefills, bucket
 from dflash_train.targets.flex_decode import FLEX_DECODE, flex_decode_problem
 from dflash_train.targets.static_cache import (ALIGN, PACKED_GQA, PositionedCache, Steps, attention_as, forward_at,
@@ -154,6 +157,7 @@ class GraphedEngine:
         self.host_tokens = [torch.zeros(r, chunk, dtype=torch.long, pin_memory=pinned) for _ in range(ahead + 1)]
         self.launches = 0
         self.timings = Timings()
+        self.timeline = LaunchTimeline(self.device)
         self.sampling = False
         """Whether a job has sampled yet: then a sampling step is prepared beside the greedy one."""
 
@@ -253,7 +257,8 @@ class GraphedEngine:
             pieces[-1].append((job, row))
         pieces = [piece for _, width_pieces in sorted(groups.items()) for piece in width_pieces]
         self.timings.prefills += len(pieces)
-        return [([j for j, _ in piece], self._prefill([r for _, r in piece], [j for j, _ in piece])) for piece in pieces]
+        return [([j for j, _ in piece], self.timeline.around("prefills", self._prefill, [r for _, r in piece],
+                                                             [j for j, _ in piece])) for piece in pieces]
 
     def _prefill(self, rows: list[int], jobs: list[Job]) -> torch.Tensor:
         """Prefills `jobs` into `rows` through a fixed-shape forward (generate/prefill.py), prompts
@@ -298,10 +303,13 @@ class GraphedEngine:
         engine cannot run, e.g. top-p, are the caller's to refuse), `give(job)` receives each
         finished one (tokens cut after the first stop token, `stopped` set)."""
         refill_at = max(1, self.rows // 16)  # a prefill costs about as much as a few steps: batch them
-        self.timings = Timings()
+        self.timings, self.timeline = Timings(), LaunchTimeline(self.device)
         with attention_as(self.model, self.attention):  # set outside the compiled step (attention_as says why)
             self._serve(take, give, refill_at)
-        log.info("graphed engine served: %s", self.timings)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the job is over: its last marks may be read
+        self.timeline.settle()
+        log.info("graphed engine served: %s; the GPU's clock %s", self.timings, self.timeline)
 
     def _serve(self, take, give, refill_at: int) -> None:
         occupant: list[Job | None] = [None] * self.rows
@@ -332,7 +340,8 @@ class GraphedEngine:
             busy = [job for job in occupant if job is not None]
             if busy:
                 sampled = any(job.temperature > 0 for job in busy)
-                launched.append(self._launch(self.steps.run["sample" if sampled else "greedy"], occupant, admitted))
+                step = self.steps.run["sample" if sampled else "greedy"]
+                launched.append(self.timeline.around("steps", self._launch, step, occupant, admitted))
                 admitted = []
             elif not launched:
                 return
@@ -360,6 +369,7 @@ class GraphedEngine:
             chunk.done.synchronize()
         self.timings.waiting_s += time.perf_counter() - start
         start = time.perf_counter()
+        self.timeline.settle()  # every mark up to this chunk's has passed
         self.timings.chunks += 1
         for jobs, first in chunk.first:
             for job, token in zip(jobs, first.tolist()):
