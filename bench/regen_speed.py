@@ -15,7 +15,8 @@ Each job's GPU time is split into steps, prefills and idle gaps by the engine's 
 (generate/launch_timeline.py), over the whole job and its middle half. `--check N`: N prompts in
 fp32, the engine's answers against transformers' padded `generate` (equal, token for token).
 `--flex-options JSON`: flex decoding's kernel options (e.g. '{"num_stages": 3, "num_warps": 4}'),
-inductor's own when not given.
+inductor's own when not given. `--prefill packed|padded`: how prompts are prefilled (auto: packed
+where the model allows it).
 
     PYTHONPATH=. python3 bench/regen_speed.py --prompts data/every/train_prompts.jsonl --num 8192 \
         --rows 1024 --variants sdpa flex --plain 256 512 --check 64 --out regen.json    # one GPU
@@ -124,7 +125,7 @@ def step_bytes(model, rows: int, context: float) -> float:
 
 
 def run_variant(model, prompts, args, stops, pad_id, name: str, bandwidth: float) -> dict:
-    engine = GraphedEngine(model, args.rows, stops, pad_id, **VARIANTS[name])
+    engine = GraphedEngine(model, args.rows, stops, pad_id, prefill=args.prefill, **VARIANTS[name])
     t0 = time.perf_counter()
     # the cache every prompt fits, and the plain steps' contexts: built once
     engine._build(max(max(map(len, prompts)) + args.max_tokens + 1, max(args.plain, default=0) + 2 * PLAIN_STEPS))
@@ -142,7 +143,7 @@ def run_variant(model, prompts, args, stops, pad_id, name: str, bandwidth: float
     roofline = bandwidth and args.rows * bandwidth / step_bytes(model, args.rows, context)
     result = {"variant": name, "rows": args.rows, "answers": len(jobs), "answer_tokens": tokens,
               "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds), "build_s": round(build_s, 1),
-              "cache_length": engine.length, "mean_context": round(context, 1),
+              "cache_length": engine.length, "mean_context": round(context, 1), "packed_prefills": engine.packed,
               "stopped": sum(j.stopped for j in jobs), "roofline_tokens_per_s": roofline and round(roofline),
               "compiled": engine.steps.compiled, "graphed": engine.steps.graphed,
               "compile_error": engine.steps.compile_error, "graph_error": engine.steps.graph_error,
@@ -214,6 +215,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--check-tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--flex-options", type=json.loads, default={}, metavar="JSON")
+    ap.add_argument("--prefill", default="auto", choices=["auto", "packed", "padded"])
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     flex_decode.KERNEL_OPTIONS.update(args.flex_options)  # read when the step compiles, below

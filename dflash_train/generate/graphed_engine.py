@@ -6,9 +6,11 @@ it is captured once as a CUDA graph and replayed (compiled first when asked: `co
 (tests) the same function runs eagerly, or compiled when asked (static_cache.prepare_steps).
 Compiled, the step's attention reads each row's cache only up to the row's position
 (targets/flex_decode.py); otherwise packed SDPA reads the whole cache under a mask.
-A finished row is refilled with a waiting prompt: the new prompts are prefilled, grouped by width,
-through forwards of fixed shapes captured as CUDA graphs (generate/prefill.py), and their K/V
-copied into the free rows (static_cache.py says why stale K/V there is harmless).
+A finished row is refilled with a waiting prompt: the new prompts are prefilled through forwards
+of fixed shapes captured as CUDA graphs, packed into one row of tokens that writes their K/V
+straight into the free rows (generate/packed_prefill.py), or, for models with sliding windows,
+sinks or soft-capping, grouped by width and left-padded (generate/prefill.py), their K/V copied
+over (static_cache.py says why stale K/V in a reused row is harmless).
 
 The host never waits for the step it just launched: steps run in chunks of `chunk`, each chunk's
 new tokens copied to pinned host memory behind it, and the host reads a chunk while the `ahead`
@@ -31,13 +33,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import chain
 
 import torch
 
 from dflash_train.generate.backends import emit_tokens
 from dflash_train.generate.launch_timeline import LaunchTimeline
-from dflash_train.generate.prefill import MIN_WIDTH, PREFILL_ROWS, Prefills, bucket
+from dflash_train.generate.packed_prefill import PackedPrefills, packed_prefill_problem
+from dflash_train.generate.prefill import Prefills, to_device
 from dflash_train.targets.flex_decode import FLEX_DECODE, flex_decode_problem
 from dflash_train.targets.static_cache import (ALIGN, PACKED_GQA, PositionedCache, Steps, attention_as, forward_at,
                                                prepare_steps, static_cache_problem)
@@ -123,10 +125,11 @@ class GraphedEngine:
     """`graphs` (default: on a GPU) captures the step as a CUDA graph, `compile` compiles it first
     (`local.compile_step`; each cache growth compiles again), and a compiled step's attention reads
     each row only up to its position where the model allows it (`attention`: auto, flex or sdpa);
-    `steps` says what happened (errors included)."""
+    `steps` says what happened (errors included). Prompts are prefilled packed where the model
+    allows it (`prefill`: auto, packed or padded)."""
 
     def __init__(self, model, rows: int, stops: set[int], pad_id: int, chunk: int = 8, graphs: bool | None = None,
-                 compile: bool = False, attention: str = "auto", ahead: int = AHEAD):
+                 compile: bool = False, attention: str = "auto", ahead: int = AHEAD, prefill: str = "auto"):
         problem = static_cache_problem(model)
         if problem:
             raise ValueError(f"generate engine 'graphed' cannot run {type(model).__name__}: {problem} "
@@ -140,6 +143,7 @@ class GraphedEngine:
         self.compile = compile
         self.flex = self._flex(attention)
         self.attention = FLEX_DECODE if self.flex else PACKED_GQA
+        self.packed = self._packed(prefill)
         self.config = model.config.get_text_config(decoder=True)
         self.kv_shapes = self._kv_shapes()
         self.length = 0
@@ -172,6 +176,17 @@ class GraphedEngine:
         if attention == "auto" and self.compile and problem:
             log.info("graphed engine: SDPA over the whole cache (flex decoding: %s)", problem)
         return attention == "flex" or (attention == "auto" and self.compile and problem is None)
+
+    def _packed(self, prefill: str) -> bool:
+        """Whether prompts are prefilled packed (auto: where the model's attention allows it)."""
+        if prefill not in ("auto", "packed", "padded"):
+            raise ValueError(f"prefill must be auto, packed or padded, not {prefill!r}")
+        problem = packed_prefill_problem(self.model)
+        if prefill == "packed" and problem:
+            raise ValueError(f"packed prefills cannot run {type(self.model).__name__}: {problem}")
+        if prefill == "auto" and problem:
+            log.info("graphed engine: padded prefills (packed: %s)", problem)
+        return prefill == "packed" or (prefill == "auto" and problem is None)
 
     @torch.no_grad()
     def _kv_shapes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -214,7 +229,10 @@ class GraphedEngine:
         self.prefills = None  # its graphs and buffers go before the new ones are made
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.prefills = Prefills(self.model, self.kv_shapes, length, self.pad_id, self.graphs)
+        if self.packed:
+            self.prefills = PackedPrefills(self.model, self.cache, self.graphs)
+        else:
+            self.prefills = Prefills(self.model, self.cache, self.pad_id, self.graphs)
         self._prepare()
 
     @torch.no_grad()
@@ -237,53 +255,23 @@ class GraphedEngine:
 
     # --------------------------------------------------------------- admission
 
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the GPU without the host waiting for it: through pinned memory,
-        stream-ordered (a plain copy would wait for the chunk in flight)."""
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
-
     def _admit(self, rows: list[int], jobs: list[Job]) -> list[tuple[list[Job], torch.Tensor]]:
-        """Prefills `jobs` into the free `rows`: one forward per width (a power of two: a prompt is
-        padded to at most twice its length, where one batch would pad every prompt to the longest,
-        and chat prompts run from a few tokens to over a thousand), at most PREFILL_ROWS prompts
-        each. Returns each prefill's jobs and their first tokens."""
-        groups: dict[int, list[list[tuple[Job, int]]]] = {}
-        for job, row in zip(jobs, rows):
-            pieces = groups.setdefault(bucket(len(job.prompt), MIN_WIDTH), [[]])
-            if len(pieces[-1]) == PREFILL_ROWS:
-                pieces.append([])
-            pieces[-1].append((job, row))
-        pieces = [piece for _, width_pieces in sorted(groups.items()) for piece in width_pieces]
+        """Prefills `jobs` into the free `rows`, as many forwards as the prefills split them into.
+        Returns each prefill's jobs and their first tokens."""
+        pieces = self.prefills.pieces([len(job.prompt) for job in jobs])
         self.timings.prefills += len(pieces)
-        return [([j for j, _ in piece], self.timeline.around("prefills", self._prefill, [r for _, r in piece],
-                                                             [j for j, _ in piece])) for piece in pieces]
+        return [([jobs[i] for i in piece], self.timeline.around("prefills", self._prefill, [rows[i] for i in piece],
+                                                                [jobs[i] for i in piece])) for piece in pieces]
 
     def _prefill(self, rows: list[int], jobs: list[Job]) -> torch.Tensor:
-        """Prefills `jobs` into `rows` through a fixed-shape forward (generate/prefill.py), prompts
-        left-padded so the last logit of every row is the prompt's. A pad token sits at a position
-        after its prompt (invisible to the prompt's queries, overwritten by the answer), so positions
-        stay per row. Returns each job's first token, on the host once the GPU gets there (pinned,
-        non-blocking)."""
-        lengths = torch.tensor([len(j.prompt) for j in jobs])
-        width = int(lengths.max())
-        # a few whole-batch ops, not a handful per prompt: the host builds these while the GPU waits
-        pad = (width - lengths)[:, None]
-        column = torch.arange(width)[None]
-        ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)
-        ids[column >= pad] = torch.tensor(list(chain.from_iterable(j.prompt for j in jobs)), dtype=torch.long)
-        positions = (column - pad) % width  # prompt: 0..n-1 at the right; padding: n..width-1 before it
-        # one transfer for the prompts, one for the rows' integers: each is a pinned copy on the host
-        ids, positions = self._to_device(torch.stack([ids, positions]))
-        index, lengths, budgets = self._to_device(torch.stack([torch.tensor(rows), lengths,
-                                                               torch.tensor([j.max_tokens for j in jobs])]))
-        temperature = self._to_device(torch.tensor([j.temperature for j in jobs], dtype=torch.float32))
-        logits, shape = self.prefills.run(ids, positions)
+        """Prefills `jobs` into `rows` (packed_prefill.py, else prefill.py) and starts their rows.
+        Returns each job's first token, on the host once the GPU gets there (pinned, non-blocking)."""
+        logits = self.prefills.run([job.prompt for job in jobs], rows)
+        # one transfer for the rows' integers: a pinned copy on the host
+        index, lengths, budgets = to_device(torch.tensor([rows, [len(j.prompt) for j in jobs],
+                                                          [j.max_tokens for j in jobs]]), self.device)
+        temperature = to_device(torch.tensor([j.temperature for j in jobs], dtype=torch.float32), self.device)
         first = sample(logits, temperature)
-        for layer, fresh in zip(self.cache.layers, shape.cache.layers):
-            layer.keys[index, :, : shape.width] = fresh.keys[: len(jobs)]
-            layer.values[index, :, : shape.width] = fresh.values[: len(jobs)]
         self.ids[index] = first[:, None]
         self.pos[index] = lengths[:, None]
         self.cap[index] = lengths + budgets

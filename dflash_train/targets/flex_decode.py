@@ -24,7 +24,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from dflash_train.targets.windows import layer_windows
+from dflash_train.targets.windows import plain_causal_problem
 
 FLEX_DECODE = "dflash_flex_decode"
 KV_BLOCK = 128
@@ -38,14 +38,10 @@ defaults unless set; read when the step is compiled (bench/regen_speed.py --flex
 
 def flex_decode_problem(model) -> str | None:
     """Why `model`'s attention is more than causal attention over a full-length cache, or None."""
+    problem = plain_causal_problem(model)
+    if problem:
+        return problem
     config = model.config.get_text_config(decoder=True)
-    windows = {w for w in layer_windows(config).values() if w is not None}
-    if windows:
-        return f"sliding-window layers (window {sorted(windows)})"
-    if getattr(config, "attn_logit_softcapping", None):
-        return "attention logit soft-capping"
-    if any(name.endswith("sinks") for name, _ in model.named_parameters()):
-        return "attention sinks"
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim < MIN_HEAD_DIM:
         return f"head_dim {head_dim} < {MIN_HEAD_DIM}"

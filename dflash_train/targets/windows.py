@@ -44,6 +44,20 @@ def windows_problem(config) -> str | None:
     return None
 
 
+def plain_causal_problem(model) -> str | None:
+    """Why `model`'s attention is more than each query seeing every key at or before its position:
+    sliding windows, logit soft-capping or attention sinks; None when it is not."""
+    config = model.config.get_text_config(decoder=True)
+    windows = {w for w in layer_windows(config).values() if w is not None}
+    if windows:
+        return f"sliding-window layers (window {sorted(windows)})"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attention logit soft-capping"
+    if any(name.endswith("sinks") for name, _ in model.named_parameters()):
+        return "attention sinks"
+    return None
+
+
 def layer_windows(config) -> dict[str, int | None]:
     """{layer type: its window (None: full attention)} for the types `config`'s layers have."""
     return dict(zip(*_layers(config)))

@@ -125,16 +125,18 @@ def test_graphed_engine_refuses_top_p_naming_the_field(tmp_path):
                                "backend": "local", "sampling": {"top_p": 0.9}}, {"local.engine": "graphed"})
 
 
-def test_an_admission_prefills_prompts_of_similar_length_together(backend):
-    """Four free rows, prompts of 1x, 1x, 20x and 40x a short one: the short two share a prefill,
-    each long one gets its own (padded to at most twice its length), and every answer is still
-    the plain greedy one, each served in its own row."""
+@pytest.mark.parametrize("prefill, forwards", [("padded", 3), ("packed", 1)])
+def test_an_admission_prefills_its_prompts_together(backend, prefill, forwards):
+    """Four free rows, prompts of 1x, 1x, 20x and 40x a short one. Padded: the short two share a
+    prefill, each long one gets its own (padded to at most twice its length); packed: one row of
+    tokens holds all four. Every answer is still the plain greedy one, each served in its own row."""
     model = backend.model
     short = prompts_of(backend, 2)
     jobs = [Job(short[0], 6), Job(short[1], 6), Job(short[0] * 20, 6), Job(short[1] * 40, 6)]
-    engine = GraphedEngine(model, rows=4, stops=set(), pad_id=0, chunk=4)
+    engine = GraphedEngine(model, rows=4, stops=set(), pad_id=0, chunk=4, prefill=prefill)
+    assert engine.packed == (prefill == "packed")
     serve_all(engine, jobs)
-    assert engine.timings.prefills == 3 and engine.timings.chunks >= 2
+    assert engine.timings.prefills == forwards and engine.timings.chunks >= 2
     for job in jobs:
         assert (job.tokens, job.stopped) == plain_greedy(model, job.prompt, job.max_tokens, set())
 

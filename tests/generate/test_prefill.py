@@ -1,30 +1,45 @@
-"""Fixed-shape prefills (generate/prefill.py) against a forward over each group's own shape: the
-same last logits and the same K/V at the prompts' positions, whatever the padding rows and the
-extra left padding of a wider shape; shapes are made once and reused (CPU: forwards run eagerly)."""
+"""Fixed-shape prefills (generate/prefill.py) against a forward of each prompt alone: the same last
+logits and the same K/V at the prompt's positions of its row of the engine's cache, whatever the
+padding rows and the extra left padding of a wider shape; shapes are made once and reused (CPU:
+forwards run eagerly)."""
 
 import pytest
 import torch
 from tiny import tiny_target
 
-from dflash_train.generate.prefill import MIN_WIDTH, Prefills, bucket
+from dflash_train.generate.prefill import MIN_WIDTH, PREFILL_ROWS, Prefills, bucket
 from dflash_train.targets.static_cache import ALIGN, PositionedCache, forward_at
 
 
-def left_padded(prompts: list[list[int]], pad: int):
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad)
-    positions = torch.empty((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        positions[i] = torch.cat([torch.arange(len(p), width), torch.arange(len(p))])
-    return ids, positions
-
-
-def kv_shapes_of(model):
-    """Each layer's key and value of one token, as the engine reads them (GraphedEngine._kv_shapes)."""
+def engine_cache(model, rows: int, length: int) -> PositionedCache:
+    """An engine's cache of `rows` x `length`, zeroed (GraphedEngine._build's layout)."""
     probe = PositionedCache(model.config, ALIGN)
-    forward_at(model, probe, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
-    return [(layer.keys[:, :, :1], layer.values[:, :, :1]) for layer in probe.layers]
+    zero = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    forward_at(model, probe, zero, zero)
+    cache = PositionedCache(model.config, length)
+    for layer, one in zip(cache.layers, probe.layers):
+        layer.lazy_initialization(one.keys[:, :, :1].expand(rows, -1, -1, -1),
+                                  one.values[:, :, :1].expand(rows, -1, -1, -1))
+    return cache
+
+
+def own_prefill(model, prompt: list[int]) -> PositionedCache:
+    """The prompt alone through the model: its logits and K/V at positions 0..len-1."""
+    own = PositionedCache(model.config, len(prompt))
+    ids = torch.tensor([prompt], device=model.device)
+    positions = torch.arange(len(prompt), device=model.device)[None]
+    return forward_at(model, own, ids, positions, logits_to_keep=1).logits[0, -1], own
+
+
+def assert_prefilled(model, cache, prompts, rows, logits):
+    """Each prompt's last logits, and its K/V at positions 0..len-1 of its row of `cache`, as a
+    forward of the prompt alone gives them."""
+    for i, (prompt, row) in enumerate(zip(prompts, rows)):
+        expected, own = own_prefill(model, prompt)
+        torch.testing.assert_close(logits[i], expected, atol=1e-5, rtol=1e-5)
+        for mine, theirs in zip(cache.layers, own.layers):
+            torch.testing.assert_close(mine.keys[row, :, : len(prompt)], theirs.keys[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(mine.values[row, :, : len(prompt)], theirs.values[0], atol=1e-5, rtol=1e-5)
 
 
 def test_bucket_is_the_next_power_of_two_at_least_the_floor():
@@ -32,26 +47,24 @@ def test_bucket_is_the_next_power_of_two_at_least_the_floor():
     assert bucket(5, MIN_WIDTH) == MIN_WIDTH
 
 
-def test_fixed_shape_prefills_equal_a_prefill_of_the_prompts_own_shape():
+def test_fixed_shape_prefills_equal_a_prefill_of_each_prompt_alone():
     model = tiny_target(hidden=64).model
-    config = model.config
-    prefills = Prefills(model, kv_shapes_of(model), length=256, pad_id=0, graphs=False)
+    cache = engine_cache(model, rows=6, length=256)
+    prefills = Prefills(model, cache, pad_id=0, graphs=False)
     g = torch.Generator().manual_seed(0)
-    groups = [[torch.randint(1, 200, (n,), generator=g).tolist() for n in lengths]
-              for lengths in ([5, 9, 3], [70, 100], [7, 8, 2, 6])]  # the third reuses the first's shape
-    for prompts in groups:
-        ids, positions = left_padded(prompts, pad=0)
-        logits, shape = prefills.run(ids, positions)
-        own = PositionedCache(config, ids.shape[1])
-        expected = forward_at(model, own, ids, positions, logits_to_keep=1).logits[:, -1]
-        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
-        assert shape.width == bucket(ids.shape[1], MIN_WIDTH) and shape.rows == bucket(len(prompts))
-        for mine, theirs in zip(shape.cache.layers, own.layers):
-            for i, p in enumerate(prompts):  # each prompt's K/V at its positions 0..len-1
-                at = positions[i, -len(p):]
-                torch.testing.assert_close(mine.keys[i, :, at], theirs.keys[i, :, at], atol=1e-5, rtol=1e-5)
-                torch.testing.assert_close(mine.values[i, :, at], theirs.values[i, :, at], atol=1e-5, rtol=1e-5)
+    groups = [([5, 9, 3], [4, 0, 2]), ([70, 100], [1, 5]), ([7, 8, 2, 6], [3, 2, 0, 4])]  # the third reuses the first's shape
+    for lengths, rows in groups:
+        prompts = [torch.randint(1, 200, (n,), generator=g).tolist() for n in lengths]
+        logits = prefills.run(prompts, rows)
+        assert_prefilled(model, cache, prompts, rows, logits)
     assert sorted(prefills.shapes) == [(2, 128), (4, 64)]
+
+
+def test_an_admission_splits_by_width_and_rows():
+    lengths = [5, 70, 9, 200] + [3] * PREFILL_ROWS
+    pieces = Prefills.pieces(lengths)
+    assert pieces == [[0, 2] + list(range(4, 4 + PREFILL_ROWS - 2)), list(range(4 + PREFILL_ROWS - 2, 4 + PREFILL_ROWS)),
+                      [1], [3]]
 
 
 def test_a_prefill_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog):
@@ -62,14 +75,13 @@ def test_a_prefill_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog):
         raise RuntimeError("operation not permitted when stream is capturing")
     monkeypatch.setattr(prefill, "capture_graph", refuse)
     model = tiny_target(hidden=64).model
-    prefills = Prefills(model, kv_shapes_of(model), length=128, pad_id=0, graphs=True)
-    ids, positions = left_padded([[5, 6, 7], [8]], pad=0)
-    logits, _ = prefills.run(ids, positions)
-    expected = forward_at(model, PositionedCache(model.config, 3), ids, positions, logits_to_keep=1).logits[:, -1]
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    cache = engine_cache(model, rows=2, length=128)
+    prefills = Prefills(model, cache, pad_id=0, graphs=True)
+    prompts = [[5, 6, 7], [8]]
+    assert_prefilled(model, cache, prompts, [1, 0], prefills.run(prompts, [1, 0]))
     assert not prefills.graphs and "stream is capturing" in prefills.graph_error
     assert "capturing a prefill failed" in caplog.text
-    prefills.run(*left_padded([[1] * 80], pad=0))  # a new shape: eager, no second attempt
+    prefills.run([[1] * 80], [0])  # a new shape: eager, no second attempt
     assert caplog.text.count("capturing a prefill failed") == 1
 
 
@@ -81,7 +93,7 @@ def test_out_of_memory_in_a_capture_reaches_the_caller(monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory")
     monkeypatch.setattr(prefill, "capture_graph", out_of_memory)
     model = tiny_target(hidden=64).model
-    prefills = Prefills(model, kv_shapes_of(model), length=128, pad_id=0, graphs=True)
+    prefills = Prefills(model, engine_cache(model, rows=2, length=128), pad_id=0, graphs=True)
     with pytest.raises(torch.OutOfMemoryError):
-        prefills.run(*left_padded([[5, 6]], pad=0))
+        prefills.run([[5, 6]], [0])
     assert prefills.graphs and prefills.graph_error is None

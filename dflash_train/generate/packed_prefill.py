@@ -1,0 +1,204 @@
+"""The graphed engine's prefills packed: an admission's prompts as one row of tokens, no padding.
+
+The padded prefills (prefill.py) round a group's prompts and width up to powers of two. In the
+SmolLM2 chain's regeneration on an H200 they took 54 s of the GPU's 197, a quarter of its time,
+for prompts that average ~100 tokens (docs/benchmarks/generate_local.md). Here the prompts of an
+admission are concatenated, each token at its own position in its own prompt, and the row's length
+is rounded up to one of a few sizes (four per octave), each forward captured once as a CUDA graph.
+Attention is causal inside each prompt and never crosses one: flash attention over
+variable-length sequences (torch.nn.attention.varlen) for half-precision models on CUDA, else SDPA
+under the equivalent block-diagonal mask (CPU tests, fp32). Each layer writes its K/V straight
+into the engine's cache at (row, position) of its token, so nothing is copied afterwards, and
+the last token of each prompt gives that prompt's logits.
+
+Tokens past the prompts (the row's rounding) are attended by nobody; they write their K/V at the
+cache's last position of the first prompt's row, above anything that row has seen yet (a stale
+K/V there is harmless: static_cache.py says why). Full-attention models only
+(`windows.plain_causal_problem`); the others keep the padded prefills.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+
+from dflash_train.generate.prefill import capture_prefill, to_device
+from dflash_train.targets.static_cache import PositionedCache, PositionedLayer, attention_as
+from dflash_train.targets.windows import plain_causal_problem
+
+log = logging.getLogger("dflash_train")
+
+PACKED_PREFILL = "dflash_packed_prefill"
+PACK_PROMPTS = 128
+"""The most prompts one packed prefill takes (its logits are [PACK_PROMPTS, vocab])."""
+PACK_TOKENS = 16384
+"""The most tokens one packed prefill takes, unless a single prompt is longer."""
+MIN_TOKENS = 512
+LONGEST_FLOOR = 128
+"""The longest prompt is rounded up to a power of two of at least this (flash's block of queries):
+the kernel's grid, which has to be fixed in a graph, grows with it."""
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn
+    _VARLEN = inspect.signature(varlen_attn).parameters
+except ImportError:  # pragma: no cover - every supported torch has it
+    varlen_attn, _VARLEN = None, {}
+
+
+def packed_size(tokens: int) -> int:
+    """The row length for `tokens`: rounded up to four steps per octave (at most 25% of it is
+    rounding), at least MIN_TOKENS."""
+    tokens = max(tokens, MIN_TOKENS)
+    step = 1 << max(tokens.bit_length() - 3, 0)
+    return -(-tokens // step) * step
+
+
+def packed_prefill_problem(model) -> str | None:
+    """Why `model`'s prompts cannot be prefilled packed, or None."""
+    return plain_causal_problem(model)
+
+
+@dataclass
+class Packing:
+    """A packed row's layout, as attention reads it: where each prompt begins (`starts` [P + 1],
+    int32: prompt i is tokens starts[i]..starts[i+1]-1, unused ones empty at the end), how long a
+    prompt may be (`longest`), each token's prompt (`sequence` [T]: PACK_PROMPTS + 1 for the
+    rounding tokens) and position (`positions` [T])."""
+
+    starts: torch.Tensor
+    longest: int
+    sequence: torch.Tensor
+    positions: torch.Tensor
+    real: torch.Tensor | None = None
+    """Which tokens are prompts' [T]: set by each forward (inside its graph)."""
+
+
+def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, packing=None, **kwargs):
+    """`query` [1, H, T, D] and the row's own `key`/`value` [1, Hkv, T, D]: each token attends to
+    the tokens of its own prompt at or before it. Returns [1, T, H, D]."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
+    if varlen_attn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        if "enable_gqa" in _VARLEN:
+            gqa = {"enable_gqa": heads != kv_heads}
+        else:
+            k, v, gqa = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1), {}
+        causal = {"window_size": (-1, 0)} if "window_size" in _VARLEN else {"is_causal": True}
+        out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), packing.starts, packing.starts,
+                          packing.longest, packing.longest, scale=scaling, **causal, **gqa)
+        return torch.where(packing.real[:, None, None], out, 0)[None], None  # unwritten rows: not NaN
+    same = packing.sequence[:, None] == packing.sequence[None, :]
+    visible = same & (packing.positions[None, :] <= packing.positions[:, None])
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling,
+                                         enable_gqa=heads != kv_heads)
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(PACKED_PREFILL, packed_attention)  # no mask function: transformers builds none
+
+
+class _ScatterLayer(PositionedLayer):
+    """Writes a packed row's K/V into the engine's cache at (rows, positions) of each token and
+    hands attention the row's own K/V (a prompt starts at position 0: nothing before it to read)."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        super().update(key_states, value_states)
+        return key_states, value_states
+
+
+class _Shape:
+    """The static inputs and captured forward of one (tokens, longest prompt)."""
+
+    def __init__(self, prefills: PackedPrefills, tokens: int, longest: int):
+        self.prefills, self.tokens, self.longest = prefills, tokens, longest
+        device = prefills.device
+        self.ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, tokens, dtype=torch.long, device=device)
+        self.rows = torch.zeros(1, tokens, dtype=torch.long, device=device)
+        self.sequence = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.starts = torch.zeros(PACK_PROMPTS + 1, dtype=torch.int32, device=device)
+        self.last = torch.zeros(PACK_PROMPTS, dtype=torch.long, device=device)
+        self.packing = Packing(self.starts, longest, self.sequence, self.positions[0])
+        self.logits = None
+        self.run = lambda: setattr(self, "logits", self.forward())
+        if prefills.graphs and (captured := capture_prefill(prefills, self.forward, "a packed prefill")):
+            self.graph, self.logits = captured
+            self.run = self.graph.replay
+
+    def forward(self) -> torch.Tensor:
+        self.packing.real = self.sequence <= PACK_PROMPTS
+        cache = self.prefills.cache
+        for layer in cache.layers:
+            layer.rows, layer.positions = self.rows, self.positions
+        with attention_as(self.prefills.model, PACKED_PREFILL):
+            out = self.prefills.model(input_ids=self.ids, position_ids=self.positions, past_key_values=cache,
+                                      use_cache=True, logits_to_keep=self.last, packing=self.packing)
+        return out.logits[0]
+
+
+class PackedPrefills:
+    """`run(prompts, rows)`: prefills `prompts` into the engine cache's `rows` through captured
+    packed forwards; returns their last logits [n, V]. `pieces(lengths)` splits an admission into
+    the prompts each forward takes."""
+
+    def __init__(self, model, cache: PositionedCache, graphs: bool):
+        self.model, self.graphs = model, graphs
+        self.device = next(model.parameters()).device
+        self.cache = Cache(layers=[_ScatterLayer(layer.max_cache_len) for layer in cache.layers])
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.hold(theirs.keys, theirs.values)
+        self.length = cache.layers[0].max_cache_len
+        self.shapes: dict[tuple[int, int], _Shape] = {}
+        self.pool = None
+        self.graph_error: str | None = None
+
+    @staticmethod
+    def pieces(lengths: list[int]) -> list[list[int]]:
+        """Consecutive prompts, at most PACK_PROMPTS and PACK_TOKENS tokens a piece (a longer
+        prompt goes alone)."""
+        out, tokens = [[]], 0
+        for i, n in enumerate(lengths):
+            if out[-1] and (len(out[-1]) == PACK_PROMPTS or tokens + n > PACK_TOKENS):
+                out.append([])
+                tokens = 0
+            out[-1].append(i)
+            tokens += n
+        return out
+
+    def shape(self, tokens: int, longest: int) -> _Shape:
+        key = (packed_size(tokens), min(max(LONGEST_FLOOR, 1 << (longest - 1).bit_length()), self.length))
+        if key not in self.shapes:
+            self.shapes[key] = _Shape(self, *key)
+        return self.shapes[key]
+
+    def run(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
+        lengths = [len(p) for p in prompts]
+        total = sum(lengths)
+        shape = self.shape(total, max(lengths))
+        n, pad = len(prompts), shape.tokens - total
+        counts = torch.tensor(lengths + [pad])
+        # one pinned transfer for the row's integers: ids, positions, rows, prompt of each token
+        ids = torch.tensor(list(chain.from_iterable(prompts)) + [0] * pad)
+        positions = torch.cat([torch.arange(c) for c in lengths] + [torch.full((pad,), self.length - 1)])
+        owner = torch.repeat_interleave(torch.arange(n + 1), counts)
+        row_of = torch.tensor(rows + [rows[0]])[owner]
+        sequence = torch.where(owner < n, owner, PACK_PROMPTS + 1)
+        ends = torch.tensor(lengths).cumsum(0)
+        starts = torch.full((PACK_PROMPTS + 1,), total)
+        starts[0], starts[1:n + 1] = 0, ends
+        last = torch.zeros(PACK_PROMPTS, dtype=torch.long)
+        last[:n] = ends - 1
+        row = to_device(torch.stack([ids, positions, row_of, sequence]), self.device)
+        small = to_device(torch.cat([starts, last]), self.device)
+        shape.ids[0], shape.positions[0], shape.rows[0], shape.sequence[:] = row
+        shape.starts.copy_(small[: PACK_PROMPTS + 1])
+        shape.last.copy_(small[PACK_PROMPTS + 1:])
+        shape.run()
+        return shape.logits[:n]

@@ -1,0 +1,94 @@
+"""Packed prefills (generate/packed_prefill.py) against a forward of each prompt alone: one row of
+tokens gives every prompt's last logits and writes its K/V at positions 0..len-1 of its own row
+of the engine's cache; rows not admitted keep what they held; the rounding tokens write only at
+the first row's last position (CPU: attention under the block-diagonal mask, forwards eager)."""
+
+import pytest
+import torch
+from tiny import tiny_target, tiny_windowed
+
+from dflash_train.generate.graphed_engine import GraphedEngine
+from dflash_train.generate.packed_prefill import (MIN_TOKENS, PACK_PROMPTS, PACK_TOKENS, PackedPrefills,
+                                                  packed_attention, packed_size, Packing)
+from tests.generate.test_prefill import assert_prefilled, engine_cache
+
+
+def test_packed_sizes_take_four_steps_an_octave():
+    assert [packed_size(n) for n in (1, MIN_TOKENS, 513, 1024, 1025, 1300, 1537, 5000)] == \
+        [MIN_TOKENS, 512, 640, 1024, 1280, 1536, 1792, 5120]
+    for n in range(1, 40_000, 37):
+        assert n <= packed_size(n) and (packed_size(n) <= 1.25 * n or packed_size(n) == MIN_TOKENS)
+
+
+def test_an_admission_splits_by_prompts_and_tokens():
+    assert PackedPrefills.pieces([10] * (PACK_PROMPTS + 1)) == [list(range(PACK_PROMPTS)), [PACK_PROMPTS]]
+    half = PACK_TOKENS // 2
+    assert PackedPrefills.pieces([half, half, 1, PACK_TOKENS + 5, 3]) == [[0, 1], [2], [3], [4]]
+
+
+def test_packed_prefills_equal_a_prefill_of_each_prompt_alone():
+    model = tiny_target(hidden=64).model
+    cache = engine_cache(model, rows=6, length=256)
+    for layer in cache.layers:  # what earlier answers left: rows not admitted must keep it
+        layer.keys.normal_()
+        layer.values.normal_()
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    prefills = PackedPrefills(model, cache, graphs=False)
+    g = torch.Generator().manual_seed(0)
+    written = torch.zeros(6, 256, dtype=torch.bool)
+    for lengths, rows in [([5, 9, 3], [4, 0, 2]), ([70, 100, 1], [1, 5, 3]), ([7, 8], [2, 4])]:
+        prompts = [torch.randint(1, 200, (n,), generator=g).tolist() for n in lengths]
+        assert_prefilled(model, cache, prompts, rows, prefills.run(prompts, rows))
+        for n, row in zip(lengths, rows):
+            written[row, :n] = True
+        written[rows[0], -1] = True  # the rounding tokens' one place
+        for layer, (keys, values) in zip(cache.layers, before):
+            assert torch.equal(layer.keys.transpose(1, 2)[~written], keys.transpose(1, 2)[~written])
+            assert torch.equal(layer.values.transpose(1, 2)[~written], values.transpose(1, 2)[~written])
+    assert sorted(prefills.shapes) == [(MIN_TOKENS, 128)]  # 17, 171 and 15 tokens: one shape
+
+
+def test_packed_attention_never_crosses_a_prompt():
+    """Against float64 SDPA of each prompt alone, causal, GQA (4 query heads on 2 K/V heads)."""
+    g = torch.Generator().manual_seed(1)
+    lengths, tokens = [3, 7, 1, 5], 20
+    query = torch.randn(1, 4, tokens, 8, generator=g)
+    key, value = (torch.randn(1, 2, tokens, 8, generator=g) for _ in range(2))
+    sequence = torch.repeat_interleave(torch.arange(5), torch.tensor(lengths + [tokens - sum(lengths)]))
+    positions = torch.cat([torch.arange(n) for n in lengths] + [torch.full((tokens - sum(lengths),), 99)])
+    packing = Packing(torch.tensor([0, 3, 10, 11, 16]), 8, torch.where(sequence < 4, sequence, PACK_PROMPTS + 1),
+                      positions)
+    out, _ = packed_attention(None, query, key, value, None, scaling=0.3, packing=packing)
+    start = 0
+    for n in lengths:
+        span = slice(start, start + n)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, span].double(), key[:, :, span].double().repeat_interleave(2, 1),
+            value[:, :, span].double().repeat_interleave(2, 1), is_causal=True, scale=0.3)
+        torch.testing.assert_close(out[:, span].double(), expected.transpose(1, 2), atol=1e-6, rtol=1e-6)
+        start += n
+    assert torch.isfinite(out).all()
+
+
+def test_a_packed_prefill_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog):
+    import dflash_train.generate.prefill as prefill
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(prefill, "capture_graph", refuse)
+    model = tiny_target(hidden=64).model
+    cache = engine_cache(model, rows=2, length=128)
+    prefills = PackedPrefills(model, cache, graphs=True)
+    prompts = [[5, 6, 7], [8]]
+    assert_prefilled(model, cache, prompts, [1, 0], prefills.run(prompts, [1, 0]))
+    assert not prefills.graphs and "stream is capturing" in prefills.graph_error
+    assert caplog.text.count("capturing a packed prefill failed") == 1
+
+
+def test_models_with_windows_keep_padded_prefills():
+    model = tiny_windowed("mistral").model
+    assert not GraphedEngine(model, rows=2, stops=set(), pad_id=0).packed
+    with pytest.raises(ValueError, match="packed prefills cannot run MistralForCausalLM: sliding-window layers"):
+        GraphedEngine(model, rows=2, stops=set(), pad_id=0, prefill="packed")
+    with pytest.raises(ValueError, match="prefill must be auto, packed or padded"):
+        GraphedEngine(tiny_target(hidden=64).model, rows=2, stops=set(), pad_id=0, prefill="ragged")
