@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# SmolLM2-135M-Instruct end to end on one GPU, the way a user runs it (the recipe of the 2026-12-03
-# chain: real held-out tau 3.31 ShareGPT, 3.11 HumanEval, 3.15 MT-Bench from 20.0 device-minutes in its
+# SmolLM2-135M-Instruct end to end on one GPU, the way a user runs it (the recipe of the 2026-12-04
+# chain: real held-out tau 3.499 ShareGPT, 3.36 HumanEval, 3.33 MT-Bench from 23.6 device-minutes in its
 # stages; docs/benchmarks/chain.md):
 #   prompts  -> 13,504 + 200 held-out distinct ShareGPT first turns (all the package has of <= 1,500
 #               characters, case and spaces ignored); then the training prompts: the first EVERY_PROMPTS
@@ -97,7 +97,7 @@ warmup() {  # the drafter's step compiled for every shape bucket, on the prepare
 
 train() {
   local probe=()  # held-out tau_hat and tau_decode against device-seconds, when the held-out answers exist (generate-heldout)
-  [ -d "$DATA/heldout" ] && probe=("eval.heldout_files=[$DATA/heldout]" "eval.heldout_every=${PROBE_EVERY:-3000}")
+  [ -d "$DATA/heldout" ] && probe=("eval.heldout_files=[$DATA/heldout]" "eval.heldout_every=${PROBE_EVERY:-6000}")
   # shellcheck disable=SC2086  # TRAIN_ARGS is a list of overrides
   "${DT[@]}" train -c "$CONFIG" run_dir="$RUN" device="$DEVICE" "data.train_files=[$DATA/prepared]" "${probe[@]}" \
     $TRAIN_ARGS --resume auto
