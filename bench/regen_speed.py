@@ -10,7 +10,9 @@ context a decoded token attended to, and the roofline at that context: the bytes
 read (weights, the K/V up to each row's position, the logits) over the copy bandwidth measured
 in the same run. `--plain` times the captured step alone with every row at one context, as a
 serving engine's step would run with no refill; `--profile`, the CUDA kernels of that step (a
-random-weight model of the target's shape, `--model smollm2-shape`, serves for both).
+random-weight model of the target's shape, `--model smollm2-shape`, serves for both);
+`--profile-prefill`, one prefill of the first prompts replayed after the job: its time, rate and
+kernels.
 Each job's GPU time is split into steps, prefills and idle gaps by the engine's own marks
 (generate/launch_timeline.py), over the whole job and its middle half. `--check N`: N prompts in
 fp32, the engine's answers against transformers' padded `generate` (equal, token for token).
@@ -152,6 +154,8 @@ def run_variant(model, prompts, args, stops, pad_id, name: str, bandwidth: float
         result["plain"] = [plain_step(engine, context, bandwidth) for context in args.plain]
     if args.profile:
         result["profile"] = profile(engine, args.plain[0] if args.plain else 256)
+    if args.profile_prefill:
+        result["prefill_profile"] = prefill_profile(engine, prompts)
     return result, [j.tokens for j in jobs]
 
 
@@ -178,15 +182,43 @@ def plain_step(engine: GraphedEngine, context: int, bandwidth: float, steps: int
 
 def profile(engine: GraphedEngine, context: int, steps: int = 16) -> list[dict]:
     """The CUDA kernels of `steps` captured steps (after plain_step: rows at `context`), by time."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
     engine.pos.fill_(context)
+    return kernels(engine.steps.run["greedy"], steps, engine.device)
+
+
+def kernels(fn, times: int, device) -> list[dict]:
+    """The CUDA kernels of `times` calls of `fn`, by time, per call."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.steps.run["greedy"]()
-        sync(engine.device)
+        for _ in range(times):
+            fn()
+        sync(device)
     events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:20]
-    return [{"name": e.key[:100], "ms_per_step": round(e.device_time_total / 1e3 / steps, 3), "calls_per_step": e.count / steps}
+    return [{"name": e.key[:100], "ms_per_call": round(e.device_time_total / 1e3 / times, 3), "calls_per_call": e.count / times}
             for e in events if e.device_time_total > 0]
+
+
+def prefill_profile(engine: GraphedEngine, prompts: list[list[int]], times: int = 8) -> dict:
+    """One prefill of the first prompts (as many as one of the engine's prefills takes, at most its
+    rows) into rows 0..n-1, replayed `times` times after the job: ms a prefill, prompt tokens/s, the TFLOP/s of
+    2 x the non-embedding parameters a token, and its CUDA kernels by time."""
+    prompts = prompts[: engine.rows]
+    batch = [prompts[i] for i in engine.prefills.pieces([len(p) for p in prompts])[0]]
+    rows = list(range(len(batch)))
+    run = lambda: engine.prefills.run(batch, rows)  # noqa: E731
+    run()
+    sync(engine.device)
+    t0 = time.perf_counter()
+    for _ in range(times):
+        run()
+    sync(engine.device)
+    seconds = (time.perf_counter() - t0) / times
+    tokens = sum(map(len, batch))
+    embedding = engine.model.get_input_embeddings().weight
+    flops = 2 * (sum(p.numel() for p in engine.model.parameters()) - embedding.numel()) * tokens
+    return {"packed": engine.packed, "prompts": len(batch), "prompt_tokens": tokens, "ms": round(1e3 * seconds, 3),
+            "prompt_tokens_per_s": round(tokens / seconds), "tflops": round(flops / seconds / 1e12, 3),
+            "kernels": kernels(run, 3, engine.device) if engine.device.type == "cuda" else []}
 
 
 def check(model, prompts, args, stops, pad_id) -> dict:
@@ -214,6 +246,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--check", type=int, default=0, metavar="N")
     ap.add_argument("--check-tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-prefill", action="store_true")
     ap.add_argument("--flex-options", type=json.loads, default={}, metavar="JSON")
     ap.add_argument("--prefill", default="auto", choices=["auto", "packed", "padded"])
     ap.add_argument("--out")

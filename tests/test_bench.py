@@ -229,15 +229,18 @@ def test_budget_replay_fills_the_budget_around_a_pause_and_follows_the_known_len
 
 
 def test_regen_speed_cpu_mode():
-    """bench/regen_speed.py --model tiny: both variants serve every prompt, the plain step and the
-    profile run (eagerly on CPU)."""
+    """bench/regen_speed.py --model tiny: both variants serve every prompt, the plain step, the
+    profile and one prefill's profile run (eagerly on CPU)."""
     import regen_speed
 
     report = regen_speed.main(["--model", "tiny", "--num", "6", "--rows", "2", "--max-tokens", "8", "--variants", "sdpa",
-                               "--plain", "16", "--profile"])
+                               "--plain", "16", "--profile", "--profile-prefill"])
     run = report["runs"][0]
     assert run["answers"] == 6 and run["answer_tokens"] == 48 and run["plain"][0]["tokens_per_s"] > 0
     assert run["timings"]["chunks"] > 0 and run["profile"] == []  # no CUDA kernels on CPU
+    prefill = run["prefill_profile"]  # packed: one prefill fills both rows
+    assert prefill["packed"] and prefill["prompts"] == 2 and prefill["prompt_tokens"] >= 10
+    assert prefill["prompt_tokens_per_s"] > 0 and prefill["tflops"] > 0
 
 
 def test_regen_speed_reports_the_engines_gpu_clock():
