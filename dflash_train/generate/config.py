@@ -68,6 +68,11 @@ class LocalConfig(Section):
     compile_step: bool = False
     """graphed engine: torch.compile the decode step before capturing it; each cache growth compiles
     again (~30 s) (history: docs/benchmarks/speed.md)."""
+    prefill: Literal["auto", "packed", "padded"] = "auto"
+    """graphed engine: how admitted prompts are prefilled. packed: one row of tokens per admission,
+    varlen flash attention (plain causal models whose heads flash attention takes); padded: grouped
+    by width, left-padded; auto: packed where the model allows it (history:
+    docs/benchmarks/generate_local.md)."""
 
 
 class GenerateConfig(Section):
@@ -108,6 +113,9 @@ class GenerateConfig(Section):
                              f"{self.sampling.top_p} needs engine padded, static or continuous")
         if self.local.compile_step and (self.backend != "local" or self.local.engine != "graphed"):
             raise ValueError(f"local.compile_step compiles the graphed engine's step: it needs backend 'local' "
+                             f"and local.engine 'graphed' (got {self.backend}, {self.local.engine})")
+        if self.local.prefill != "auto" and (self.backend != "local" or self.local.engine != "graphed"):
+            raise ValueError(f"local.prefill chooses the graphed engine's prefills: it needs backend 'local' "
                              f"and local.engine 'graphed' (got {self.backend}, {self.local.engine})")
         resolved = [str(Path(p).resolve()) for p in self.inputs]
         if len(set(resolved)) != len(resolved):

@@ -143,9 +143,9 @@ class GraphedEngine:
         self.compile = compile
         self.flex = self._flex(attention)
         self.attention = FLEX_DECODE if self.flex else PACKED_GQA
-        self.packed = self._packed(prefill)
         self.config = model.config.get_text_config(decoder=True)
         self.kv_shapes = self._kv_shapes()
+        self.packed = self._packed(prefill)
         self.length = 0
         self.cache = None
         self.steps: Steps | None = None
@@ -181,7 +181,7 @@ class GraphedEngine:
         """Whether prompts are prefilled packed (auto: where the model's attention allows it)."""
         if prefill not in ("auto", "packed", "padded"):
             raise ValueError(f"prefill must be auto, packed or padded, not {prefill!r}")
-        problem = packed_prefill_problem(self.model)
+        problem = packed_prefill_problem(self.model, self.kv_shapes)
         if prefill == "packed" and problem:
             raise ValueError(f"packed prefills cannot run {type(self.model).__name__}: {problem}")
         if prefill == "auto" and problem:
@@ -212,6 +212,7 @@ class GraphedEngine:
         """Cache and step for `positions` per row; the step captured as a graph on a GPU. Growing,
         the rows' K/V move to the new cache and decoding goes on where it was."""
         old, self.steps = self.cache, None  # the old graphs go before the new ones are captured
+        self.prefills = None  # its graphs go too, and (packed) its hold on every layer of the old cache
         # Few regrowths: each compiles again. With flex decoding a longer cache costs memory, not
         # reads, so the first one leaves room for prompts twice as long as the first batch's.
         first = 2 * positions if self.flex and self.length == 0 else positions
@@ -226,7 +227,6 @@ class GraphedEngine:
                 old.layers[i].keys = old.layers[i].values = None  # one layer of both caches at a time
         self.length = length
         del old
-        self.prefills = None  # its graphs and buffers go before the new ones are made
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if self.packed:

@@ -227,13 +227,14 @@ class _Request:
 
 class LocalBackend:
     def __init__(self, model, tokenizer, *, name: str, batch_size: int, identity: dict | None = None,
-                 engine: str = "padded", compile_step: bool = False):
+                 engine: str = "padded", compile_step: bool = False, prefill: str = "auto"):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.batch_size = batch_size
         self.engine = engine
         self.compile_step = compile_step
+        self.prefill = prefill
         self._target_identity = identity or {}
         self._queue: deque[_Request] = deque()
         self._wake: asyncio.Event | None = None
@@ -249,7 +250,7 @@ class LocalBackend:
         if (problem := engine_problem(cfg.engine, target.model)) is not None:
             raise ValueError(f"generate engine '{cfg.engine}' cannot run {type(target.model).__name__}: {problem}")
         return cls(target.model, target.tokenizer, name=path, batch_size=cfg.batch_size, identity=target.identity,
-                   engine=cfg.engine, compile_step=cfg.compile_step)
+                   engine=cfg.engine, compile_step=cfg.compile_step, prefill=cfg.prefill)
 
     async def identity(self) -> dict:
         return {
@@ -333,7 +334,7 @@ class LocalBackend:
         try:
             if self._graphed is None:
                 self._graphed = GraphedEngine(self.model, self.batch_size, stops, pad_token_id(self.tokenizer, stops),
-                                             compile=self.compile_step)
+                                             compile=self.compile_step, prefill=self.prefill)
             self._graphed.serve(take, give)
             return
         except torch.OutOfMemoryError as err:

@@ -13,8 +13,8 @@ the last token of each prompt gives that prompt's logits.
 
 Tokens past the prompts (the row's rounding) are attended by nobody; they write their K/V at the
 cache's last position of the first prompt's row, above anything that row has seen yet (a stale
-K/V there is harmless: static_cache.py says why). Full-attention models only
-(`windows.plain_causal_problem`); the others keep the padded prefills.
+K/V there is harmless: static_cache.py says why). Plain causal models whose heads flash attention
+takes (`packed_prefill_problem`); the others keep the padded prefills.
 """
 
 from __future__ import annotations
@@ -60,9 +60,20 @@ def packed_size(tokens: int) -> int:
     return -(-tokens // step) * step
 
 
-def packed_prefill_problem(model) -> str | None:
-    """Why `model`'s prompts cannot be prefilled packed, or None."""
-    return plain_causal_problem(model)
+def packed_prefill_problem(model, kv_shapes) -> str | None:
+    """Why `model`'s prompts cannot be prefilled packed, or None. `kv_shapes`: each layer's key and
+    value of one token. Flash attention wants one head size for queries, keys and values, a
+    multiple of 8 up to 256 (MLA's values are narrower than its keys)."""
+    problem = plain_causal_problem(model)
+    if problem:
+        return problem
+    for key, value in kv_shapes:
+        dim = key.shape[-1]
+        if value.shape[-1] != dim:
+            return f"keys of {dim} and values of {value.shape[-1]} per head (flash attention wants one size)"
+        if dim % 8 or dim > 256:
+            return f"head size {dim} (flash attention: a multiple of 8 up to 256)"
+    return None
 
 
 @dataclass
@@ -114,23 +125,34 @@ class _ScatterLayer(PositionedLayer):
 
 
 class _Shape:
-    """The static inputs and captured forward of one (tokens, longest prompt)."""
+    """The static inputs and captured forward of one (tokens, longest prompt). Captured on its first
+    run, once that run's inputs are in place: the capture's eager warm-ups then write the very K/V
+    the replay writes. Until then the inputs are inert (every token a rounding token at the dead
+    position of row 0), so no forward of this shape can write where a live row reads."""
 
     def __init__(self, prefills: PackedPrefills, tokens: int, longest: int):
         self.prefills, self.tokens, self.longest = prefills, tokens, longest
         device = prefills.device
         self.ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
-        self.positions = torch.zeros(1, tokens, dtype=torch.long, device=device)
+        self.positions = torch.full((1, tokens), prefills.length - 1, dtype=torch.long, device=device)
         self.rows = torch.zeros(1, tokens, dtype=torch.long, device=device)
-        self.sequence = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.sequence = torch.full((tokens,), PACK_PROMPTS + 1, dtype=torch.long, device=device)
         self.starts = torch.zeros(PACK_PROMPTS + 1, dtype=torch.int32, device=device)
         self.last = torch.zeros(PACK_PROMPTS, dtype=torch.long, device=device)
         self.packing = Packing(self.starts, longest, self.sequence, self.positions[0])
         self.logits = None
-        self.run = lambda: setattr(self, "logits", self.forward())
-        if prefills.graphs and (captured := capture_prefill(prefills, self.forward, "a packed prefill")):
-            self.graph, self.logits = captured
-            self.run = self.graph.replay
+        self.graph = None
+
+    def run(self) -> None:
+        """The forward over the inputs in place: replayed, captured first when not yet."""
+        if self.graph is None and self.prefills.graphs:
+            captured = capture_prefill(self.prefills, self.forward, "a packed prefill")
+            if captured:
+                self.graph, self.logits = captured
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.logits = self.forward()
 
     def forward(self) -> torch.Tensor:
         self.packing.real = self.sequence <= PACK_PROMPTS
@@ -179,6 +201,7 @@ class PackedPrefills:
         return self.shapes[key]
 
     def run(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
+        """Prefills `prompts` into `rows` of the engine's cache; their last logits [n, V]."""
         lengths = [len(p) for p in prompts]
         total = sum(lengths)
         shape = self.shape(total, max(lengths))

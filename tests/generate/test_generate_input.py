@@ -107,6 +107,10 @@ def test_config_from_yaml_with_cli_overrides(tmp_path):
         ({"inputs": ["a"], "output_dir": "o", "backend": "local", "sampling": {"top_p": 0}}, "sampling.top_p"),
         ({"inputs": ["a"], "output_dir": "o", "backend": "local", "local": {"compile_step": True}},
          "compile_step compiles the graphed engine's step: it needs backend 'local' and local.engine 'graphed'"),
+        ({"inputs": ["a"], "output_dir": "o", "backend": "local", "local": {"prefill": "padded"}},
+         "prefill chooses the graphed engine's prefills: it needs backend 'local' and local.engine 'graphed'"),
+        ({"inputs": ["a"], "output_dir": "o", "backend": "local", "local": {"engine": "graphed", "prefill": "ragged"}},
+         "local.prefill"),
     ],
 )
 def test_config_errors_name_the_problem(tree, message):
@@ -123,6 +127,28 @@ def test_compile_step_reaches_the_graphed_engine(tiny_target):
         cfg = config_from_command_line("--input", "a", "--output", "o", "--backend", "local", "--engine", "graphed",
                                        "--device", "cpu", *flag)
         assert LocalBackend.load(str(tiny_target), cfg.local).compile_step is bool(flag)
+
+
+def test_the_prefill_choice_reaches_the_graphed_engine(tiny_target):
+    """`--prefill` is read: the engine the backend builds to answer prefills as asked; auto unless asked."""
+    import asyncio
+
+    from dflash_train.generate.backends import GenParams
+    from dflash_train.generate.local_backend import LocalBackend
+
+    for flag, packed in (([], True), (["--prefill", "padded"], False), (["--prefill", "packed"], True)):
+        cfg = config_from_command_line("--input", "a", "--output", "o", "--backend", "local", "--engine", "graphed",
+                                       "--device", "cpu", *flag)
+        backend = LocalBackend.load(str(tiny_target), cfg.local)
+
+        async def answer():
+            try:
+                return await backend.complete([{"role": "user", "content": "hi"}],
+                                              GenParams(temperature=0.0, top_p=1.0, max_tokens=2))
+            finally:
+                await backend.aclose()
+        asyncio.run(answer())
+        assert backend._graphed.packed is packed
 
 
 def test_missing_input_file_is_an_error(tmp_path, start_server):

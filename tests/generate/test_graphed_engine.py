@@ -192,3 +192,26 @@ def test_more_chunks_in_flight_give_the_same_answers_and_hand_no_stale_tokens_on
 def test_no_chunk_in_flight_is_refused(backend):
     with pytest.raises(ValueError, match="ahead must be at least 1"):
         GraphedEngine(backend.model, rows=2, stops=set(), pad_id=0, ahead=0)
+
+
+@pytest.mark.parametrize("prefill", ["padded", "packed"])
+def test_a_growing_cache_holds_one_old_layer_at_a_time(backend, prefill):
+    """A cache growth copies the rows layer by layer and frees each old layer once copied: nothing
+    else (the packed prefills' hold on the old cache) may keep the rest alive, or the old and new
+    caches would both sit in GPU memory at once."""
+    import weakref
+
+    from dflash_train.targets.static_cache import PositionedLayer
+    engine = GraphedEngine(backend.model, rows=2, stops=set(), pad_id=0, prefill=prefill)
+    engine._build(100)
+    old = [weakref.ref(layer.keys) for layer in engine.cache.layers]
+    alive, allocate = [], PositionedLayer.lazy_initialization
+
+    def counting(layer, keys, values):
+        alive.append(sum(ref() is not None for ref in old))
+        return allocate(layer, keys, values)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PositionedLayer, "lazy_initialization", counting)
+        engine._build(1000)
+    layers = len(old)
+    assert alive == list(range(layers, 0, -1)) and not any(ref() for ref in old)

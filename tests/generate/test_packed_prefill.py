@@ -5,6 +5,7 @@ the first row's last position (CPU: attention under the block-diagonal mask, for
 
 import pytest
 import torch
+from families import tiny_model
 from tiny import tiny_target, tiny_windowed
 
 from dflash_train.generate.graphed_engine import GraphedEngine
@@ -70,6 +71,49 @@ def test_packed_attention_never_crosses_a_prompt():
     assert torch.isfinite(out).all()
 
 
+class _Replay:
+    """What a captured graph does, on CPU: its replay runs the captured forward again."""
+
+    def __init__(self, forward, output):
+        self.forward, self.output = forward, output
+
+    def replay(self):
+        self.output.copy_(self.forward())
+
+    def pool(self):
+        return None
+
+
+def capture_as_cuda_does(forward, device, pool=None):
+    """static_cache.capture_graph's sequence without CUDA: two eager warm-ups, then the captured call."""
+    for _ in range(2):
+        forward()
+    output = forward()
+    return _Replay(forward, output), output
+
+
+def test_capturing_a_new_shape_leaves_the_rows_in_use_alone(monkeypatch):
+    """A shape is captured when an admission first needs it, while other rows decode: its capture's
+    forwards must write nowhere but the admitted rows (and the dead slot). Replays give the same
+    prefill as an eager forward."""
+    import dflash_train.generate.prefill as prefill
+    monkeypatch.setattr(prefill, "capture_graph", capture_as_cuda_does)
+    model = tiny_target(hidden=64).model
+    cache = engine_cache(model, rows=4, length=512)
+    prefills = PackedPrefills(model, cache, graphs=True)
+    g = torch.Generator().manual_seed(3)
+    first = [torch.randint(1, 200, (n,), generator=g).tolist() for n in (9, 14)]
+    assert_prefilled(model, cache, first, [0, 1], prefills.run(first, [0, 1]))
+    busy = [(layer.keys[:2].clone(), layer.values[:2].clone()) for layer in cache.layers]
+    later = [torch.randint(1, 200, (n,), generator=g).tolist() for n in (299, 5)]  # a new shape
+    assert_prefilled(model, cache, later, [2, 3], prefills.run(later, [2, 3]))
+    assert len(prefills.shapes) == 2 and all(shape.graph is not None for shape in prefills.shapes.values())
+    for layer, (keys, values) in zip(cache.layers, busy):
+        assert torch.equal(layer.keys[:2], keys) and torch.equal(layer.values[:2], values)
+    again = [torch.randint(1, 200, (n,), generator=g).tolist() for n in (4, 11)]  # the first shape, replayed
+    assert_prefilled(model, cache, again, [1, 0], prefills.run(again, [1, 0]))
+
+
 def test_a_packed_prefill_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog):
     import dflash_train.generate.prefill as prefill
 
@@ -77,12 +121,24 @@ def test_a_packed_prefill_that_cannot_be_captured_runs_eagerly(monkeypatch, capl
         raise RuntimeError("operation not permitted when stream is capturing")
     monkeypatch.setattr(prefill, "capture_graph", refuse)
     model = tiny_target(hidden=64).model
-    cache = engine_cache(model, rows=2, length=128)
+    cache = engine_cache(model, rows=2, length=1024)
     prefills = PackedPrefills(model, cache, graphs=True)
     prompts = [[5, 6, 7], [8]]
     assert_prefilled(model, cache, prompts, [1, 0], prefills.run(prompts, [1, 0]))
     assert not prefills.graphs and "stream is capturing" in prefills.graph_error
-    assert caplog.text.count("capturing a packed prefill failed") == 1
+    prompts = [[9] * 600]  # a second shape: eager, no second attempt
+    assert_prefilled(model, cache, prompts, [1], prefills.run(prompts, [1]))
+    assert len(prefills.shapes) == 2 and caplog.text.count("capturing a packed prefill failed") == 1
+
+
+def test_models_whose_heads_flash_attention_cannot_take_keep_padded_prefills():
+    """MLA (DeepSeek-V3): values narrower than keys; a head size flash attention has no kernel for."""
+    mla = tiny_model("deepseek-v3")
+    assert not GraphedEngine(mla, rows=2, stops=set(), pad_id=0).packed
+    with pytest.raises(ValueError, match="keys of 16 and values of 8 per head"):
+        GraphedEngine(mla, rows=2, stops=set(), pad_id=0, prefill="packed")
+    with pytest.raises(ValueError, match=r"head size 4 \(flash attention: a multiple of 8 up to 256\)"):
+        GraphedEngine(tiny_target(hidden=16).model, rows=2, stops=set(), pad_id=0, prefill="packed")
 
 
 def test_models_with_windows_keep_padded_prefills():
