@@ -2,7 +2,7 @@
 
 The padded prefills (prefill.py) round a group's prompts and width up to powers of two. In the
 SmolLM2 chain's regeneration on an H200 they took 54 s of the GPU's 197, a quarter of its time,
-for prompts that average ~100 tokens (docs/benchmarks/generate_local.md). Here the prompts of an
+for prompts that average 130 tokens (docs/benchmarks/generate_local.md). Here the prompts of an
 admission are concatenated, each token at its own position in its own prompt, and the row's length
 is rounded up to one of a few sizes (four per octave), each forward captured once as a CUDA graph.
 Attention is causal inside each prompt and never crosses one: flash attention over
@@ -26,6 +26,7 @@ from itertools import chain
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
@@ -45,11 +46,8 @@ LONGEST_FLOOR = 128
 """The longest prompt is rounded up to a power of two of at least this (flash's block of queries):
 the kernel's grid, which has to be fixed in a graph, grows with it."""
 
-try:  # torch >= 2.10
-    from torch.nn.attention.varlen import varlen_attn
-    _VARLEN = inspect.signature(varlen_attn).parameters
-except ImportError:  # pragma: no cover - every supported torch has it
-    varlen_attn, _VARLEN = None, {}
+_VARLEN = inspect.signature(varlen_attn).parameters
+"""Its keywords: GQA and causal windows are spelled differently across torch releases."""
 
 
 def packed_size(tokens: int) -> int:
@@ -96,7 +94,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     the tokens of its own prompt at or before it. Returns [1, T, H, D]."""
     heads, kv_heads = query.shape[1], key.shape[1]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
-    if varlen_attn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         if "enable_gqa" in _VARLEN:
             gqa = {"enable_gqa": heads != kv_heads}
         else:
