@@ -198,6 +198,13 @@ def kernels(fn, times: int, device) -> list[dict]:
             for e in events if e.device_time_total > 0]
 
 
+def decoder_parameters(model) -> int:
+    """The decoder layers' parameters (and final norm): what every prompt token multiplies through
+    (the embedding is a lookup; the LM head runs for the last token only)."""
+    decoder = model.get_decoder()
+    return sum(p.numel() for p in decoder.parameters()) - decoder.get_input_embeddings().weight.numel()
+
+
 def prefill_profile(engine: GraphedEngine, prompts: list[list[int]], times: int = 8) -> dict:
     """One prefill of the first prompts (as many as one of the engine's prefills takes, at most its
     rows) into rows 0..n-1, replayed `times` times after the job: ms a prefill, prompt tokens/s, the TFLOP/s of
@@ -214,10 +221,10 @@ def prefill_profile(engine: GraphedEngine, prompts: list[list[int]], times: int 
     sync(engine.device)
     seconds = (time.perf_counter() - t0) / times
     tokens = sum(map(len, batch))
-    embedding = engine.model.get_input_embeddings().weight
-    flops = 2 * (sum(p.numel() for p in engine.model.parameters()) - embedding.numel()) * tokens
+    flops = 2 * decoder_parameters(engine.model) * tokens
     return {"packed": engine.packed, "prompts": len(batch), "prompt_tokens": tokens, "ms": round(1e3 * seconds, 3),
-            "prompt_tokens_per_s": round(tokens / seconds), "tflops": round(flops / seconds / 1e12, 3),
+            "gflop": round(flops / 1e9, 6), "prompt_tokens_per_s": round(tokens / seconds),
+            "tflops": round(flops / seconds / 1e12, 3),
             "kernels": kernels(run, 3, engine.device) if engine.device.type == "cuda" else []}
 
 

@@ -240,7 +240,10 @@ def test_regen_speed_cpu_mode():
     assert run["timings"]["chunks"] > 0 and run["profile"] == []  # no CUDA kernels on CPU
     prefill = run["prefill_profile"]  # packed: one prefill fills both rows
     assert prefill["packed"] and prefill["prompts"] == 2 and prefill["prompt_tokens"] >= 10
-    assert prefill["prompt_tokens_per_s"] > 0 and prefill["tflops"] > 0
+    # tiny: 2 layers of 64 wide (q 64x64, k and v 64x32, o 64x64, MLP 3 x 64x128, 2 norms) + the final norm
+    layers = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64) + 64
+    assert prefill["gflop"] == pytest.approx(2 * layers * prefill["prompt_tokens"] / 1e9, abs=1e-6)
+    assert prefill["prompt_tokens_per_s"] > 0 and prefill["tflops"] == pytest.approx(prefill["gflop"] / prefill["ms"], abs=1e-3)
 
 
 def test_regen_speed_reports_the_engines_gpu_clock():
