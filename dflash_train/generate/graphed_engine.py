@@ -50,6 +50,26 @@ LENGTH_STEP = 256
 """Cache lengths are rounded up to this, so a slightly longer prompt seldom forces a rebuild."""
 
 
+@torch.no_grad()
+def kv_shapes(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's key and value of one token (shape and dtype): read from a one-token forward,
+    since layers may store other shapes than the config's K/V heads (MLA: every head, keys and
+    values of different sizes)."""
+    probe = PositionedCache(model.config.get_text_config(decoder=True), ALIGN)
+    one = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+    forward_at(model, probe, one, one, logits_to_keep=1)
+    return [(layer.keys[:, :, :1], layer.values[:, :, :1]) for layer in probe.layers]
+
+
+def prefill_problem(model, prefill: str) -> str | None:
+    """Why the graphed engine cannot prefill `model` as `prefill` (auto, packed or padded) asks, or None."""
+    if prefill not in ("auto", "packed", "padded"):
+        return f"prefill must be auto, packed or padded, not {prefill!r}"
+    if prefill == "packed" and (problem := packed_prefill_problem(model, kv_shapes(model))):
+        return f"packed prefills cannot run {type(model).__name__}: {problem} (prefill auto or padded can)"
+    return None
+
+
 @dataclass
 class Job:
     """One answer to produce: the prompt's token ids and how; `tokens` fills in as it decodes."""
@@ -144,7 +164,7 @@ class GraphedEngine:
         self.flex = self._flex(attention)
         self.attention = FLEX_DECODE if self.flex else PACKED_GQA
         self.config = model.config.get_text_config(decoder=True)
-        self.kv_shapes = self._kv_shapes()
+        self.kv_shapes = kv_shapes(model)
         self.packed = self._packed(prefill)
         self.length = 0
         self.cache = None
@@ -179,24 +199,12 @@ class GraphedEngine:
 
     def _packed(self, prefill: str) -> bool:
         """Whether prompts are prefilled packed (auto: where the model's attention allows it)."""
-        if prefill not in ("auto", "packed", "padded"):
-            raise ValueError(f"prefill must be auto, packed or padded, not {prefill!r}")
+        if problem := prefill_problem(self.model, prefill):
+            raise ValueError(problem)
         problem = packed_prefill_problem(self.model, self.kv_shapes)
-        if prefill == "packed" and problem:
-            raise ValueError(f"packed prefills cannot run {type(self.model).__name__}: {problem}")
         if prefill == "auto" and problem:
             log.info("graphed engine: padded prefills (packed: %s)", problem)
         return prefill == "packed" or (prefill == "auto" and problem is None)
-
-    @torch.no_grad()
-    def _kv_shapes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's key and value of one token (shape and dtype): read from a one-token forward,
-        since layers may store other shapes than the config's K/V heads (MLA: every head, keys and
-        values of different sizes)."""
-        probe = PositionedCache(self.config, ALIGN)
-        one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        forward_at(self.model, probe, one, one, logits_to_keep=1)
-        return [(layer.keys[:, :, :1], layer.values[:, :, :1]) for layer in probe.layers]
 
     # --------------------------------------------------------------- the fixed-shape step
 
@@ -328,8 +336,9 @@ class GraphedEngine:
             busy = [job for job in occupant if job is not None]
             if busy:
                 sampled = any(job.temperature > 0 for job in busy)
-                step = self.steps.run["sample" if sampled else "greedy"]
-                launched.append(self.timeline.around("steps", self._launch, step, occupant, admitted))
+                # no local name for the step: a cache growth must free the old graph (and its pool)
+                launched.append(self.timeline.around("steps", self._launch, self.steps.run["sample" if sampled else "greedy"],
+                                                     occupant, admitted))
                 admitted = []
             elif not launched:
                 return

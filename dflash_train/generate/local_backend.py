@@ -26,7 +26,7 @@ from transformers import GenerationConfig
 from dflash_train.config import TargetConfig
 from dflash_train.generate.backends import Completion, GenParams
 from dflash_train.generate.config import LocalConfig
-from dflash_train.generate.graphed_engine import GraphedEngine, Job
+from dflash_train.generate.graphed_engine import GraphedEngine, Job, prefill_problem
 from dflash_train.targets.static_cache import static_cache_problem
 from dflash_train.targets.model import load_target, resolve_device
 
@@ -249,6 +249,8 @@ class LocalBackend:
         target = load_target(TargetConfig(path=path, dtype=cfg.dtype), resolve_device(cfg.device))
         if (problem := engine_problem(cfg.engine, target.model)) is not None:
             raise ValueError(f"generate engine '{cfg.engine}' cannot run {type(target.model).__name__}: {problem}")
+        if cfg.engine == "graphed" and (problem := prefill_problem(target.model, cfg.prefill)):
+            raise ValueError(f"local.prefill: {problem}")
         return cls(target.model, target.tokenizer, name=path, batch_size=cfg.batch_size, identity=target.identity,
                    engine=cfg.engine, compile_step=cfg.compile_step, prefill=cfg.prefill)
 

@@ -151,6 +151,25 @@ def test_the_prefill_choice_reaches_the_graphed_engine(tiny_target):
         assert backend._graphed.packed is packed
 
 
+def test_a_prefill_the_model_cannot_take_is_refused_at_load_naming_the_key(tmp_path):
+    """`--prefill packed` on a model flash attention cannot pack (head size 4) fails when the model
+    loads, before any request, naming the key and the choices that work; auto loads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash_train.generate.config import LocalConfig
+    from dflash_train.generate.local_backend import LocalBackend
+    from tests.tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"local.prefill: packed prefills cannot run LlamaForCausalLM: head size 4 "
+                                         r"\(flash attention: a multiple of 8 up to 256\) \(prefill auto or padded can\)"):
+        LocalBackend.load(str(tmp_path), LocalConfig(device="cpu", engine="graphed", prefill="packed"))
+    assert LocalBackend.load(str(tmp_path), LocalConfig(device="cpu", engine="graphed")).prefill == "auto"
+
+
 def test_missing_input_file_is_an_error(tmp_path, start_server):
     server = start_server("--echo")
     cfg = build_generate_config(

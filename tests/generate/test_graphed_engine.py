@@ -215,3 +215,45 @@ def test_a_growing_cache_holds_one_old_layer_at_a_time(backend, prefill):
         engine._build(1000)
     layers = len(old)
     assert alive == list(range(layers, 0, -1)) and not any(ref() for ref in old)
+
+
+def test_a_growth_mid_job_frees_the_old_steps_graph(backend, monkeypatch):
+    """A prompt longer than the cache arrives while others decode: by the time the new cache is
+    allocated, nothing holds the old decode step's graph (on a GPU: its memory pool) any more."""
+    import gc
+    import weakref
+
+    import dflash_train.generate.prefill as prefill
+    import dflash_train.targets.static_cache as static_cache
+    from dflash_train.targets.static_cache import PositionedLayer
+    from tests.generate.test_packed_prefill import capture_as_cuda_does
+
+    graphs = []
+
+    class Graph:
+        def __init__(self, step):
+            self.step = step
+
+        def replay(self):
+            self.step()
+
+    def graphed(step, device):  # what static_cache.graphed returns: a captured graph's replay
+        graphs.append(weakref.ref(graph := Graph(step)))
+        return graph.replay
+    monkeypatch.setattr(static_cache, "graphed", graphed)
+    monkeypatch.setattr(prefill, "capture_graph", capture_as_cuda_does)
+    engine = GraphedEngine(backend.model, rows=2, stops=set(), pad_id=0, chunk=4, graphs=True)
+    alive, allocate = [], PositionedLayer.lazy_initialization
+
+    def counting(layer, keys, values):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in graphs))
+        return allocate(layer, keys, values)
+    monkeypatch.setattr(PositionedLayer, "lazy_initialization", counting)
+    prompts = prompts_of(backend, 3)
+    jobs = [Job(prompts[0], 20), Job(prompts[1], 3), Job(prompts[2] * 30, 4)]  # the third grows the cache
+    serve_all(engine, jobs)
+    layers = len(engine.cache.layers)
+    assert len(alive) == 2 * layers and alive[layers:] == [0] * layers  # the growth: no old graph alive
+    for job in jobs:
+        assert (job.tokens, job.stopped) == plain_greedy(backend.model, job.prompt, job.max_tokens, set())

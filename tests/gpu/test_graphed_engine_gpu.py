@@ -59,7 +59,7 @@ def test_packed_prefills_in_bf16_through_flash_attention_equal_each_prompt_alone
     """bf16 packed prefills run varlen flash attention, captured as CUDA graphs: each prompt's last
     logits and K/V in its row as an fp32 forward of the prompt alone gives them, to bf16's precision
     (relative error of each tensor below 6%: 3.3% at most in bf16 on CPU), over prompts longer and
-    shorter than a flash block; the K/V checked after every admission, so a later shape's capture
+    shorter than a flash block; the K/V checked after both admissions, so the second shape's capture
     must leave the rows filled before it alone."""
     from dflash_train.generate import packed_prefill
     calls = []
@@ -86,6 +86,8 @@ def test_packed_prefills_in_bf16_through_flash_attention_equal_each_prompt_alone
         for mine, theirs in zip(cache.layers, own_prefill(fp32, prompt)[1].layers):
             close(mine.keys[row, :, : len(prompt)], theirs.keys[0])
             close(mine.values[row, :, : len(prompt)], theirs.values[0])
+            close(mine.keys[row, :, 0], theirs.keys[0, :, 0])  # alone: one bad position in 300 is ~7% of the whole
+            close(mine.values[row, :, 0], theirs.values[0, :, 0])
     assert calls, "the flash path never ran"
     assert prefills.graphs and len(prefills.shapes) == 2
     assert all(shape.graph is not None for shape in prefills.shapes.values())
