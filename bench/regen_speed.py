@@ -41,6 +41,7 @@ from dflash_train.generate.backends import GenParams
 from dflash_train.generate.graphed_engine import GraphedEngine, Job
 from dflash_train.generate.local_backend import encode_prompt, generate_ids, pad_token_id, stop_ids
 from dflash_train.targets import flex_decode
+from throughput import sync, timed  # bench/: the same timing as the training benchmark
 
 VARIANTS = {"sdpa": dict(compile=False, attention="sdpa"), "flex": dict(compile=True, attention="flex")}
 
@@ -80,11 +81,6 @@ def prompt_ids(path: str | None, tokenizer, num: int) -> list[list[int]]:
 def progress(message: str) -> None:
     """Where a long run is (stderr, timed): a run cut by a time limit still says how far it got."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def serve(engine: GraphedEngine, jobs: list[Job]) -> None:
@@ -166,15 +162,7 @@ def plain_step(engine: GraphedEngine, context: int, bandwidth: float, steps: int
     """The captured step alone, every row at `context` (cache positions past it: the engine's own)."""
     engine.pos.fill_(context)
     engine.cap.fill_(context + 10 * steps)
-    step = engine.steps.run["greedy"]
-    for _ in range(2):
-        step()
-    sync(engine.device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync(engine.device)
-    ms = 1e3 * (time.perf_counter() - t0) / steps
+    ms = 1e3 * timed(engine.steps.run["greedy"], engine.device, steps, warmup=2)
     roofline = bandwidth and engine.rows * bandwidth / step_bytes(engine.model, engine.rows, context + steps / 2)
     return {"context": context, "cache_length": engine.length, "ms_per_step": round(ms, 3),
             "tokens_per_s": round(engine.rows * 1e3 / ms), "roofline_tokens_per_s": roofline and round(roofline)}
@@ -207,19 +195,13 @@ def decoder_parameters(model) -> int:
 
 def prefill_profile(engine: GraphedEngine, prompts: list[list[int]], times: int = 8) -> dict:
     """One prefill of the first prompts (as many as one of the engine's prefills takes, at most its
-    rows) into rows 0..n-1, replayed `times` times after the job: ms a prefill, prompt tokens/s, the TFLOP/s of
-    2 x the non-embedding parameters a token, and its CUDA kernels by time."""
+    rows) into rows 0..n-1, replayed `times` times after the job: ms a prefill, prompt tokens/s, the
+    TFLOP/s of 2 x the decoder layers' parameters a token, and its CUDA kernels by time."""
     prompts = prompts[: engine.rows]
     batch = [prompts[i] for i in engine.prefills.pieces([len(p) for p in prompts])[0]]
     rows = list(range(len(batch)))
     run = lambda: engine.prefills.run(batch, rows)  # noqa: E731
-    run()
-    sync(engine.device)
-    t0 = time.perf_counter()
-    for _ in range(times):
-        run()
-    sync(engine.device)
-    seconds = (time.perf_counter() - t0) / times
+    seconds = timed(run, engine.device, times, warmup=1)
     tokens = sum(map(len, batch))
     flops = 2 * decoder_parameters(engine.model) * tokens
     return {"packed": engine.packed, "prompts": len(batch), "prompt_tokens": tokens, "ms": round(1e3 * seconds, 3),
