@@ -61,11 +61,12 @@ def kv_shapes(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys[:, :, :1], layer.values[:, :, :1]) for layer in probe.layers]
 
 
-def prefill_problem(model, prefill: str) -> str | None:
-    """Why the graphed engine cannot prefill `model` as `prefill` (auto, packed or padded) asks, or None."""
+def prefill_problem(model, prefill: str, shapes=None) -> str | None:
+    """Why the graphed engine cannot prefill `model` as `prefill` (auto, packed or padded) asks, or
+    None. `shapes`: the model's `kv_shapes`, read here when needed and not given."""
     if prefill not in ("auto", "packed", "padded"):
         return f"prefill must be auto, packed or padded, not {prefill!r}"
-    if prefill == "packed" and (problem := packed_prefill_problem(model, kv_shapes(model))):
+    if prefill == "packed" and (problem := packed_prefill_problem(model, shapes or kv_shapes(model))):
         return f"packed prefills cannot run {type(model).__name__}: {problem} (prefill auto or padded can)"
     return None
 
@@ -199,12 +200,13 @@ class GraphedEngine:
 
     def _packed(self, prefill: str) -> bool:
         """Whether prompts are prefilled packed (auto: where the model's attention allows it)."""
-        if problem := prefill_problem(self.model, prefill):
+        if problem := prefill_problem(self.model, prefill, self.kv_shapes):
             raise ValueError(problem)
-        problem = packed_prefill_problem(self.model, self.kv_shapes)
-        if prefill == "auto" and problem:
+        if prefill != "auto":
+            return prefill == "packed"
+        if problem := packed_prefill_problem(self.model, self.kv_shapes):
             log.info("graphed engine: padded prefills (packed: %s)", problem)
-        return prefill == "packed" or (prefill == "auto" and problem is None)
+        return problem is None
 
     # --------------------------------------------------------------- the fixed-shape step
 
