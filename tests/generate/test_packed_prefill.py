@@ -114,23 +114,6 @@ def test_capturing_a_new_shape_leaves_the_rows_in_use_alone(monkeypatch):
     assert_prefilled(model, cache, again, [1, 0], prefills.run(again, [1, 0]))
 
 
-def test_a_packed_prefill_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog):
-    import dflash_train.generate.prefill as prefill
-
-    def refuse(*args, **kwargs):
-        raise RuntimeError("operation not permitted when stream is capturing")
-    monkeypatch.setattr(prefill, "capture_graph", refuse)
-    model = tiny_target(hidden=64).model
-    cache = engine_cache(model, rows=2, length=1024)
-    prefills = PackedPrefills(model, cache, graphs=True)
-    prompts = [[5, 6, 7], [8]]
-    assert_prefilled(model, cache, prompts, [1, 0], prefills.run(prompts, [1, 0]))
-    assert not prefills.graphs and "stream is capturing" in prefills.graph_error
-    prompts = [[9] * 600]  # a second shape: eager, no second attempt
-    assert_prefilled(model, cache, prompts, [1], prefills.run(prompts, [1]))
-    assert len(prefills.shapes) == 2 and caplog.text.count("capturing a packed prefill failed") == 1
-
-
 def test_models_whose_heads_flash_attention_cannot_take_keep_padded_prefills():
     """MLA (DeepSeek-V3): values narrower than keys; a head size flash attention has no kernel for."""
     mla = tiny_model("deepseek-v3")

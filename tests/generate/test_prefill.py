@@ -7,6 +7,7 @@ import pytest
 import torch
 from tiny import tiny_target
 
+from dflash_train.generate.packed_prefill import PackedPrefills
 from dflash_train.generate.prefill import MIN_WIDTH, PREFILL_ROWS, Prefills, bucket
 from dflash_train.targets.static_cache import ALIGN, PositionedCache, forward_at
 
@@ -67,22 +68,27 @@ def test_an_admission_splits_by_width_and_rows():
                       [1], [3]]
 
 
-def test_a_prefill_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog):
-    """A forward CUDA graphs cannot hold still prefills: logged once, every shape eager from then on."""
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+def test_a_prefill_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog, kind):
+    """A forward CUDA graphs cannot hold still prefills: logged once, every shape eager from then on
+    (padded and packed prefills share the capture, prefill.capture_prefill)."""
     import dflash_train.generate.prefill as prefill
 
     def refuse(*args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
     monkeypatch.setattr(prefill, "capture_graph", refuse)
     model = tiny_target(hidden=64).model
-    cache = engine_cache(model, rows=2, length=128)
-    prefills = Prefills(model, cache, pad_id=0, graphs=True)
+    cache = engine_cache(model, rows=2, length=1024)
+    prefills = (Prefills(model, cache, pad_id=0, graphs=True) if kind == "padded" else
+                PackedPrefills(model, cache, graphs=True))
+    failed = "capturing a prefill failed" if kind == "padded" else "capturing a packed prefill failed"
     prompts = [[5, 6, 7], [8]]
     assert_prefilled(model, cache, prompts, [1, 0], prefills.run(prompts, [1, 0]))
     assert not prefills.graphs and "stream is capturing" in prefills.graph_error
-    assert "capturing a prefill failed" in caplog.text
-    prefills.run([[1] * 80], [0])  # a new shape: eager, no second attempt
-    assert caplog.text.count("capturing a prefill failed") == 1
+    assert failed in caplog.text
+    prompts = [[9] * 600]  # a second shape: eager, no second attempt
+    assert_prefilled(model, cache, prompts, [1], prefills.run(prompts, [1]))
+    assert len(prefills.shapes) == 2 and caplog.text.count(failed) == 1
 
 
 def test_out_of_memory_in_a_capture_reaches_the_caller(monkeypatch):
