@@ -3,7 +3,7 @@
 The static cache (static_cache.py) is as long as the longest prompt plus the answer budget, and
 SDPA under a mask reads every position of it for every row: at a thousand rows, 1,280 positions
 and ~330-token answers, most of a regeneration step's cache traffic is K/V no query can see.
-flex_attention takes a block mask instead: per row, how many 128-position KV blocks hold keys at or
+flex_attention takes a block mask instead: per row, how many 64-position KV blocks hold keys at or
 below the row's position (`decode_block_mask`); blocks past them are never read. The blocks below
 every query's position are "full" (nothing to hide: the kernel skips the mask_mod there); in the
 last one or two a mask_mod hides the keys above each query's position. Inductor lowers it to its flex-decoding
@@ -27,8 +27,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from dflash_train.targets.windows import plain_causal_problem
 
 FLEX_DECODE = "dflash_flex_decode"
-KV_BLOCK = 128
-"""Positions per KV block of the mask: flex_attention's default block, the unit a row's read grows by."""
+KV_BLOCK = 64
+"""Positions per KV block of the mask, the unit a row's read grows by: a row reads half a block past
+its position on average, so half flex_attention's default block of 128 reads ~32 positions less
+per row and layer (the kernel's own BLOCK_N shrinks to fit: inductor's flex_decoding)."""
 MIN_HEAD_DIM = 16
 """Inductor's flex kernels need head dimensions of at least 16."""
 KERNEL_OPTIONS: dict = {}

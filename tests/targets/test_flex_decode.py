@@ -28,8 +28,8 @@ def test_flex_decode_equals_brute_force(queries):
     positions = starts[:, None] + torch.arange(queries)
     mask = decode_block_mask(positions, length, heads // kv_heads)
     # blocks read: up to the one holding the row's last query, none past it; full (no mask_mod):
-    # those whose every key each query of the row sees (one query: up to 127 and 378 fill 1 and 2
-    # blocks; three: 125-127 fill none, 376-378 two)
+    # those whose every key each query of the row sees (one query: a block's last position fills
+    # it; three queries ending there fill none before it, two in the last row)
     full, partial = mask.full_kv_num_blocks.flatten().tolist(), mask.kv_num_blocks.flatten().tolist()
     assert [f + p for f, p in zip(full, partial)] == [1, 1, 1, 3]
     assert full == ([0, 0, 1, 2] if queries == 1 else [0, 0, 0, 2])
@@ -51,8 +51,8 @@ def test_flex_decode_equals_brute_force(queries):
 
 
 def test_a_cache_of_part_of_a_block_is_refused():
-    with pytest.raises(ValueError, match="whole number of 128-position blocks, not 200"):
-        decode_block_mask(torch.zeros(2, 1, dtype=torch.long), 200, 1)
+    with pytest.raises(ValueError, match=f"whole number of {KV_BLOCK}-position blocks, not {KV_BLOCK + 8}"):
+        decode_block_mask(torch.zeros(2, 1, dtype=torch.long), KV_BLOCK + 8, 1)
 
 
 def test_flex_decode_problem_names_what_it_cannot_do():
