@@ -11,6 +11,7 @@ export RUN=${RUN:-runs/gemma3-h200}
 export CONFIG=${CONFIG:-configs/gemma3-270m-h200.yaml}
 export ANSWER_TOKENS=${ANSWER_TOKENS:-256}
 export NEW_TOKENS=${NEW_TOKENS:-128}
+export BATCH=${BATCH:-1024}  # the engine rows its generation was measured at
 export EVAL_SETS=${EVAL_SETS:-sharegpt humaneval}
 # Gemma's data as measured (docs/benchmarks/gemma3.md): every-turn prompts and code, no two-turn
 # conversations (SmolLM2's example asks all of them), the probe every 1,500 steps
