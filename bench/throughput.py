@@ -169,7 +169,14 @@ def measure_levers(args, device, cfg, drafter, target_step, draft_step, overlapp
     return levers
 
 
+def progress(started: float, message: str) -> None:
+    """A phase's end on stderr, seconds since the start: a run cut by a time limit still says
+    where its time went (the first timed call of each phase includes its compilation)."""
+    print(f"[{time.perf_counter() - started:.0f} s] {message}", file=sys.stderr, flush=True)
+
+
 def main(argv=None):
+    started = time.perf_counter()
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="CPU: a tiny config (what CI runs)")
     ap.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", "smollm2"], help="target dimensions (GPU)")
@@ -227,6 +234,7 @@ def main(argv=None):
     head = Fp8Head(target.lm_head_weight) if args.fp8_head else target.lm_head_weight
     layer_ids = stream_layer_ids(cfg, target)  # + the last layer when the loss distils
     mix = LossMix.from_weights(cfg.objective.loss, cfg.objective.kd_temperature)
+    progress(started, "models built")
     gen = torch.Generator().manual_seed(0)
     ids, loss_mask, tokens = make_batch(shape, args.batch, max_length, device, gen, args.full_length)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
@@ -264,12 +272,13 @@ def main(argv=None):
 
     warm = 2 if args.tiny else 3
     t_target = timed(target_step, device, args.steps, warm)
-    print(f"target forward: {tokens / t_target:,.0f} tokens/s", file=sys.stderr, flush=True)
+    progress(started, f"target forward: {tokens / t_target:,.0f} tokens/s")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t_draft = timed(draft_step, device, args.steps, warm)
-    print(f"drafter step: {tokens / t_draft:,.0f} tokens/s", file=sys.stderr, flush=True)
+    progress(started, f"drafter step: {tokens / t_draft:,.0f} tokens/s")
     t_e2e = timed(lambda: draft_step(target_step()), device, args.steps, 1)
+    progress(started, f"end to end: {tokens / t_e2e:,.0f} tokens/s")
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     syncs = host_syncs(lambda: draft_step(target_step()), device)
     levers = {} if args.headline else measure_levers(args, device, cfg, drafter, target_step, draft_step, overlapped,
