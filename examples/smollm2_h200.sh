@@ -15,12 +15,12 @@
 #               (heldout.jsonl; `dflash-train curve`)
 #   prepare  -> TRAIN_FILES tokenised once into $DATA/prepared (one forked process per core)
 #   warmup   -> the drafter's step compiled for every shape bucket into the compile cache, so the
-#               training budget goes to steps (`all` runs it beside `generate`: generate-and-warmup)
+#               training budget goes to steps
 #   train    -> configs/smollm2-h200.yaml on $DATA/prepared, then export the last checkpoint
 #   eval     -> greedy speculative decoding on HumanEval (164), MT-Bench (80 x 2 turns) and the 200
 #               held-out prompts: tau, histogram, lossless check (fp32, prompts decoded in batches),
 #               then speedup (bf16, batch 1, KV caches: as served)
-# Usage: bash examples/smollm2_h200.sh [prompts|generate|generate-heldout|generate-and-warmup|prepare|warmup|train|eval|all]
+# Usage: bash examples/smollm2_h200.sh [prompts|generate|generate-heldout|prepare|warmup|train|eval|all]
 #        (default: all; eval = eval-sets, eval-curve (tau at 1/3 and 2/3 of training), then speedup)
 # Each stage reads what the one before wrote under $RUN; each can be rerun (generate resumes).
 # The eval stages are independent: on two GPUs, run them side by side with CUDA_VISIBLE_DEVICES
@@ -91,22 +91,9 @@ prepare() {  # every answer tokenised once (TRAIN_ARGS' data keys apply here too
   "${DT[@]}" prepare -c "$CONFIG" --out "$DATA/prepared" "data.train_files=[$TRAIN_FILES]" $TRAIN_ARGS
 }
 
-warmup() {  # the drafter's step compiled for every shape bucket; $1: answers to load (default: the
-  # prepared data). The buckets compile on synthetic batches, so any answers do.
+warmup() {  # the drafter's step compiled for every shape bucket, on the prepared data
   # shellcheck disable=SC2086
-  "${DT[@]}" warmup -c "$CONFIG" run_dir="$RUN" device="$DEVICE" "data.train_files=[${1:-$DATA/prepared}]" $TRAIN_ARGS
-}
-
-generate_and_warmup() {  # the warm-up's compilation (CPU-bound: 1.4-1.8 minutes cold on an H200 host) beside
-  # the regeneration (GPU-bound), on the held-out answers, so the chain does not wait for it; at the
-  # lowest CPU priority, so the engine's host loop and its own compilation come first
-  [ -d "$DATA/heldout" ] || { echo "generate-and-warmup warms up on $DATA/heldout: run generate-heldout first" >&2; return 2; }
-  mkdir -p "$RUN"
-  (renice -n 19 -p "$BASHPID" > /dev/null; warmup "$DATA/heldout") > "$RUN/warmup.log" 2>&1 &
-  local pid=$!
-  generate_train || { wait "$pid" || true; return 1; }
-  wait "$pid" || { tail -20 "$RUN/warmup.log" >&2; echo "warmup failed (log: $RUN/warmup.log)" >&2; return 1; }
-  tail -8 "$RUN/warmup.log"
+  "${DT[@]}" warmup -c "$CONFIG" run_dir="$RUN" device="$DEVICE" "data.train_files=[$DATA/prepared]" $TRAIN_ARGS
 }
 
 train() {
@@ -160,7 +147,6 @@ case "${1:-all}" in
   prompts) prompts ;;
   generate) generate_train ;;
   generate-heldout) generate "$DATA/heldout" --input "$DATA/heldout_prompts.jsonl" ;;
-  generate-and-warmup) generate_and_warmup ;;
   prepare) prepare ;;
   warmup) warmup ;;
   train) train ;;
@@ -168,8 +154,7 @@ case "${1:-all}" in
   eval-sets) eval_sets ;;
   eval-curve) eval_curve ;;
   speedup) speedup ;;
-  all) prompts; generate "$DATA/heldout" --input "$DATA/heldout_prompts.jsonl"; generate_and_warmup; prepare; train
-       eval_sets; eval_curve; speedup ;;
-  *) echo "usage: $0 [prompts|generate|generate-heldout|generate-and-warmup|prepare|warmup|train|eval|eval-sets|eval-curve|speedup|all]" >&2
+  all) prompts; generate_train; generate "$DATA/heldout" --input "$DATA/heldout_prompts.jsonl"; prepare; warmup; train; eval_sets; eval_curve; speedup ;;
+  *) echo "usage: $0 [prompts|generate|generate-heldout|prepare|warmup|train|eval|eval-sets|eval-curve|speedup|all]" >&2
      exit 2 ;;
 esac
