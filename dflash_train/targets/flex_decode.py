@@ -35,7 +35,8 @@ MIN_HEAD_DIM = 16
 """Inductor's flex kernels need head dimensions of at least 16."""
 KERNEL_OPTIONS: dict = {}
 """Passed to flex_attention as `kernel_options` (BLOCK_N, num_warps, num_stages...): inductor's
-defaults unless set; read when the step is compiled (bench/regen_speed.py --flex-options)."""
+defaults unless set; read when the step is compiled (bench/regen_speed.py --flex-options). A BLOCK_N
+set here must divide KV_BLOCK (inductor shrinks only its own default to fit)."""
 
 
 def flex_decode_problem(model) -> str | None:
