@@ -20,7 +20,6 @@ takes (`packed_prefill_problem`); the others keep the padded prefills.
 from __future__ import annotations
 
 import inspect
-import logging
 from dataclasses import dataclass
 from itertools import chain
 
@@ -33,8 +32,6 @@ from transformers.cache_utils import Cache
 from dflash_train.generate.prefill import capture_prefill, to_device
 from dflash_train.targets.static_cache import PositionedCache, PositionedLayer, attention_as
 from dflash_train.targets.windows import plain_causal_problem
-
-log = logging.getLogger("dflash_train")
 
 PACKED_PREFILL = "dflash_packed_prefill"
 PACK_PROMPTS = 128
