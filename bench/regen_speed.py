@@ -18,7 +18,8 @@ Each job's GPU time is split into steps, prefills and idle gaps by the engine's 
 fp32, the engine's answers against transformers' padded `generate` (equal, token for token).
 `--flex-options JSON`: flex decoding's kernel options (e.g. '{"num_stages": 3, "num_warps": 4}'),
 inductor's own when not given. `--prefill packed|padded`: how prompts are prefilled (auto: packed
-where the model allows it).
+where the model allows it); `--compile-prefill`: the packed prefills' forward compiled before it is
+captured.
 
     PYTHONPATH=. python3 bench/regen_speed.py --prompts data/every/train_prompts.jsonl --num 8192 \
         --rows 1024 --variants sdpa flex --plain 256 512 --check 64 --out regen.json    # one GPU
@@ -123,7 +124,8 @@ def step_bytes(model, rows: int, context: float) -> float:
 
 
 def run_variant(model, prompts, args, stops, pad_id, name: str, bandwidth: float) -> dict:
-    engine = GraphedEngine(model, args.rows, stops, pad_id, prefill=args.prefill, **VARIANTS[name])
+    engine = GraphedEngine(model, args.rows, stops, pad_id, prefill=args.prefill, compile_prefill=args.compile_prefill,
+                           **VARIANTS[name])
     t0 = time.perf_counter()
     # the cache every prompt fits, and the plain steps' contexts: built once
     engine._build(max(max(map(len, prompts)) + args.max_tokens + 1, max(args.plain, default=0) + 2 * PLAIN_STEPS))
@@ -145,6 +147,8 @@ def run_variant(model, prompts, args, stops, pad_id, name: str, bandwidth: float
               "stopped": sum(j.stopped for j in jobs), "roofline_tokens_per_s": roofline and round(roofline),
               "compiled": engine.steps.compiled, "graphed": engine.steps.graphed,
               "compile_error": engine.steps.compile_error, "graph_error": engine.steps.graph_error,
+              "prefill_compiled": engine.compile_prefill and engine.prefills.compiled is not None,
+              "prefill_compile_error": engine.compile_prefill and engine.prefills.compile_error or None,
               "timings": vars(engine.timings), "gpu_timeline": gpu_timeline(engine.timeline)}
     if args.plain:
         result["plain"] = [plain_step(engine, context, bandwidth) for context in args.plain]
@@ -238,6 +242,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile-prefill", action="store_true")
     ap.add_argument("--flex-options", type=json.loads, default={}, metavar="JSON")
     ap.add_argument("--prefill", default="auto", choices=["auto", "packed", "padded"])
+    ap.add_argument("--compile-prefill", action="store_true", help="the packed prefills' forward compiled too")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     flex_decode.KERNEL_OPTIONS.update(args.flex_options)  # read when the step compiles, below

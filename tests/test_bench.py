@@ -238,6 +238,7 @@ def test_regen_speed_cpu_mode():
     run = report["runs"][0]
     assert run["answers"] == 6 and run["answer_tokens"] == 48 and run["plain"][0]["tokens_per_s"] > 0
     assert run["timings"]["chunks"] > 0 and run["profile"] == []  # no CUDA kernels on CPU
+    assert not run["prefill_compiled"] and run["prefill_compile_error"] is None
     prefill = run["prefill_profile"]  # packed: one prefill fills both rows
     assert prefill["packed"] and prefill["prompts"] == 2 and prefill["prompt_tokens"] >= 10
     # tiny: 2 layers of 64 wide (q 64x64, k and v 64x32, o 64x64, MLP 3 x 64x128, 2 norms) + the final norm
@@ -246,13 +247,16 @@ def test_regen_speed_cpu_mode():
     assert prefill["prompt_tokens_per_s"] > 0 and prefill["tflops"] == pytest.approx(prefill["gflop"] / prefill["ms"], abs=1e-3)
 
 
+@pytest.mark.slow(seconds=30)  # the packed prefill compiled (C++ on CPU)
 def test_regen_speed_reports_the_engines_gpu_clock():
-    """Every chunk and prefill the engine made is in the job's GPU timeline, whole and middle half."""
+    """Every chunk and prefill the engine made is in the job's GPU timeline, whole and middle half
+    (the prefills compiled: --compile-prefill)."""
     import regen_speed
 
     report = regen_speed.main(["--model", "tiny", "--num", "12", "--rows", "2", "--max-tokens", "8",
-                               "--variants", "sdpa"])
+                               "--variants", "sdpa", "--compile-prefill"])
     run = report["runs"][0]
+    assert run["prefill_compiled"], run["prefill_compile_error"]
     assert run["answers"] == 12 and run["answer_tokens"] == 96
     whole, middle = run["gpu_timeline"]["whole_job"], run["gpu_timeline"]["middle_half"]
     assert whole["steps"]["launches"] == run["timings"]["chunks"]

@@ -147,10 +147,12 @@ class GraphedEngine:
     (`local.compile_step`; each cache growth compiles again), and a compiled step's attention reads
     each row only up to its position where the model allows it (`attention`: auto, flex or sdpa);
     `steps` says what happened (errors included). Prompts are prefilled packed where the model
-    allows it (`prefill`: auto, packed or padded)."""
+    allows it (`prefill`: auto, packed or padded), their forward compiled when asked
+    (`compile_prefill`: packed prefills only; `prefills.compile_error` says if it failed)."""
 
     def __init__(self, model, rows: int, stops: set[int], pad_id: int, chunk: int = 8, graphs: bool | None = None,
-                 compile: bool = False, attention: str = "auto", ahead: int = AHEAD, prefill: str = "auto"):
+                 compile: bool = False, attention: str = "auto", ahead: int = AHEAD, prefill: str = "auto",
+                 compile_prefill: bool = False):
         problem = static_cache_problem(model)
         if problem:
             raise ValueError(f"generate engine 'graphed' cannot run {type(model).__name__}: {problem} "
@@ -167,6 +169,9 @@ class GraphedEngine:
         self.config = model.config.get_text_config(decoder=True)
         self.kv_shapes = kv_shapes(model)
         self.packed = self._packed(prefill)
+        if compile_prefill and not self.packed:
+            raise ValueError(f"compile_prefill compiles packed prefills; {type(model).__name__} prefills padded here")
+        self.compile_prefill = compile_prefill
         self.length = 0
         self.cache = None
         self.steps: Steps | None = None
@@ -240,7 +245,7 @@ class GraphedEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if self.packed:
-            self.prefills = PackedPrefills(self.model, self.cache, self.graphs)
+            self.prefills = PackedPrefills(self.model, self.cache, self.graphs, compile=self.compile_prefill)
         else:
             self.prefills = Prefills(self.model, self.cache, self.pad_id, self.graphs)
         self._prepare()

@@ -15,11 +15,20 @@ Tokens past the prompts (the row's rounding) are attended by nobody; they write 
 cache's last position of the first prompt's row, above anything that row has seen yet (a stale
 K/V there is harmless: static_cache.py says why). Plain causal models whose heads flash attention
 takes (`packed_prefill_problem`); the others keep the padded prefills.
+
+With `compile` the forward goes through torch.compile before it is captured: eager, ~60% of the
+GPU time of a SmolLM2-shaped prefill on an H200 went to small elementwise kernels (RMSNorm,
+rotary, SiLU * mul, casts, the K/V copies), which inductor fuses. The token dimension is symbolic,
+so one compiled graph serves every row length (a new longest prompt may add one more); a forward
+that cannot compile runs uncompiled, the error logged and kept (`compile_error`). Opt-in
+(`GraphedEngine(compile_prefill=True)`, `bench/regen_speed.py --compile-prefill`) until its speed
+on a GPU is measured.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 from itertools import chain
 
@@ -29,9 +38,12 @@ from torch.nn.attention.varlen import varlen_attn
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
+from dflash_train.checks import compile_cache
 from dflash_train.generate.prefill import capture_prefill, to_device
-from dflash_train.targets.static_cache import PositionedCache, PositionedLayer, attention_as
+from dflash_train.targets.static_cache import PositionedCache, PositionedLayer, attention_as, compiled
 from dflash_train.targets.windows import plain_causal_problem
+
+log = logging.getLogger("dflash_train")
 
 PACKED_PREFILL = "dflash_packed_prefill"
 PACK_PROMPTS = 128
@@ -82,8 +94,8 @@ class Packing:
     longest: int
     sequence: torch.Tensor
     positions: torch.Tensor
-    real: torch.Tensor | None = None
-    """Which tokens are prompts' [T]: set by each forward (inside its graph)."""
+    real: torch.Tensor
+    """Which tokens are prompts' [T]: written by each forward (inside its graph)."""
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, packing=None, **kwargs):
@@ -134,7 +146,11 @@ class _Shape:
         self.sequence = torch.full((tokens,), PACK_PROMPTS + 1, dtype=torch.long, device=device)
         self.starts = torch.zeros(PACK_PROMPTS + 1, dtype=torch.int32, device=device)
         self.last = torch.zeros(PACK_PROMPTS, dtype=torch.long, device=device)
-        self.packing = Packing(self.starts, longest, self.sequence, self.positions[0])
+        self.packing = Packing(self.starts, longest, self.sequence, self.positions[0],
+                               torch.zeros(tokens, dtype=torch.bool, device=device))
+        for tensor, dim in ((self.ids, 1), (self.positions, 1), (self.rows, 1), (self.sequence, 0),
+                            (self.packing.positions, 0)):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)  # compiled: one graph for every row length
         self.logits = None
         self.graph = None
 
@@ -150,14 +166,21 @@ class _Shape:
             self.logits = self.forward()
 
     def forward(self) -> torch.Tensor:
-        self.packing.real = self.sequence <= PACK_PROMPTS
-        cache = self.prefills.cache
-        for layer in cache.layers:
+        # the state the forward reads, set here: the compiled function (prefills.forward) mutates nothing
+        # of Python's, so dynamo guards on no attribute that changes between calls
+        torch.le(self.sequence, PACK_PROMPTS, out=self.packing.real)
+        for layer in self.prefills.cache.layers:
             layer.rows, layer.positions = self.rows, self.positions
-        with attention_as(self.prefills.model, PACKED_PREFILL):
-            out = self.prefills.model(input_ids=self.ids, position_ids=self.positions, past_key_values=cache,
-                                      use_cache=True, logits_to_keep=self.last, packing=self.packing)
-        return out.logits[0]
+        with attention_as(self.prefills.model, PACKED_PREFILL):  # outside the compiled call (attention_as says why)
+            return self.prefills.forward(self.ids, self.positions, self.packing, self.last)
+
+
+def packed_forward(model, cache: Cache, ids, positions, packing: Packing, last) -> torch.Tensor:
+    """The model over one packed row (`ids`, `positions` [1, T]), its K/V written into `cache` where
+    its layers' rows and positions say; the logits of the tokens `last` [PACK_PROMPTS]."""
+    out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=last,
+                packing=packing)
+    return out.logits[0]
 
 
 class PackedPrefills:
@@ -165,7 +188,7 @@ class PackedPrefills:
     packed forwards; returns their last logits [n, V]. `pieces(lengths)` splits an admission into
     the prompts each forward takes."""
 
-    def __init__(self, model, cache: PositionedCache, graphs: bool):
+    def __init__(self, model, cache: PositionedCache, graphs: bool, compile: bool = False):
         self.model, self.graphs = model, graphs
         self.device = next(model.parameters()).device
         self.cache = Cache(layers=[_ScatterLayer(layer.max_cache_len) for layer in cache.layers])
@@ -175,6 +198,23 @@ class PackedPrefills:
         self.shapes: dict[tuple[int, int], _Shape] = {}
         self.pool = None
         self.graph_error: str | None = None
+        self.compiled = None
+        self.compile_error: str | None = None
+        if compile:
+            compile_cache.activate(compile_cache.cache_key())  # the trainer's keyed, durable cache, never /tmp
+            self.compiled = compiled(packed_forward, dynamic=None)
+
+    def forward(self, *inputs) -> torch.Tensor:
+        """`packed_forward` of `inputs` over the engine's cache: compiled where asked and possible."""
+        if self.compiled is not None:
+            try:
+                return self.compiled(self.model, self.cache, *inputs)
+            except torch.OutOfMemoryError:
+                raise  # the backend's to handle (fewer rows)
+            except Exception as e:  # a model dynamo or inductor cannot handle still prefills, uncompiled
+                self.compiled, self.compile_error = None, f"{type(e).__name__}: {e}"
+                log.error("compiling the packed prefill failed (%s); it runs uncompiled", self.compile_error)
+        return packed_forward(self.model, self.cache, *inputs)
 
     @staticmethod
     def pieces(lengths: list[int]) -> list[list[int]]:

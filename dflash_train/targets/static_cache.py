@@ -201,19 +201,20 @@ RECOMPILE_LIMIT = 64
 (each a few shapes; an engine adds one each time its cache grows), past dynamo's default of 8."""
 
 
-def compiled(step: Callable[[], object]) -> Callable[[], object]:
+def compiled(step: Callable[..., object], dynamic: bool | None = False) -> Callable[..., object]:
     """`step` through torch.compile: inductor fuses the eager forward's ~35 small kernels a layer
     (RMSNorm, rotary, SiLU * mul, residual adds, casts, the mask) into a few, which is what a CUDA
     graph of the step then replays. Default mode, not reduce-overhead: `graphed` captures the graph.
-    One graph or an error (fullgraph), fixed shapes. Past the recompile limit dynamo would quietly
+    One graph or an error (fullgraph); fixed shapes, or (`dynamic=None`) dims that change between
+    calls, or that the caller marks, made symbolic. Past the recompile limit dynamo would quietly
     run the step eagerly: here it raises instead. Random ops keep eager's generator (fallback_random),
     so a compiled step samples as the plain one does."""
-    fn = torch.compile(step, fullgraph=True, dynamic=False, options={"fallback_random": True})
+    fn = torch.compile(step, fullgraph=True, dynamic=dynamic, options={"fallback_random": True})
 
-    def run():
+    def run(*args):
         try:
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
-                return fn()
+                return fn(*args)
         finally:  # a step that fails to compile falls back to eager: that must find the collector idle too
             _end_output_capture()
 

@@ -58,7 +58,7 @@ def test_packed_attention_never_crosses_a_prompt():
     sequence = torch.repeat_interleave(torch.arange(5), torch.tensor(lengths + [tokens - sum(lengths)]))
     positions = torch.cat([torch.arange(n) for n in lengths] + [torch.full((tokens - sum(lengths),), 99)])
     packing = Packing(torch.tensor([0, 3, 10, 11, 16]), 8, torch.where(sequence < 4, sequence, PACK_PROMPTS + 1),
-                      positions)
+                      positions, sequence < 4)
     out, _ = packed_attention(None, query, key, value, None, scaling=0.3, packing=packing)
     start = 0
     for n in lengths:
@@ -69,6 +69,47 @@ def test_packed_attention_never_crosses_a_prompt():
         torch.testing.assert_close(out[:, span].double(), expected.transpose(1, 2), atol=1e-6, rtol=1e-6)
         start += n
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.slow(seconds=60)  # one C++ graph, symbolic in the row's length: ~30 s cold on 2 cores
+def test_compiled_packed_prefills_equal_each_prompt_alone_at_every_row_length():
+    """Compiled (inductor's C++ backend on CPU), three row lengths (512, 1,024 and 768 tokens) run
+    through one graph, each prompt's logits and K/V as its own eager forward gives them, and rows
+    not admitted untouched."""
+    from torch._dynamo.utils import counters
+    counters.clear()
+    model = tiny_target(hidden=64).model
+    cache = engine_cache(model, rows=6, length=1024)
+    for layer in cache.layers:
+        layer.keys.normal_()
+        layer.values.normal_()
+    prefills = PackedPrefills(model, cache, graphs=False, compile=True)
+    g = torch.Generator().manual_seed(4)
+    for lengths, rows in [([5, 9, 3], [4, 0, 2]), ([300, 400, 200], [1, 5, 3]), ([700], [2])]:
+        idle = [row for row in range(6) if row not in rows]
+        before = [(layer.keys[idle].clone(), layer.values[idle].clone()) for layer in cache.layers]
+        prompts = [torch.randint(1, 200, (n,), generator=g).tolist() for n in lengths]
+        assert_prefilled(model, cache, prompts, rows, prefills.run(prompts, rows))
+        for layer, (keys, values) in zip(cache.layers, before):
+            assert torch.equal(layer.keys[idle], keys) and torch.equal(layer.values[idle], values)
+    assert prefills.compiled is not None, prefills.compile_error
+    assert sorted(tokens for tokens, _ in prefills.shapes) == [512, 768, 1024]
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+def test_a_packed_prefill_that_cannot_compile_runs_uncompiled(monkeypatch, caplog):
+    from dflash_train.generate import packed_prefill
+
+    def fails(*args):
+        raise RuntimeError("no kernel for this")
+    monkeypatch.setattr(packed_prefill, "compiled", lambda fn, dynamic: fails)
+    model = tiny_target(hidden=64).model
+    cache = engine_cache(model, rows=2, length=256)
+    prefills = PackedPrefills(model, cache, graphs=False, compile=True)
+    prompts = [[5, 6, 7], [8, 9]]
+    assert_prefilled(model, cache, prompts, [1, 0], prefills.run(prompts, [1, 0]))
+    assert prefills.compiled is None and prefills.compile_error == "RuntimeError: no kernel for this"
+    assert "compiling the packed prefill failed (RuntimeError: no kernel for this)" in caplog.text
 
 
 class _Replay:
@@ -129,5 +170,7 @@ def test_models_with_windows_keep_padded_prefills():
     assert not GraphedEngine(model, rows=2, stops=set(), pad_id=0).packed
     with pytest.raises(ValueError, match="packed prefills cannot run MistralForCausalLM: sliding-window layers"):
         GraphedEngine(model, rows=2, stops=set(), pad_id=0, prefill="packed")
+    with pytest.raises(ValueError, match="compile_prefill compiles packed prefills; MistralForCausalLM prefills pad"):
+        GraphedEngine(model, rows=2, stops=set(), pad_id=0, compile_prefill=True)
     with pytest.raises(ValueError, match="prefill must be auto, packed or padded"):
         GraphedEngine(tiny_target(hidden=64).model, rows=2, stops=set(), pad_id=0, prefill="ragged")

@@ -55,12 +55,13 @@ def test_graphed_engine_on_cuda_equals_the_padded_generate_in_fp32(attention, pr
     assert all(getattr(shape, "graph", None) is not None for shape in engine.prefills.shapes.values())
 
 
-def test_packed_prefills_in_bf16_through_flash_attention_equal_each_prompt_alone(monkeypatch):
-    """bf16 packed prefills run varlen flash attention, captured as CUDA graphs: each prompt's last
-    logits and K/V in its row as an fp32 forward of the prompt alone gives them, to bf16's precision
-    (relative error of each tensor below 6%: 3.3% at most in bf16 on CPU), over prompts longer and
-    shorter than a flash block; the K/V checked after both admissions, so the second shape's capture
-    must leave the rows filled before it alone."""
+@pytest.mark.parametrize("compile", [False, True])
+def test_packed_prefills_in_bf16_through_flash_attention_equal_each_prompt_alone(monkeypatch, compile):
+    """bf16 packed prefills run varlen flash attention, captured as CUDA graphs (compiled first or
+    not): each prompt's last logits and K/V in its row as an fp32 forward of the prompt alone gives
+    them, to bf16's precision (relative error of each tensor below 6%: 3.3% at most in bf16 on CPU),
+    over prompts longer and shorter than a flash block; the K/V checked after both admissions, so
+    the second shape's capture must leave the rows filled before it alone."""
     from dflash_train.generate import packed_prefill
     calls = []
     flash = packed_prefill.varlen_attn
@@ -70,7 +71,7 @@ def test_packed_prefills_in_bf16_through_flash_attention_equal_each_prompt_alone
     fp32.to("cuda", torch.float32)
     model = copy.deepcopy(fp32).to(torch.bfloat16)
     cache = engine_cache(model, rows=6, length=512)
-    prefills = packed_prefill.PackedPrefills(model, cache, graphs=True)
+    prefills = packed_prefill.PackedPrefills(model, cache, graphs=True, compile=compile)
 
     def close(mine, expected):
         assert (mine.float() - expected).norm() < 0.06 * expected.norm()
@@ -89,6 +90,7 @@ def test_packed_prefills_in_bf16_through_flash_attention_equal_each_prompt_alone
             close(mine.keys[row, :, 0], theirs.keys[0, :, 0])  # alone: one bad position in 300 is ~7% of the whole
             close(mine.values[row, :, 0], theirs.values[0, :, 0])
     assert calls, "the flash path never ran"
+    assert (prefills.compiled is not None) == compile, prefills.compile_error
     assert prefills.graphs and len(prefills.shapes) == 2
     assert all(shape.graph is not None for shape in prefills.shapes.values())
 
