@@ -245,6 +245,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--compile-prefill", action="store_true", help="the packed prefills' forward compiled too")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    if args.prompts and args.model in RANDOM:
+        ap.error(f"--prompts needs a model with a tokenizer; {args.model} has random weights and none "
+                 "(its prompts are random token ids)")
     flex_decode.KERNEL_OPTIONS.update(args.flex_options)  # read when the step compiles, below
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

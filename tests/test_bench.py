@@ -247,6 +247,14 @@ def test_regen_speed_cpu_mode():
     assert prefill["prompt_tokens_per_s"] > 0 and prefill["tflops"] == pytest.approx(prefill["gflop"] / prefill["ms"], abs=1e-3)
 
 
+def test_regen_speed_refuses_a_prompt_file_for_a_random_weight_model(tmp_path, capsys):
+    import regen_speed
+
+    with pytest.raises(SystemExit):
+        regen_speed.main(["--model", "tiny", "--prompts", str(tmp_path / "p.jsonl")])
+    assert "--prompts needs a model with a tokenizer; tiny has random weights and none" in capsys.readouterr().err
+
+
 @pytest.mark.slow(seconds=30)  # the packed prefill compiled (C++ on CPU)
 def test_regen_speed_reports_the_engines_gpu_clock():
     """Every chunk and prefill the engine made is in the job's GPU timeline, whole and middle half
