@@ -249,6 +249,8 @@ class GraphedEngine:
         else:
             self.prefills = Prefills(self.model, self.cache, self.pad_id, self.graphs)
         self._prepare()
+        if self.packed:
+            self.prefills.compile_now()  # where asked (compile_prefill): in the build, not in an admission
 
     @torch.no_grad()
     def _prepare(self):

@@ -18,9 +18,10 @@ takes (`packed_prefill_problem`); the others keep the padded prefills.
 
 With `compile` the forward goes through torch.compile before it is captured: eager, ~60% of the
 GPU time of a SmolLM2-shaped prefill on an H200 went to small elementwise kernels (RMSNorm,
-rotary, SiLU * mul, casts, the K/V copies), which inductor fuses. The token dimension is symbolic,
-so one compiled graph serves every row length (a new longest prompt may add one more); a forward
-that cannot compile runs uncompiled, the error logged and kept (`compile_error`). Opt-in
+rotary, SiLU * mul, casts, the K/V copies), which inductor fuses. The row's length and the longest
+prompt are symbolic, so the graphs made in the engine's build (`compile_now`) serve every shape and
+no admission waits for a compile; a forward that cannot compile runs uncompiled, the error logged
+and kept (`compile_error`). Opt-in
 (`GraphedEngine(compile_prefill=True)`, `bench/regen_speed.py --compile-prefill`) until its speed
 on a GPU is measured.
 """
@@ -146,10 +147,8 @@ class _Shape:
         self.sequence = torch.full((tokens,), PACK_PROMPTS + 1, dtype=torch.long, device=device)
         self.starts = torch.zeros(PACK_PROMPTS + 1, dtype=torch.int32, device=device)
         self.last = torch.zeros(PACK_PROMPTS, dtype=torch.long, device=device)
-        self.packing = Packing(self.starts, longest, self.sequence, self.positions[0],
-                               torch.zeros(tokens, dtype=torch.bool, device=device))
-        for tensor, dim in ((self.ids, 1), (self.positions, 1), (self.rows, 1), (self.sequence, 0),
-                            (self.packing.positions, 0)):
+        self.real = torch.zeros(tokens, dtype=torch.bool, device=device)
+        for tensor, dim in ((self.ids, 1), (self.positions, 1), (self.rows, 1), (self.sequence, 0), (self.real, 0)):
             torch._dynamo.maybe_mark_dynamic(tensor, dim)  # compiled: one graph for every row length
         self.logits = None
         self.graph = None
@@ -168,16 +167,20 @@ class _Shape:
     def forward(self) -> torch.Tensor:
         # the state the forward reads, set here: the compiled function (prefills.forward) mutates nothing
         # of Python's, so dynamo guards on no attribute that changes between calls
-        torch.le(self.sequence, PACK_PROMPTS, out=self.packing.real)
+        torch.le(self.sequence, PACK_PROMPTS, out=self.real)
         for layer in self.prefills.cache.layers:
             layer.rows, layer.positions = self.rows, self.positions
         with attention_as(self.prefills.model, PACKED_PREFILL):  # outside the compiled call (attention_as says why)
-            return self.prefills.forward(self.ids, self.positions, self.packing, self.last)
+            return self.prefills.forward(self.ids, self.positions, self.starts, self.longest, self.sequence,
+                                         self.real, self.last)
 
 
-def packed_forward(model, cache: Cache, ids, positions, packing: Packing, last) -> torch.Tensor:
-    """The model over one packed row (`ids`, `positions` [1, T]), its K/V written into `cache` where
-    its layers' rows and positions say; the logits of the tokens `last` [PACK_PROMPTS]."""
+def packed_forward(model, cache: Cache, ids, positions, starts, longest: int, sequence, real, last) -> torch.Tensor:
+    """The model over one packed row (`ids`, `positions` [1, T]; `Packing` says what the rest are),
+    its K/V written into `cache` where its layers' rows and positions say; the logits of the tokens
+    `last` [PACK_PROMPTS]. `longest` is an argument, not an attribute, so that compiled it turns
+    symbolic once it changes: one graph for every longest prompt too."""
+    packing = Packing(starts, longest, sequence, positions[0], real)
     out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=last,
                 packing=packing)
     return out.logits[0]
@@ -203,6 +206,17 @@ class PackedPrefills:
         if compile:
             compile_cache.activate(compile_cache.cache_key())  # the trainer's keyed, durable cache, never /tmp
             self.compiled = compiled(packed_forward, dynamic=None)
+
+    @torch.no_grad()  # as `run` runs it
+    def compile_now(self) -> None:
+        """The compiled forward made before any admission (the engine's build, as its step is): two
+        shapes of inert inputs (every token a rounding token at the dead position), at two longest
+        prompts, so that the graph decoding then replays is symbolic in both the row's length and the
+        longest prompt, and no admission waits for a compile."""
+        if self.compiled is None:
+            return
+        for longest in (LONGEST_FLOOR, 2 * LONGEST_FLOOR):
+            self.shape(MIN_TOKENS, longest).forward()
 
     def forward(self, *inputs) -> torch.Tensor:
         """`packed_forward` of `inputs` over the engine's cache: compiled where asked and possible."""
@@ -235,6 +249,7 @@ class PackedPrefills:
             self.shapes[key] = _Shape(self, *key)
         return self.shapes[key]
 
+    @torch.no_grad()  # always: a compiled forward is guarded on the grad mode it was compiled in
     def run(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
         """Prefills `prompts` into `rows` of the engine's cache; their last logits [n, V]."""
         lengths = [len(p) for p in prompts]

@@ -8,7 +8,7 @@ import torch
 from families import tiny_model
 from tiny import tiny_target, tiny_windowed
 
-from dflash_train.generate.graphed_engine import GraphedEngine
+from dflash_train.generate.graphed_engine import GraphedEngine, Job
 from dflash_train.generate.packed_prefill import (MIN_TOKENS, PACK_PROMPTS, PACK_TOKENS, PackedPrefills,
                                                   packed_attention, packed_size, Packing)
 from tests.generate.test_prefill import assert_prefilled, engine_cache
@@ -71,12 +71,14 @@ def test_packed_attention_never_crosses_a_prompt():
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.slow(seconds=60)  # one C++ graph, symbolic in the row's length: ~30 s cold on 2 cores
+@pytest.mark.slow(seconds=60)  # two C++ graphs, symbolic in the row's length: ~40 s cold on 2 cores
 def test_compiled_packed_prefills_equal_each_prompt_alone_at_every_row_length():
-    """Compiled (inductor's C++ backend on CPU), three row lengths (512, 1,024 and 768 tokens) run
-    through one graph, each prompt's logits and K/V as its own eager forward gives them, and rows
-    not admitted untouched."""
+    """Compiled (inductor's C++ backend on CPU) before any admission (`compile_now`: a first graph,
+    then one symbolic in the longest prompt too), three row lengths (512, 1,024 and 768 tokens) and
+    longest prompts run through those graphs, no more compiled; each prompt's logits and K/V as its
+    own eager forward gives them, and rows not admitted untouched."""
     from torch._dynamo.utils import counters
+    torch._dynamo.reset()  # what dynamo remembers of packed_forward from other tests (e.g. a symbolic longest) goes
     counters.clear()
     model = tiny_target(hidden=64).model
     cache = engine_cache(model, rows=6, length=1024)
@@ -84,6 +86,8 @@ def test_compiled_packed_prefills_equal_each_prompt_alone_at_every_row_length():
         layer.keys.normal_()
         layer.values.normal_()
     prefills = PackedPrefills(model, cache, graphs=False, compile=True)
+    prefills.compile_now()
+    assert counters["stats"]["unique_graphs"] == 2 and sorted(prefills.shapes) == [(MIN_TOKENS, 128), (MIN_TOKENS, 256)]
     g = torch.Generator().manual_seed(4)
     for lengths, rows in [([5, 9, 3], [4, 0, 2]), ([300, 400, 200], [1, 5, 3]), ([700], [2])]:
         idle = [row for row in range(6) if row not in rows]
@@ -93,8 +97,32 @@ def test_compiled_packed_prefills_equal_each_prompt_alone_at_every_row_length():
         for layer, (keys, values) in zip(cache.layers, before):
             assert torch.equal(layer.keys[idle], keys) and torch.equal(layer.values[idle], values)
     assert prefills.compiled is not None, prefills.compile_error
-    assert sorted(tokens for tokens, _ in prefills.shapes) == [512, 768, 1024]
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert sorted(prefills.shapes) == [(512, 128), (512, 256), (768, 1024), (1024, 512)]
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+
+
+@pytest.mark.slow(seconds=45)  # two C++ graphs
+def test_an_engine_compiles_its_packed_prefills_in_its_build_and_answers_the_same():
+    """GraphedEngine(compile_prefill=True): both graphs made while the engine builds, none while
+    admissions bring new shapes, and the answers of the uncompiled engine, token for token (fp32)."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()  # what dynamo remembers of packed_forward from other tests (e.g. a symbolic longest) goes
+    counters.clear()
+    model = tiny_target(hidden=64).model
+    g = torch.Generator().manual_seed(5)
+    lengths = (300, 5, 140, 9, 20, 33)  # the longest first: the cache never grows
+    prompts = [torch.randint(1, 200, (n,), generator=g).tolist() for n in lengths]
+    answers = []
+    for compile_prefill in (False, True):
+        engine = GraphedEngine(model, rows=2, stops=set(), pad_id=0, chunk=4, compile_prefill=compile_prefill)
+        jobs = [Job(p, max_tokens=6) for p in prompts]
+        waiting = list(jobs)
+        engine.serve(lambda n: [waiting.pop(0) for _ in range(min(n, len(waiting)))], lambda job: None)
+        answers.append([j.tokens for j in jobs])
+    assert engine.prefills.compiled is not None, engine.prefills.compile_error
+    assert len(engine.prefills.shapes) > 2  # the build's two, then the admissions' own
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+    assert answers[0] == answers[1] and all(len(a) == 6 for a in answers[1])
 
 
 def test_a_packed_prefill_that_cannot_compile_runs_uncompiled(monkeypatch, caplog):
