@@ -35,7 +35,7 @@ from dflash_train.draft.fp8 import RECIPES, convert_to_fp8
 from dflash_train.draft.fp8_head import Fp8Head
 from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.targets.fp8 import GRANULARITIES, quantize_decoder
-from dflash_train.targets.model import Target
+from dflash_train.targets.model import Target, compile_decoder
 from dflash_train.draft.loss import LossMix
 from dflash_train.checks.profile import profile_callable
 from dflash_train.train.shapes import draft_model_config, stream_layer_ids
@@ -200,7 +200,7 @@ def main(argv=None):
     ap.add_argument("--fp8-head", action="store_true",
                     help="the loss's LM head matmuls in FP8 (train.fp8_lm_head)")
     ap.add_argument("--compile-target", action="store_true",
-                    help="torch.compile each decoder layer of the target (nn.Module.compile)")
+                    help="torch.compile each decoder layer's forward of the target (target.compile)")
     ap.add_argument("--headline", action="store_true", help="the three rates, memory, syncs and recompiles only")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -216,10 +216,9 @@ def main(argv=None):
     model.to(dtype).eval().requires_grad_(False)
     if args.fp8_target != "off":
         quantize_decoder(model.model.layers, args.fp8_target)
-    if args.compile_target:
-        for layer in model.model.layers:
-            layer.compile()
     target = Target(model=model, tokenizer=_NoTokenizer(), name=f"{shape}-random", device=device)
+    if args.compile_target:
+        compile_decoder(target)  # as target.compile does in training
     cfg = build_config({"device": device.type, "draft": {"num_layers": 2 if args.tiny else args.draft_layers},
                         "objective": {"block_size": 16, "mask_token_id": SHAPES[shape]["vocab_size"] - 1,
                                       "num_anchors": anchors, "loss": {args.loss: 1.0}, "gamma": 7.0}})

@@ -38,6 +38,12 @@ class TargetConfig(Section):
     """The decoder's matmuls in FP8 (torchao, the `fp8` extra; GPUs of compute capability >= 8.9): weights
     and activations scaled per row or per tensor; embeddings and LM head stay. Off: the features the
     drafter learns from are the bf16 target's (history: docs/benchmarks/throughput.md#fp8)."""
+    compile: bool = False
+    """Training's target forward through torch.compile, each decoder layer's forward (norms, rotary
+    embedding and activation fuse; `bench/throughput.py --compile-target` measures it). The first
+    length compiles a static graph, the next one a length-symbolic graph that serves every length;
+    with `data.length_bucket` the warm-up makes both. Training only (`eval` compiles its own decode
+    steps); not with target.tensor_parallel > 1."""
 
 
 class DraftConfig(Section):

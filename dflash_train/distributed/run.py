@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dflash_train.config import RunConfig, load_config
 from dflash_train.data.dataset import load_training_data
-from dflash_train.targets.model import load_target, resolve_device
+from dflash_train.targets.model import compile_decoder, load_target, resolve_device
 from dflash_train.checkpoint import local as ckpt
 from dflash_train.distributed.layout import Layout, build_layout, drafter_runs
 from dflash_train.train.shapes import stream_layer_ids
@@ -189,6 +189,8 @@ def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, devi
     group = layout.drafter_role(rank)
     # Drafter-only ranks need just the target's embedding and LM head: its layers never reach the GPU.
     target = load_target(cfg.target, device, mesh=mesh, decoder=layout.is_target(rank))
+    if cfg.target.compile:
+        compile_decoder(target)  # target ranks (drafter-only ranks hold no layers to compile)
     dataset = load_training_data(cfg.data, target.tokenizer, target.identity["tokenizer"])
     feeder = None
     if layout.is_target(rank):

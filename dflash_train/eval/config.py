@@ -59,6 +59,14 @@ class EvalJobConfig(Section):
     """auto = cuda when a GPU is visible."""
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
 
+    @field_validator("target")
+    @classmethod
+    def _target_not_compiled(cls, value: TargetConfig) -> TargetConfig:
+        if value.compile:
+            raise ValueError("target.compile compiles training's target forward; eval decodes through its own "
+                             "engines (decode.speed_engine): leave target.compile off here")
+        return value
+
     @field_validator("prompts", mode="before")
     @classmethod
     def _one_or_more(cls, value):

@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from dflash_train.checks import compile_cache
 from dflash_train.config import TargetConfig
 from dflash_train.data.chat import text_format
 from dflash_train.checks.fp8 import fp8_problem
@@ -118,6 +119,8 @@ class Target:
     device: torch.device
     fp8: str = "off"
     """`target.fp8` as loaded: its features are not the bf16 target's, so captures and manifests say so."""
+    compiled: bool = False
+    """Its decoder layers' forwards compiled (`target.compile`, `compile_decoder`)."""
 
     def __post_init__(self):
         self.layers = decoder_layers(self.model)
@@ -131,7 +134,7 @@ class Target:
     def description(self) -> dict:
         """What a run's manifest records of the target: its class, attention, text format."""
         return {"class": type(self.model).__name__, "attn_implementation": self.model.config._attn_implementation,
-                "text_format": text_format(self.tokenizer), "fp8": self.fp8}
+                "text_format": text_format(self.tokenizer), "fp8": self.fp8, "compiled": self.compiled}
 
     @property
     def identity(self) -> dict:
@@ -220,6 +223,20 @@ class Target:
         return hidden, torch.cat([store[i] for i in layer_ids], dim=-1)
 
 
+def compile_decoder(target: Target) -> None:
+    """`target.compile`: each decoder layer's forward through torch.compile, in place, once. The
+    forward, not the module's call: the capture hooks (`Target.capture`, added per call) stay outside
+    the graph, so hooked and unhooked layers share it and a new hook recompiles nothing. dynamic=None:
+    the first length compiles a static graph, the next a length-symbolic one for every length after.
+    A target without decoder layers here (a drafter-only rank's) has nothing to compile."""
+    if target.compiled or all(isinstance(layer, nn.Identity) for layer in target.layers):
+        return
+    compile_cache.activate(compile_cache.cache_key())  # the trainer's keyed, durable cache, never /tmp
+    for layer in target.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=None)
+    target.compiled = True
+
+
 def resolve_mask_token_id(explicit: int | None, tokenizer, embed_rows: int) -> int:
     """Explicit id, else the tokenizer's mask token, else the first unused embedding row."""
     if explicit is not None:
@@ -252,6 +269,9 @@ def load_target(cfg: TargetConfig, device: torch.device, *, mesh=None, decoder: 
                          "processes: run it with `dflash-train launch`, or set target.tensor_parallel=1")
     if cfg.fp8 != "off" and decoder and (problem := fp8_problem(device)):
         raise ValueError(f"target.fp8={cfg.fp8}: {problem}")  # before a big target loads
+    if cfg.compile and cfg.tensor_parallel > 1:
+        raise ValueError("target.compile with target.tensor_parallel > 1: compiled layers over sharded weights "
+                         "are not tested here; set target.compile=false or target.tensor_parallel=1")
     path = resolve_target_path(cfg.path)
     dtype = pick_dtype(cfg.dtype, device)
     tokenizer = load_tokenizer(path)

@@ -25,10 +25,10 @@ class Compilation:
 
     @classmethod
     def for_run(cls, cfg: RunConfig, drafter: DFlashDraftModel, use_flex: bool) -> Compilation:
-        """Activates the cache for the compiled paths (flex, only ever chosen on CUDA; train.compile)
-        and compiles the draft layers in place (train.compile)."""
+        """Activates the cache for the compiled paths (flex, only ever chosen on CUDA; train.compile;
+        target.compile) and compiles the draft layers in place (train.compile)."""
         key = state = None
-        if use_flex or cfg.train.compile:
+        if use_flex or cfg.train.compile or cfg.target.compile:
             key = compile_cache.cache_key()
             state = compile_cache.cache_state(key)
             compile_cache.activate(key)

@@ -73,13 +73,16 @@ class TrainStep:
         return {"grad_norm": grad_norm, "lr": lr}
 
     def compile_buckets(self) -> int:
-        """One forward+backward per bucket shape (synthetic tokens, no update): compiles every graph
-        the run will need, so training itself never recompiles. Returns the shapes compiled."""
+        """One forward+backward per bucket shape (synthetic tokens, no update), and the target's
+        forward on them where it is compiled (`target.compile`): compiles every graph the run will
+        need, so training itself never recompiles. Returns the shapes compiled."""
         p = self.parts
         gen = torch.Generator().manual_seed(0)
         shapes = bucket_shapes(self.cfg.data)
         for rows, length in shapes:
             batch, feats = synthetic_batch(p.target, p.stream_layers, p.device, rows, length, gen)
+            if p.target.compiled:
+                p.target.features(batch["input_ids"], p.stream_layers)
             task = make_task(batch["input_ids"], batch["loss_mask"], self.cfg.objective, 0)
             p.forward(task, feats).weighted_ce_sum.backward()
             p.drafter.zero_grad(set_to_none=self.graphs is None)
@@ -88,7 +91,7 @@ class TrainStep:
 
     def prepare(self) -> None:
         """Before the first step: every bucket compiled (train.compile) and captured (train.cuda_graphs)."""
-        if self.cfg.train.compile and self.cfg.data.length_bucket:
+        if (self.cfg.train.compile or self.parts.target.compiled) and self.cfg.data.length_bucket:
             t = time.perf_counter()
             n = self.compile_buckets()
             log.info("compiled %d bucket shapes in %.1f s (cache was %s)", n, time.perf_counter() - t,
