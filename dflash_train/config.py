@@ -40,10 +40,10 @@ class TargetConfig(Section):
     drafter learns from are the bf16 target's (history: docs/benchmarks/throughput.md#fp8)."""
     compile: bool = False
     """Training's target forward through torch.compile, each decoder layer's forward (norms, rotary
-    embedding and activation fuse; `bench/throughput.py --compile-target` measures it). The first
-    length compiles a static graph, the next one a length-symbolic graph that serves every length;
-    with `data.length_bucket` the warm-up makes both. Training only (`eval` compiles its own decode
-    steps); not with target.tensor_parallel > 1."""
+    embedding and activation fuse; `bench/throughput.py --compile-target` measures it): a graph for
+    the first shape, then one symbolic in rows and length and one for a single row; with
+    `data.length_bucket` the warm-up makes them all. The features' forward only: evaluation during training runs the layers uncompiled,
+    and `eval` refuses the key. Not with target.tensor_parallel > 1."""
 
 
 class DraftConfig(Section):

@@ -78,7 +78,7 @@ def real_tau(parts: RunParts, prompts: list[Prompt], max_new_tokens: int, refere
     target = parts.target
     stops = stop_token_ids(target)
     lengths, matches = [], 0
-    with parts.forward.evaluating():
+    with parts.forward.evaluating(), target.eager():
         for i, prompt in enumerate(prompts):
             ids = encode(target, prompt.messages([]))
             if i not in references:

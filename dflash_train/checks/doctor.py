@@ -166,8 +166,8 @@ def check_compile_cache(cache_root: str | Path | None, config: RunConfig | None)
     detail = f"{state} ({compile_cache.cache_root(cache_root)}/{key})"
     if others:
         detail += f"; other keys: {', '.join(others)}"
-    if config is not None and not config.train.compile:
-        return Check("compile cache", "ok", f"train.compile is off; {detail}")
+    if config is not None and not (config.train.compile or config.target.compile):
+        return Check("compile cache", "ok", f"train.compile and target.compile are off; {detail}")
     return Check("compile cache", "ok" if state == "warm" else "warn", detail)
 
 

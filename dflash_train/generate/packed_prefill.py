@@ -165,7 +165,7 @@ class _Shape:
             self.logits = self.forward()
 
     def forward(self) -> torch.Tensor:
-        # the state the forward reads, set here: the compiled function (prefills.forward) mutates nothing
+        # the state the forward reads, set here: the function compiled (packed_forward) mutates nothing
         # of Python's, so dynamo guards on no attribute that changes between calls
         torch.le(self.sequence, PACK_PROMPTS, out=self.real)
         for layer in self.prefills.cache.layers:
@@ -226,6 +226,8 @@ class PackedPrefills:
             except torch.OutOfMemoryError:
                 raise  # the backend's to handle (fewer rows)
             except Exception as e:  # a model dynamo or inductor cannot handle still prefills, uncompiled
+                if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    raise  # not a compile failure (compile_now compiled it): the capture's, handled there
                 self.compiled, self.compile_error = None, f"{type(e).__name__}: {e}"
                 log.error("compiling the packed prefill failed (%s); it runs uncompiled", self.compile_error)
         return packed_forward(self.model, self.cache, *inputs)

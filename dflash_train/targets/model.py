@@ -25,6 +25,7 @@ from dflash_train.data.chat import text_format
 from dflash_train.checks.fp8 import fp8_problem
 from dflash_train.targets.fp8 import quantize_decoder
 from dflash_train.targets.path import load_pretrained
+from dflash_train.targets.static_cache import RECOMPILE_LIMIT
 from dflash_train.targets.tokenizer import load_tokenizer, resolve_target_path, tokenizer_fingerprint
 from dflash_train.targets.tensor_parallel import shard_decoder
 
@@ -155,6 +156,17 @@ class Target:
             )
 
     @contextlib.contextmanager
+    def eager(self):
+        """Within the block the decoder layers run uncompiled (`target.compile`): evaluation decodes
+        with KV caches, autocast and shapes training never shows them, each a new graph otherwise."""
+        compiled = {i: vars(layer).pop("forward") for i, layer in enumerate(self.layers) if "forward" in vars(layer)}
+        try:
+            yield
+        finally:
+            for i, forward in compiled.items():
+                self.layers[i].forward = forward
+
+    @contextlib.contextmanager
     def capture(self, layer_ids: list[int], stop_after_last: bool = False):
         """Within the block, forwards record the outputs of `layer_ids` into the yielded dict."""
         self.check_layer_ids(layer_ids)
@@ -227,14 +239,39 @@ def compile_decoder(target: Target) -> None:
     """`target.compile`: each decoder layer's forward through torch.compile, in place, once. The
     forward, not the module's call: the capture hooks (`Target.capture`, added per call) stay outside
     the graph, so hooked and unhooked layers share it and a new hook recompiles nothing. dynamic=None:
-    the first length compiles a static graph, the next a length-symbolic one for every length after.
-    A target without decoder layers here (a drafter-only rank's) has nothing to compile."""
+    the first shape compiles static, later ones symbolic in what changed; the warm-up
+    (`warm_up_compiled`) leaves a graph for any rows and length and one for a single row (dynamo
+    specialises sizes of 1). Past the recompile limit dynamo would quietly run the layers eagerly:
+    here it raises instead. A target without decoder layers here (a drafter-only rank's) has nothing
+    to compile."""
     if target.compiled or all(isinstance(layer, nn.Identity) for layer in target.layers):
         return
     compile_cache.activate(compile_cache.cache_key())  # the trainer's keyed, durable cache, never /tmp
     for layer in target.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=None)
+        if "forward" not in vars(layer):  # another Target over the same model compiled it already
+            layer.forward = _compiled(layer.forward)
     target.compiled = True
+
+
+def _compiled(forward):
+    fn = torch.compile(forward, dynamic=None)
+
+    def run(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def warm_up_compiled(target: Target, length: int, layer_ids: list[int]) -> None:
+    """A compiled target's graphs for every shape a run may send it, after the run's own shapes: two
+    rows and one row of random tokens at lengths near `length` (>= 8) that the run's shapes do not
+    have, so that the graphs left are symbolic in rows and length (dynamo generalises a dimension
+    once it changes)."""
+    gen = torch.Generator().manual_seed(0)
+    for rows, cut in ((2, 3), (1, 5)):
+        ids = torch.randint(0, target.vocab_size, (rows, length - cut), generator=gen).to(target.device)
+        target.features(ids, layer_ids)
 
 
 def resolve_mask_token_id(explicit: int | None, tokenizer, embed_rows: int) -> int:

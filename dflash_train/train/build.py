@@ -55,7 +55,8 @@ class RunParts:
 
 def check_write_locations(cfg: RunConfig) -> None:
     """Before the target loads (minutes for a big one): the run directory can be written, and the
-    persistent compile cache when a compiled path (train.compile, flex attention on CUDA) will be."""
+    persistent compile cache when a compiled path (train.compile, target.compile, flex attention on
+    CUDA) will be."""
     require_writable(cfg.run_dir, "the run's checkpoints and metrics")
     if cfg.train.compile or cfg.target.compile or (cfg.draft.attention != "sdpa"
                                                     and resolve_device(cfg.device).type == "cuda"):

@@ -29,7 +29,7 @@ class PeriodicEval:
         """Every `eval.every` steps (0: never)."""
         if not progress.due(self.every):
             return
-        with self.parts.forward.evaluating():
+        with self.parts.forward.evaluating(), self.parts.target.eager():
             record = {"step": progress.step, **self.evaluate(self.parts.target, self.parts.drafter)}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -18,6 +18,7 @@ import torch
 from dflash_train.config import RunConfig
 from dflash_train.draft.loss import LossTally
 from dflash_train.draft.objective import make_task
+from dflash_train.targets.model import warm_up_compiled
 from dflash_train.train.accumulate import LocalSource, NoReduction, Replica, accumulate
 from dflash_train.train.build import RunParts
 from dflash_train.train.progress import Progress
@@ -86,6 +87,8 @@ class TrainStep:
             task = make_task(batch["input_ids"], batch["loss_mask"], self.cfg.objective, 0)
             p.forward(task, feats).weighted_ce_sum.backward()
             p.drafter.zero_grad(set_to_none=self.graphs is None)
+        if p.target.compiled:  # the feature cache fills any number of rows, of any length
+            warm_up_compiled(p.target, shapes[-1][1], p.stream_layers)
         p.compilation.recompiles.mark_warm()
         return len(shapes)
 

@@ -115,12 +115,15 @@ def test_an_engine_compiles_its_packed_prefills_in_its_build_and_answers_the_sam
     answers = []
     for compile_prefill in (False, True):
         engine = GraphedEngine(model, rows=2, stops=set(), pad_id=0, chunk=4, compile_prefill=compile_prefill)
+        engine._build(max(lengths) + 7)  # what serving the first prompt builds: serving builds nothing more
+        built = counters["stats"]["unique_graphs"]
         jobs = [Job(p, max_tokens=6) for p in prompts]
         waiting = list(jobs)
         engine.serve(lambda n: [waiting.pop(0) for _ in range(min(n, len(waiting)))], lambda job: None)
         answers.append([j.tokens for j in jobs])
     assert engine.prefills.compiled is not None, engine.prefills.compile_error
-    assert len(engine.prefills.shapes) > 2  # the build's two, then the admissions' own
+    assert built == 2 and sorted(engine.prefills.shapes)[:2] == [(MIN_TOKENS, 128), (MIN_TOKENS, 256)]
+    assert len(engine.prefills.shapes) > 2  # the admissions' own shapes, served by the build's graphs
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
     assert answers[0] == answers[1] and all(len(a) == 6 for a in answers[1])
 

@@ -29,8 +29,9 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("attention, prefill", [("sdpa", "padded"), ("flex", "packed")])
-def test_graphed_engine_on_cuda_equals_the_padded_generate_in_fp32(attention, prefill):
+@pytest.mark.parametrize("attention, prefill, compile_prefill",
+                         [("sdpa", "padded", False), ("flex", "packed", False), ("flex", "packed", True)])
+def test_graphed_engine_on_cuda_equals_the_padded_generate_in_fp32(attention, prefill, compile_prefill):
     model = tiny_target(vocab_size=256, num_layers=4, hidden_size=64).model
     model.config._attn_implementation = "sdpa"  # as load_target gives
     model.to("cuda", torch.float32)
@@ -41,7 +42,7 @@ def test_graphed_engine_on_cuda_equals_the_padded_generate_in_fp32(attention, pr
     padded = [generate_ids(model, [p], GenParams(temperature=0.0, top_p=1.0, max_tokens=40), stops, 0)[0]
               for p in prompts]
     engine = GraphedEngine(model, rows=3, stops=stops, pad_id=0, chunk=8, compile=True, attention=attention,
-                           prefill=prefill)
+                           prefill=prefill, compile_prefill=compile_prefill)
     assert engine.flex == (attention == "flex") and engine.packed == (prefill == "packed")
     jobs = [Job(p, 40) for p in prompts]
     waiting = list(jobs)
@@ -52,6 +53,8 @@ def test_graphed_engine_on_cuda_equals_the_padded_generate_in_fp32(attention, pr
     assert engine.length > 256
     # the prefills ran as captured graphs (an eager fallback would pass the equality above too)
     assert engine.prefills.graphs and engine.prefills.shapes, engine.prefills.graph_error
+    if compile_prefill:  # compiled in each build (the cache regrew)
+        assert engine.prefills.compiled is not None, engine.prefills.compile_error
     assert all(getattr(shape, "graph", None) is not None for shape in engine.prefills.shapes.values())
 
 
@@ -72,6 +75,7 @@ def test_packed_prefills_in_bf16_through_flash_attention_equal_each_prompt_alone
     model = copy.deepcopy(fp32).to(torch.bfloat16)
     cache = engine_cache(model, rows=6, length=512)
     prefills = packed_prefill.PackedPrefills(model, cache, graphs=True, compile=compile)
+    prefills.compile_now()  # compiled: through varlen flash with every prompt empty (a no-op uncompiled)
 
     def close(mine, expected):
         assert (mine.float() - expected).norm() < 0.06 * expected.norm()
@@ -91,8 +95,9 @@ def test_packed_prefills_in_bf16_through_flash_attention_equal_each_prompt_alone
             close(mine.values[row, :, 0], theirs.values[0, :, 0])
     assert calls, "the flash path never ran"
     assert (prefills.compiled is not None) == compile, prefills.compile_error
-    assert prefills.graphs and len(prefills.shapes) == 2
-    assert all(shape.graph is not None for shape in prefills.shapes.values())
+    used = [(512, 512), (512, 128)]  # the admissions' shapes (437 and 66 tokens); compile_now adds (512, 256)
+    assert prefills.graphs and sorted(prefills.shapes) == sorted(used + ([(512, 256)] if compile else []))
+    assert all(prefills.shapes[key].graph is not None for key in used)
 
 
 def test_compiled_flex_decoding_never_reads_past_a_rows_reach():
