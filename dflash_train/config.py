@@ -42,8 +42,9 @@ class TargetConfig(Section):
     """Training's target forward through torch.compile, each decoder layer's forward (norms, rotary
     embedding and activation fuse; `bench/throughput.py --compile-target` measures it): a graph for
     the first shape, then one symbolic in rows and length and one for a single row; with
-    `data.length_bucket` the warm-up makes them all. The features' forward only: evaluation during training runs the layers uncompiled,
-    and `eval` refuses the key. Not with target.tensor_parallel > 1."""
+    `data.length_bucket` the warm-up makes them all. The features' forward only: evaluation during
+    training runs the layers uncompiled, and `eval` refuses the key. Not with
+    target.tensor_parallel > 1."""
 
 
 class DraftConfig(Section):

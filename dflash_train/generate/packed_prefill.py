@@ -21,9 +21,8 @@ GPU time of a SmolLM2-shaped prefill on an H200 went to small elementwise kernel
 rotary, SiLU * mul, casts, the K/V copies), which inductor fuses. The row's length and the longest
 prompt are symbolic, so the graphs made in the engine's build (`compile_now`) serve every shape and
 no admission waits for a compile; a forward that cannot compile runs uncompiled, the error logged
-and kept (`compile_error`). Opt-in
-(`GraphedEngine(compile_prefill=True)`, `bench/regen_speed.py --compile-prefill`) until its speed
-on a GPU is measured.
+and kept (`compile_error`). Opt-in (`GraphedEngine(compile_prefill=True)`,
+`bench/regen_speed.py --compile-prefill`) until its speed on a GPU is measured.
 """
 
 from __future__ import annotations

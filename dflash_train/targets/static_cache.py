@@ -201,6 +201,12 @@ RECOMPILE_LIMIT = 64
 (each a few shapes; an engine adds one each time its cache grows), past dynamo's default of 8."""
 
 
+def raising_past_recompile_limit():
+    """Within the block, a compiled function past RECOMPILE_LIMIT versions raises: dynamo's default
+    is to run it eagerly from then on, without a word."""
+    return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)
+
+
 def compiled(step: Callable[..., object], dynamic: bool | None = False) -> Callable[..., object]:
     """`step` through torch.compile: inductor fuses the eager forward's ~35 small kernels a layer
     (RMSNorm, rotary, SiLU * mul, residual adds, casts, the mask) into a few, which is what a CUDA
@@ -213,7 +219,7 @@ def compiled(step: Callable[..., object], dynamic: bool | None = False) -> Calla
 
     def run(*args):
         try:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            with raising_past_recompile_limit():
                 return fn(*args)
         finally:  # a step that fails to compile falls back to eager: that must find the collector idle too
             _end_output_capture()
