@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct end to end on one GPU, the way a user runs it (the recipe of the 2026-12-04
-# chain: real held-out tau 3.499 ShareGPT, 3.36 HumanEval, 3.33 MT-Bench from 23.6 device-minutes in its
-# stages; docs/benchmarks/chain.md):
+# chain: real held-out tau 3.534 ShareGPT, 3.35 HumanEval, 3.34 MT-Bench from 25.3 device-minutes in its
+# stages on one H200; docs/benchmarks/chain.md):
 #   prompts  -> 13,504 + 200 held-out distinct ShareGPT first turns (all the package has of <= 1,500
 #               characters, case and spaces ignored); then the training prompts: the first EVERY_PROMPTS
 #               distinct user turns of every conversation, each asked alone (a conversation that asks a
@@ -38,7 +38,7 @@ NUM_PROMPTS=${NUM_PROMPTS:-13704}  # held-out ones included; all the package has
 HELDOUT=${HELDOUT:-200}
 ANSWER_TOKENS=${ANSWER_TOKENS:-512}
 BATCH=${BATCH:-2048}               # rows the engine decodes at once: with 64-position KV blocks, 8.8% faster in the job than 1,024 rows
-                                   # with 128 (generate_local.md); the header's tau came from answers decoded at 1,024
+                                   # with 128 (generate_local.md)
 ENGINE=${ENGINE:-graphed}          # in-process generation engine: graphed (its step compiled: flex decoding), static, padded
 EVERY_PROMPTS=${EVERY_PROMPTS:-50564}  # training prompts: distinct user turns of every conversation (all of them)
 CODE_PROMPTS=${CODE_PROMPTS:-3561} # all the stubs of <= 1,500 characters
