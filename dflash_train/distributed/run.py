@@ -27,12 +27,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dflash_train.config import RunConfig, load_config
 from dflash_train.data.dataset import load_training_data
-from dflash_train.targets.model import compile_decoder, load_target, resolve_device
+from dflash_train.targets.model import compile_decoder, load_target, resolve_device, warm_up_compiled
 from dflash_train.checkpoint import local as ckpt
 from dflash_train.distributed.layout import Layout, build_layout, drafter_runs
-from dflash_train.train.shapes import stream_layer_ids
+from dflash_train.train.shapes import bucket_shapes, stream_layer_ids
 from dflash_train.distributed.roles import (Link, TargetFeeder, agree_on_start, check_lead_rank_evals,
                                             check_single_process_keys, run_drafter)
+
+log = logging.getLogger("dflash_train")
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=15)
 """Backstop only (a first flex_attention compile can take minutes); the watchdog is the fast path."""
@@ -190,13 +192,18 @@ def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, devi
     # Drafter-only ranks need just the target's embedding and LM head: its layers never reach the GPU.
     target = load_target(cfg.target, device, mesh=mesh, decoder=layout.is_target(rank))
     if cfg.target.compile:
-        compile_decoder(target)  # target ranks (drafter-only ranks hold no layers to compile)
+        compile_decoder(target)  # a drafter-only rank's has no layers here: only marked, for its manifest
     dataset = load_training_data(cfg.data, target.tokenizer, target.identity["tokenizer"])
     feeder = None
     if layout.is_target(rank):
         layer_ids = [stream_layer_ids(run_cfg, target) for _, run_cfg in runs]
         feeder = TargetFeeder(cfg, target, dataset, layout, link, rank, layer_ids)
     if group is None:  # a target rank only: it feeds every step of the stream the drafters agree on
+        if target.compiled_here and cfg.data.length_bucket:  # as the drafters' warm-up does for theirs
+            start, shapes = time.perf_counter(), bucket_shapes(cfg.data)
+            warm_up_compiled(target, shapes, feeder.layer_ids)
+            log.info("rank %d: the compiled target warmed up on %d bucket shapes in %.1f s", rank, len(shapes),
+                     time.perf_counter() - start)
         step, total_steps = agree_on_start(layout, rank, feeder, None)
         for _ in range(step, total_steps):
             feeder.feed_step()

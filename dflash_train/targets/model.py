@@ -121,15 +121,24 @@ class Target:
     fp8: str = "off"
     """`target.fp8` as loaded: its features are not the bf16 target's, so captures and manifests say so."""
     compiled: bool = False
-    """Its decoder layers' forwards compiled (`target.compile`, `compile_decoder`)."""
+    """Its decoder layers' forwards compiled (`target.compile`, `compile_decoder`): here, or where they
+    run in other processes (`decoder` False)."""
 
     def __post_init__(self):
         self.layers = decoder_layers(self.model)
+        # False on a split launch's drafter ranks (load_target(decoder=False)): only the embedding and
+        # LM head are here, the layers run on the target ranks
+        self.decoder = not all(isinstance(layer, nn.Identity) for layer in self.layers)
         self.num_layers = len(self.layers)
         self.hidden_size = self.model.config.hidden_size
         self.embed_weight = input_embedding_table(self.model.get_input_embeddings())
         self.lm_head_weight = self.model.get_output_embeddings().weight
         self.vocab_size = self.embed_weight.shape[0]
+
+    @property
+    def compiled_here(self) -> bool:
+        """Compiled layers in this process: what a warm-up has to run."""
+        return self.compiled and self.decoder
 
     @property
     def description(self) -> dict:
@@ -243,14 +252,17 @@ def compile_decoder(target: Target) -> None:
     (`warm_up_compiled`) leaves a graph for any rows and length and one for a single row (dynamo
     specialises sizes of 1). Past the recompile limit dynamo would quietly run the layers eagerly:
     here it raises instead. A target without decoder layers here (a drafter-only rank's) has nothing
-    to compile."""
-    if target.compiled or all(isinstance(layer, nn.Identity) for layer in target.layers):
+    to compile; it is marked compiled all the same, so that the manifest its rank writes says how the
+    target ranks run the layers."""
+    if target.compiled:
+        return
+    target.compiled = True
+    if not target.decoder:
         return
     compile_cache.activate(compile_cache.cache_key())  # the trainer's keyed, durable cache, never /tmp
     for layer in target.layers:
         if "forward" not in vars(layer):  # another Target over the same model compiled it already
             layer.forward = _compiled(layer.forward)
-    target.compiled = True
 
 
 def _compiled(forward):
@@ -263,14 +275,15 @@ def _compiled(forward):
     return run
 
 
-def warm_up_compiled(target: Target, length: int, layer_ids: list[int]) -> None:
-    """A compiled target's graphs for every shape a run may send it, after the run's own shapes: two
-    rows and one row of random tokens at lengths near `length` (>= 8) that the run's shapes do not
-    have, so that the graphs left are symbolic in rows and length (dynamo generalises a dimension
-    once it changes)."""
+def warm_up_compiled(target: Target, shapes: list[tuple[int, int]], layer_ids: list[int]) -> None:
+    """A compiled target's graphs for every shape a run may send it: random tokens of the run's own
+    `shapes` (rows, length; lengths >= 8), then two rows and one row at lengths near the longest
+    that they do not have, so that the graphs left are symbolic in rows and length (dynamo
+    generalises a dimension once it changes)."""
     gen = torch.Generator().manual_seed(0)
-    for rows, cut in ((2, 3), (1, 5)):
-        ids = torch.randint(0, target.vocab_size, (rows, length - cut), generator=gen).to(target.device)
+    longest = shapes[-1][1]
+    for rows, length in [*shapes, (2, longest - 3), (1, longest - 5)]:
+        ids = torch.randint(0, target.vocab_size, (rows, length), generator=gen).to(target.device)
         target.features(ids, layer_ids)
 
 

@@ -80,21 +80,19 @@ class TrainStep:
         p = self.parts
         gen = torch.Generator().manual_seed(0)
         shapes = bucket_shapes(self.cfg.data)
+        if p.target.compiled_here:  # and the feature cache's fills: any number of rows, of any length
+            warm_up_compiled(p.target, shapes, p.stream_layers)
         for rows, length in shapes:
             batch, feats = synthetic_batch(p.target, p.stream_layers, p.device, rows, length, gen)
-            if p.target.compiled:
-                p.target.features(batch["input_ids"], p.stream_layers)
             task = make_task(batch["input_ids"], batch["loss_mask"], self.cfg.objective, 0)
             p.forward(task, feats).weighted_ce_sum.backward()
             p.drafter.zero_grad(set_to_none=self.graphs is None)
-        if p.target.compiled:  # the feature cache fills any number of rows, of any length
-            warm_up_compiled(p.target, shapes[-1][1], p.stream_layers)
         p.compilation.recompiles.mark_warm()
         return len(shapes)
 
     def prepare(self) -> None:
         """Before the first step: every bucket compiled (train.compile) and captured (train.cuda_graphs)."""
-        if (self.cfg.train.compile or self.parts.target.compiled) and self.cfg.data.length_bucket:
+        if (self.cfg.train.compile or self.parts.target.compiled_here) and self.cfg.data.length_bucket:
             t = time.perf_counter()
             n = self.compile_buckets()
             log.info("compiled %d bucket shapes in %.1f s (cache was %s)", n, time.perf_counter() - t,

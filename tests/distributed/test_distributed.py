@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from torch._dynamo.utils import counters
+
+from dflash_train.distributed import run as run_module
+from dflash_train.distributed.roles import TargetFeeder
 from dflash_train.distributed.run import Watchdog, resume_step
 from dflash_train.distributed.launch import main as launch_main
 from dflash_train.distributed.layout import Layout, plan_split
@@ -48,6 +52,34 @@ def test_bucketed_split_counts_the_real_tokens(assets, tmp_path):
     assert losses(tmp_path / "run") == pytest.approx(reference_losses(config, tmp_path / "ref"), abs=1e-5)
     tokens = [r["tokens"] for r in read_metrics(tmp_path / "run")]
     assert tokens == [r["tokens"] for r in read_metrics(tmp_path / "ref")] and len(tokens) == 4
+
+
+@pytest.mark.slow(seconds=60)
+def test_a_split_launch_with_a_compiled_target(assets, tmp_path, monkeypatch):
+    """`target.compile` in a split layout: the target rank warms its compiled layers up on every bucket
+    shape before the stream starts (as the drafters' warm-up does in one process) and compiles
+    nothing while it feeds; the losses are the single-process run's, and the manifest the drafter
+    rank writes says the target was compiled, though that rank holds none of its layers."""
+    graphs = tmp_path / "graphs.txt"  # the target rank's count of compiled graphs, after the warm-up and each step
+
+    def note(when):
+        with open(graphs, "a") as f:
+            f.write(f"{when} {counters['stats']['unique_graphs']}\n")
+
+    warm_up, feed_step = run_module.warm_up_compiled, TargetFeeder.feed_step
+    monkeypatch.setattr(run_module, "warm_up_compiled", lambda *a: (warm_up(*a), note("warm")))  # forked: inherited
+    monkeypatch.setattr(TargetFeeder, "feed_step", lambda self: (feed_step(self), note("step")))
+    torch._dynamo.reset()
+    data = {"train_files": [str(assets / "data.jsonl")], "max_length": 96, "token_budget": 192,
+            "max_batch_size": 2, "length_bucket": 32}
+    config = write_config(assets, tmp_path / "run", data=data, target={"path": str(assets / "target"),
+                                                                       "dtype": "float32", "compile": True})
+    assert spawn(2, ["-c", str(config), "--target-ranks", "1"]) == [0] * 2
+    notes = [line.split() for line in graphs.read_text().splitlines()]
+    assert [when for when, _ in notes] == ["warm"] + ["step"] * 4
+    assert int(notes[0][1]) >= 3 and {count for _, count in notes} == {notes[0][1]}
+    assert losses(tmp_path / "run") == pytest.approx(reference_losses(config, tmp_path / "ref"), abs=1e-5)
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["target"]["compiled"] is True
 
 
 def test_two_drafters_from_one_stream(assets, tmp_path):
