@@ -206,6 +206,25 @@ def test_plan_split_picks_the_fastest_pipeline():
     assert plan.tokens_per_s == 30_000 and plan.group_sizes[1] > plan.group_sizes[0]
 
 
+@pytest.mark.slow(seconds=40)
+def test_launch_measures_compiled_steps_after_every_graph_is_made(assets, tmp_path, monkeypatch):
+    """--target-gpus auto times steps of a bucketed, compiled run: every bucket shape is compiled
+    before the clock starts (one warm-up step covered one shape, and the timed steps compiled the rest)."""
+    from dflash_train.distributed.launch import measure
+    from dflash_train.targets import model
+    seen = []
+    clock = model.synced_time
+    monkeypatch.setattr(model, "synced_time", lambda device: (seen.append(counters["stats"]["unique_graphs"]),
+                                                              clock(device))[1])
+    torch._dynamo.reset()
+    data = {"train_files": [str(assets / "data.jsonl")], "max_length": 96, "token_budget": 192,
+            "max_batch_size": 2, "length_bucket": 16}
+    config = write_config(assets, tmp_path / "run", data=data)
+    target_tps, drafter_tps, _ = measure(str(config), ["target.compile=true", "train.grad_accum=1"], steps=6)
+    assert target_tps > 0 and drafter_tps[0] > 0
+    assert len(seen) == 2 * (6 + 6) and seen[0] >= 3 and set(seen) == {seen[0]}  # 6 steps, then their 6 micro-batches
+
+
 def test_launch_auto_measures_plans_and_builds_the_torchrun_command(assets, tmp_path, capsys):
     config = write_config(assets, tmp_path / "run")
     assert launch_main(["-c", str(config), "--target-gpus", "auto", "--nproc-per-node", "3", "--measure-steps", "1",
