@@ -97,7 +97,7 @@ def measure(config: str, overrides: list[str], steps: int) -> tuple[float, list[
         parts = build(run_cfg, target, dataset)
         step, progress = TrainStep(run_cfg, parts), Progress(total_steps=parts.total_steps)
         step.prepare()  # every bucket shape compiled (train.compile, target.compile), as training does first
-        step(progress)  # warm-up: the allocator, an unbucketed run's compile
+        step(progress)  # warm-up: the allocator (an unbucketed compiled run may still compile in the timed steps)
         start = progress.cursor
         step_s.append(sum(timed(lambda: step(progress)) for _ in range(steps)))
         if g == 0:

@@ -192,14 +192,17 @@ def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, devi
     # Drafter-only ranks need just the target's embedding and LM head: its layers never reach the GPU.
     target = load_target(cfg.target, device, mesh=mesh, decoder=layout.is_target(rank))
     if cfg.target.compile:
-        compile_decoder(target)  # a drafter-only rank's has no layers here: only marked, for its manifest
+        compile_decoder(target)  # a drafter-only rank has no layers here: its target is only marked, for the manifest
     dataset = load_training_data(cfg.data, target.tokenizer, target.identity["tokenizer"])
     feeder = None
     if layout.is_target(rank):
         layer_ids = [stream_layer_ids(run_cfg, target) for _, run_cfg in runs]
         feeder = TargetFeeder(cfg, target, dataset, layout, link, rank, layer_ids)
     if group is None:  # a target rank only: it feeds every step of the stream the drafters agree on
-        if target.compiled_here and cfg.data.length_bucket:  # as the drafters' warm-up does for theirs
+        # As the drafters' warm-up does for theirs. Before the stream's start, which the drafters wait for
+        # (their own warm-up comes after it): a cold start pays the two one after the other, and no
+        # drafter step waits on a compiling target.
+        if target.compiled_here and cfg.data.length_bucket:
             start, shapes = time.perf_counter(), bucket_shapes(cfg.data)
             warm_up_compiled(target, shapes, feeder.layer_ids)
             log.info("rank %d: the compiled target warmed up on %d bucket shapes in %.1f s", rank, len(shapes),

@@ -277,9 +277,9 @@ def _compiled(forward):
 
 def warm_up_compiled(target: Target, shapes: list[tuple[int, int]], layer_ids: list[int]) -> None:
     """A compiled target's graphs for every shape a run may send it: random tokens of the run's own
-    `shapes` (rows, length; lengths >= 8), then two rows and one row at lengths near the longest
-    that they do not have, so that the graphs left are symbolic in rows and length (dynamo
-    generalises a dimension once it changes)."""
+    `shapes` (rows, length; lengths >= 8), then two rows and one row 3 and 5 tokens short of the
+    longest (new lengths where buckets are more than 5 tokens apart), so that the graphs left are
+    symbolic in rows and length (dynamo generalises a dimension once it changes)."""
     gen = torch.Generator().manual_seed(0)
     longest = shapes[-1][1]
     for rows, length in [*shapes, (2, longest - 3), (1, longest - 5)]:

@@ -80,7 +80,7 @@ class TrainStep:
         p = self.parts
         gen = torch.Generator().manual_seed(0)
         shapes = bucket_shapes(self.cfg.data)
-        if p.target.compiled_here:  # and the feature cache's fills: any number of rows, of any length
+        if p.target.compiled_here:  # every bucket shape, and the feature cache's fills: any rows, any length
             warm_up_compiled(p.target, shapes, p.stream_layers)
         for rows, length in shapes:
             batch, feats = synthetic_batch(p.target, p.stream_layers, p.device, rows, length, gen)
@@ -91,7 +91,8 @@ class TrainStep:
         return len(shapes)
 
     def prepare(self) -> None:
-        """Before the first step: every bucket compiled (train.compile) and captured (train.cuda_graphs)."""
+        """Before the first step: every bucket compiled (train.compile, target.compile) and captured
+        (train.cuda_graphs)."""
         if (self.cfg.train.compile or self.parts.target.compiled_here) and self.cfg.data.length_bucket:
             t = time.perf_counter()
             n = self.compile_buckets()
