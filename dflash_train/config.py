@@ -155,6 +155,11 @@ class ObjectiveConfig(Section):
     token), `kl` to the target's distribution; the target kinds make text the target did not write usable."""
     kd_temperature: float = Field(1.0, gt=0)
     """Softmax temperature of both distributions in `kl` (the loss is scaled by T^2)."""
+    feature_noise: float = Field(0.0, ge=0)
+    """Gaussian noise on the target features while training: per token and target layer, of std
+    feature_noise x that layer's feature RMS for the token (EAGLE trains on noisy features: a guard
+    against the drafter memorising its answers). 0: none. Held-out probes and evaluation read clean
+    features. Its effect on held-out tau is not measured here yet."""
     ce_chunk_size: int | None = Field(None, ge=16)
     """Query tokens per LM-head chunk (bounds the logits materialised); default: by the target's
     vocabulary, 4096 rows up to 151,936 tokens and fewer above (draft/loss.py `loss_chunk_rows`)."""
@@ -346,6 +351,9 @@ class RunConfig(Section):
         if self.train.ce_kernel != "chunked":
             raise ValueError(f"train.ce_kernel={self.train.ce_kernel} syncs the host every micro-batch, which a CUDA "
                              "graph cannot capture: use train.ce_kernel=chunked with train.cuda_graphs")
+        if self.objective.feature_noise:
+            raise ValueError("objective.feature_noise draws random numbers inside the step, which the captured "
+                             "step is not tested with yet: set train.cuda_graphs=false or objective.feature_noise=0")
         return self
 
     @model_validator(mode="after")

@@ -37,6 +37,8 @@ class DraftForward:
     """Length buckets repeat the loss's row counts: even chunks give one compiled graph per bucket."""
     fp8_head: Fp8Head | None = None
     """The target's head quantised once for the loss (train.fp8_lm_head), else None: its weight as is."""
+    feature_noise: float = 0.0
+    """objective.feature_noise: added to the features while the drafter trains, never in eval mode."""
 
     @classmethod
     def for_run(cls, cfg: RunConfig, drafter: DFlashDraftModel, target: Target, device: torch.device,
@@ -44,7 +46,7 @@ class DraftForward:
         return cls(drafter, target, device, LossMix.from_weights(cfg.objective.loss, cfg.objective.kd_temperature),
                    use_flex, loss_chunk_rows(cfg.objective.ce_chunk_size, target.vocab_size),
                    cfg.train.compile_loss, cfg.train.ce_kernel, bool(cfg.data.length_bucket),
-                   Fp8Head(target.lm_head_weight) if cfg.train.fp8_lm_head else None)
+                   Fp8Head(target.lm_head_weight) if cfg.train.fp8_lm_head else None, cfg.objective.feature_noise)
 
     @property
     def attention_backend(self) -> str:
@@ -56,6 +58,8 @@ class DraftForward:
         return autocast_for(self.device, self.target.embed_weight.dtype)
 
     def __call__(self, task: BlockTask, features: torch.Tensor) -> BlockLoss:
+        if self.feature_noise and self.drafter.training:
+            features = with_noise(features, self.feature_noise, self.target.hidden_size)
         with self.autocast():
             t = self.target
             head = t.lm_head_weight if self.fp8_head is None else self.fp8_head
@@ -73,3 +77,14 @@ class DraftForward:
                 yield
         finally:
             self.drafter.train()
+
+
+def with_noise(features: torch.Tensor, scale: float, width: int) -> torch.Tensor:
+    """`features` [..., K * width] plus Gaussian noise of std `scale` x the RMS of each `width` slice
+    (one target layer of one token: layers differ in scale by orders of magnitude). The noise comes
+    from the global generator, which checkpoints save and resume restores; in the features' dtype,
+    so no float32 copy of them is made."""
+    x = features.unflatten(-1, (-1, width))
+    rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32) / width ** 0.5
+    return (x + torch.randn_like(x) * (scale * rms).to(x.dtype)).flatten(-2)
+

@@ -14,9 +14,11 @@ from dflash_train.train.metrics import read_metrics
 N = 3
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2])
-def test_resume_reproduces_straight_run_exactly(make_run_config, shared_tiny_target, grad_accum):
-    common = [f"train.max_steps={2 * N}", f"train.grad_accum={grad_accum}", "train.warmup_ratio=0.3"]
+@pytest.mark.parametrize("grad_accum, noise", [(1, 0.0), (2, 0.0), (2, 0.5)])
+def test_resume_reproduces_straight_run_exactly(make_run_config, shared_tiny_target, grad_accum, noise):
+    """With objective.feature_noise too: its draws come from the generator the checkpoint restores."""
+    common = [f"train.max_steps={2 * N}", f"train.grad_accum={grad_accum}", "train.warmup_ratio=0.3",
+              f"objective.feature_noise={noise}"]
     straight_cfg = make_run_config("straight", common + [f"checkpoint.every={N}"])
     Trainer(straight_cfg, target=shared_tiny_target).fit(progress=False)
     straight = read_metrics(straight_cfg.run_dir)

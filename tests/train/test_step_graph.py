@@ -82,7 +82,8 @@ def test_cuda_graphs_are_refused_where_they_cannot_run(make_run_config, shared_t
     for change, message in [({"device": "cpu"}, "runs on CUDA only"),
                             ({"data": {"length_bucket": 0}}, "set data.length_bucket"),
                             ({"train": {"cuda_graphs": True, "grad_accum": 2}}, "train.grad_accum is 2"),
-                            ({"train": {"cuda_graphs": True, "ce_kernel": "liger"}}, "use train.ce_kernel=chunked")]:
+                            ({"train": {"cuda_graphs": True, "ce_kernel": "liger"}}, "use train.ce_kernel=chunked"),
+                            ({"objective": {"feature_noise": 0.1}}, "set train.cuda_graphs=false or objective.feature_noise=0")]:
         with pytest.raises(ConfigError, match=message):
             build_config({**cuda, **change})
     cfg = make_run_config(overrides=["device=auto", "train.cuda_graphs=true", "data.length_bucket=32"])
