@@ -6,7 +6,7 @@ compute exactly the same function of (tokens, features, anchor seed).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,12 +25,15 @@ class BlockTask:
     valid: torch.Tensor  # [b, N]
     labels: torch.Tensor  # [b, N*B]
     weights: torch.Tensor  # [b, N*B] loss weights (0 = not counted)
+    seed: int | None = None
+    """The micro-batch's seed (`make_task`), for its draws beyond the anchors (objective.feature_noise);
+    None where the anchor keys came ready (the captured step)."""
 
 
 def make_task(input_ids: torch.Tensor, loss_mask: torch.Tensor, objective: ObjectiveConfig, anchor_seed: int) -> BlockTask:
     """Anchors come from a generator seeded per micro-batch: resume and rank layout cannot change them."""
     keys = masks.upload(task_keys(tuple(input_ids.shape), anchor_seed), input_ids.device)
-    return task_from_keys(input_ids, loss_mask, keys, objective)
+    return replace(task_from_keys(input_ids, loss_mask, keys, objective), seed=anchor_seed)
 
 
 def task_keys(shape: tuple[int, int], anchor_seed: int) -> torch.Tensor:

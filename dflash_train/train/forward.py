@@ -59,7 +59,7 @@ class DraftForward:
 
     def __call__(self, task: BlockTask, features: torch.Tensor) -> BlockLoss:
         if self.feature_noise and self.drafter.training:
-            features = with_noise(features, self.feature_noise, self.target.hidden_size)
+            features = with_noise(features, self.feature_noise, self.target.hidden_size, noise_generator(task))
         with self.autocast():
             t = self.target
             head = t.lm_head_weight if self.fp8_head is None else self.fp8_head
@@ -79,12 +79,23 @@ class DraftForward:
             self.drafter.train()
 
 
-def with_noise(features: torch.Tensor, scale: float, width: int) -> torch.Tensor:
+NOISE_SEED = 0x5EED_0001
+"""Added to a micro-batch's seed for its noise: a stream apart from its anchors'."""
+
+
+def noise_generator(task: BlockTask) -> torch.Generator:
+    """The micro-batch's own generator on its device, from its seed: as with its anchors, neither a
+    resume nor the ranks' layout changes its noise."""
+    if task.seed is None:
+        raise ValueError("objective.feature_noise needs the micro-batch's seed (make_task); this task has none")
+    return torch.Generator(task.input_ids.device).manual_seed(task.seed + NOISE_SEED)
+
+
+def with_noise(features: torch.Tensor, scale: float, width: int, generator: torch.Generator) -> torch.Tensor:
     """`features` [..., K * width] plus Gaussian noise of std `scale` x the RMS of each `width` slice
-    (one target layer of one token: layers differ in scale by orders of magnitude). The noise comes
-    from the global generator, which checkpoints save and resume restores; in the features' dtype,
-    so no float32 copy of them is made."""
+    (one target layer of one token: layers differ in scale by orders of magnitude), drawn from
+    `generator` in the features' dtype, so no float32 copy of them is made."""
     x = features.unflatten(-1, (-1, width))
     rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32) / width ** 0.5
-    return (x + torch.randn_like(x) * (scale * rms).to(x.dtype)).flatten(-2)
-
+    noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    return (x + noise * (scale * rms).to(x.dtype)).flatten(-2)

@@ -30,10 +30,13 @@ def assets(tmp_path_factory) -> Path:
     return write_assets(tmp_path_factory.mktemp("assets"), tiny_target(num_layers=3, hidden=32))
 
 
-@pytest.mark.parametrize("world,split", [(3, ["--target-ranks", "2"]), (2, ["--colocated"])],
-                         ids=["2targets+1drafter", "colocated-2"])
-def test_matches_single_process(assets, tmp_path, world, split):
-    config = write_config(assets, tmp_path / "run")
+@pytest.mark.parametrize("world,split,objective", [
+    (3, ["--target-ranks", "2"], {}), (2, ["--colocated"], {}),
+    (3, ["--target-ranks", "1"], {"feature_noise": 0.5}),  # each micro-batch's noise from its seed, on any rank
+], ids=["2targets+1drafter", "colocated-2", "1target+2drafters-noise"])
+def test_matches_single_process(assets, tmp_path, world, split, objective):
+    extra = {"objective": {"block_size": 4, "num_anchors": 8, "gamma": 4.0, **objective}} if objective else {}
+    config = write_config(assets, tmp_path / "run", **extra)
     assert spawn(world, ["-c", str(config), *split]) == [0] * world
     expected = reference_losses(config, tmp_path / "ref")
     assert len(expected) == 4

@@ -16,7 +16,7 @@ N = 3
 
 @pytest.mark.parametrize("grad_accum, noise", [(1, 0.0), (2, 0.0), (2, 0.5)])
 def test_resume_reproduces_straight_run_exactly(make_run_config, shared_tiny_target, grad_accum, noise):
-    """With objective.feature_noise too: its draws come from the generator the checkpoint restores."""
+    """With objective.feature_noise too: its draws come from each micro-batch's seed."""
     common = [f"train.max_steps={2 * N}", f"train.grad_accum={grad_accum}", "train.warmup_ratio=0.3",
               f"objective.feature_noise={noise}"]
     straight_cfg = make_run_config("straight", common + [f"checkpoint.every={N}"])
