@@ -6,7 +6,7 @@ compute exactly the same function of (tokens, features, anchor seed).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +33,7 @@ class BlockTask:
 def make_task(input_ids: torch.Tensor, loss_mask: torch.Tensor, objective: ObjectiveConfig, anchor_seed: int) -> BlockTask:
     """Anchors come from a generator seeded per micro-batch: resume and rank layout cannot change them."""
     keys = masks.upload(task_keys(tuple(input_ids.shape), anchor_seed), input_ids.device)
-    return replace(task_from_keys(input_ids, loss_mask, keys, objective), seed=anchor_seed)
+    return task_from_keys(input_ids, loss_mask, keys, objective, seed=anchor_seed)
 
 
 def task_keys(shape: tuple[int, int], anchor_seed: int) -> torch.Tensor:
@@ -42,11 +42,12 @@ def task_keys(shape: tuple[int, int], anchor_seed: int) -> torch.Tensor:
 
 
 def task_from_keys(input_ids: torch.Tensor, loss_mask: torch.Tensor, keys: torch.Tensor,
-                   objective: ObjectiveConfig) -> BlockTask:
-    """`make_task` given its anchor keys on the device: device work only (a CUDA graph replays it)."""
+                   objective: ObjectiveConfig, seed: int | None = None) -> BlockTask:
+    """`make_task` given its anchor keys on the device: device work only (a CUDA graph replays it).
+    `seed`: the micro-batch's, where known (`BlockTask.seed`)."""
     anchors, valid = masks.anchors_from_keys(loss_mask, keys, objective.num_anchors)
     labels, weights = masks.block_labels(input_ids, loss_mask, anchors, valid, objective.block_size, objective.gamma)
-    return BlockTask(input_ids, anchors, valid, labels, weights)
+    return BlockTask(input_ids, anchors, valid, labels, weights, seed)
 
 
 def attention_mask_for(task: BlockTask, block_size: int, context_len: int, use_flex: bool):

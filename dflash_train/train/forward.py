@@ -94,7 +94,7 @@ def noise_generator(task: BlockTask) -> torch.Generator:
 def with_noise(features: torch.Tensor, scale: float, width: int, generator: torch.Generator) -> torch.Tensor:
     """`features` [..., K * width] plus Gaussian noise of std `scale` x the RMS of each `width` slice
     (one target layer of one token: layers differ in scale by orders of magnitude), drawn from
-    `generator` in the features' dtype, so no float32 copy of them is made."""
+    `generator` in the features' dtype."""
     x = features.unflatten(-1, (-1, width))
     rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32) / width ** 0.5
     noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
