@@ -16,6 +16,7 @@ import dataclasses
 
 from torch import nn
 
+from dflash_train.checks.compile_settings import compile_settings_kept
 from dflash_train.checks.fp8 import fp8_shaped
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -33,6 +34,7 @@ def convert_to_fp8(drafter: nn.Module, recipe: str, *, emulate: bool = False) ->
     # pad_inner_dim: the weight gradient's inner dimension is the batch's token count, which the
     # kernels need divisible by 16 and a ragged batch of contexts rarely is.
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True, emulate=emulate)
-    convert_to_float8_training(drafter, config=config,
-                               module_filter_fn=lambda m, _fqn: isinstance(m, nn.Linear) and fp8_shaped(m))
+    with compile_settings_kept("torchao's float8 training conversion of the drafter (draft.fp8)"):
+        convert_to_float8_training(drafter, config=config,
+                                   module_filter_fn=lambda m, _fqn: isinstance(m, nn.Linear) and fp8_shaped(m))
     return sum(isinstance(m, Float8Linear) for m in drafter.modules())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from dflash_train.checks.compile_settings import compile_settings_kept
 from dflash_train.checks.fp8 import fp8_problem, fp8_shaped
 
 GRANULARITIES = ("rowwise", "tensorwise")
@@ -28,6 +29,10 @@ def quantize_decoder(layers: nn.ModuleList, granularity: str) -> int:
     if problem:
         raise ValueError(f"target.fp8: {problem}")
     chosen = sum(isinstance(m, nn.Linear) and fp8_shaped(m) for m in layers.modules())
-    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow() if granularity == "rowwise" else PerTensor())
-    quantize_(layers, config, filter_fn=lambda m, _fqn: isinstance(m, nn.Linear) and fp8_shaped(m))
+    # set_inductor_config=False: torchao's default turns on coordinate-descent tuning for every graph
+    # the process compiles later, the drafter's too (checks/compile_settings.py says what that cost).
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow() if granularity == "rowwise" else PerTensor(),
+                                                       set_inductor_config=False)
+    with compile_settings_kept("torchao's float8 quantisation of the target (target.fp8)"):
+        quantize_(layers, config, filter_fn=lambda m, _fqn: isinstance(m, nn.Linear) and fp8_shaped(m))
     return chosen

@@ -322,8 +322,11 @@ def load_target(cfg: TargetConfig, device: torch.device, *, mesh=None, decoder: 
     if cfg.compile and cfg.tensor_parallel > 1:
         raise ValueError("target.compile with target.tensor_parallel > 1: compiled layers over sharded weights "
                          "are not tested here; set target.compile=false or target.tensor_parallel=1")
-    path = resolve_target_path(cfg.path)
     dtype = pick_dtype(cfg.dtype, device)
+    if cfg.fp8 == "rowwise" and decoder and dtype != torch.bfloat16:
+        raise ValueError(f"target.fp8=rowwise: torchao's per-row FP8 quantises bfloat16 weights, and the target "
+                         f"loads in {dtype}; set target.dtype=bfloat16, or target.fp8=tensorwise")
+    path = resolve_target_path(cfg.path)
     tokenizer = load_tokenizer(path)
     # auto: transformers' own choice, SDPA where the family supports it, else eager (gpt-oss's sinks)
     attention = None if cfg.attn_implementation == "auto" else cfg.attn_implementation

@@ -93,7 +93,8 @@ def test_fp8_head_step_matches_the_bf16_step(compiled_loss):
 
 
 def test_fp8_target_features_stay_close_to_bf16():
-    """The FP8 target's decoder (target.fp8) gives features close to its bf16 forward's."""
+    """The FP8 target's decoder (target.fp8) gives features close to its bf16 forward's, and its
+    quantisation leaves torch.compile's settings as they were."""
     from families import tiny_model
 
     from dflash_train.targets.fp8 import quantize_decoder
@@ -101,7 +102,9 @@ def test_fp8_target_features_stay_close_to_bf16():
     model = tiny_model("qwen3").to("cuda", torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (4, 256), device="cuda")
     reference = model(ids, output_hidden_states=True).hidden_states
+    tuning = torch._inductor.config.coordinate_descent_tuning
     assert quantize_decoder(model.model.layers, "rowwise") > 0
+    assert torch._inductor.config.coordinate_descent_tuning == tuning  # torchao's default turns it on
     quantised = model(ids, output_hidden_states=True).hidden_states
     for ref, got in zip(reference[1:], quantised[1:]):
         cosine = torch.nn.functional.cosine_similarity(ref.float().flatten(), got.float().flatten(), dim=0).item()

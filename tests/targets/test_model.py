@@ -201,3 +201,14 @@ def test_the_drafters_block_embeddings_are_the_ones_the_targets_forward_uses():
     assert target.embed_weight is model.get_input_embeddings().weight
     gemma = tiny_model("gemma3").get_input_embeddings()
     assert not torch.equal(gemma(ids), gemma.weight[ids])  # the scale is real: the test can fail
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_per_row_fp8_target_needs_bfloat16_and_is_refused_before_it_loads(dtype, monkeypatch):
+    import dflash_train.targets.model as target_model
+    from dflash_train.config import TargetConfig
+
+    monkeypatch.setattr(target_model, "fp8_problem", lambda device: None)  # as on an FP8 GPU
+    cfg = TargetConfig(path="no-such/model", dtype=dtype, fp8="rowwise")
+    with pytest.raises(ValueError, match=f"target.fp8=rowwise: .* loads in torch.{dtype}; set target.dtype=bfloat16"):
+        target_model.load_target(cfg, torch.device("cpu"))

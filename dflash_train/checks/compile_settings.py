@@ -1,0 +1,37 @@
+"""torch.compile's process-wide settings, kept as they were across a library's set-up call.
+
+A quantisation library may tune inductor for its own kernels by changing `torch._inductor.config`
+for the whole process. torchao's float8 inference quantisation (`target.fp8`) does so by default: it
+turns on coordinate-descent tuning, and every graph compiled afterwards, the drafter's included,
+then compiles and benchmarks many launch configurations of each Triton kernel. At the Qwen3-8B shape
+the drafter's first step was still compiling after nine minutes
+(docs/benchmarks/throughput.md#fp8). Our calls opt out of such settings; this guard makes a library
+that changes them anyway fail at once, naming each setting, instead of slowing the run unseen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch._inductor.config as inductor_config
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_settings() -> dict[str, object]:
+    """Inductor's settings of plain values (the flags and sizes a library would tune), by name."""
+    return {name: value for name, value in inductor_config.get_config_copy().items() if isinstance(value, _PLAIN)}
+
+
+@contextmanager
+def compile_settings_kept(caller: str) -> Iterator[None]:
+    """Run the block; raise if it changed any of inductor's process-wide settings. `caller` names
+    the block in the error."""
+    before = _plain_settings()
+    yield
+    after = _plain_settings()
+    changed = [f"{name}: {before.get(name)!r} -> {value!r}" for name, value in after.items() if before.get(name) != value]
+    if changed:
+        raise RuntimeError(f"{caller} changed torch.compile's settings for the whole process ({'; '.join(changed)}); "
+                           "every graph compiled later would inherit them")

@@ -1,0 +1,54 @@
+"""The target's FP8 quantisation (targets/fp8.py) through the real torchao, on CPU: torchao checks
+for an FP8 GPU before it quantises, so the tests tell it one is there (its CPU path quantises and
+runs the same way). What they check: the quantisation leaves torch.compile's process-wide settings
+as they were, where torchao's default would turn coordinate-descent tuning on for every graph the
+process compiles later. The real kernels: tests/gpu/test_fp8_gpu.py."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+from torch import nn
+
+import dflash_train.targets.fp8 as target_fp8
+from dflash_train.checks.compile_settings import compile_settings_kept
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                                reason="the fp8 extra (torchao) is not installed")
+
+
+@pytest.fixture
+def fp8_gpu_claimed(monkeypatch):
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)  # torchao's hardware check passes
+    monkeypatch.setattr(target_fp8, "fp8_problem", lambda device: None)  # ours too
+
+
+def _layers() -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList([nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64), nn.Linear(64, 24))]).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("granularity", target_fp8.GRANULARITIES)
+def test_quantising_the_target_leaves_compile_settings_alone(fp8_gpu_claimed, granularity):
+    from torchao.quantization import Float8Tensor
+
+    layers = _layers()
+    with inductor_config.patch(coordinate_descent_tuning=False, coordinate_descent_check_all_directions=False):
+        before = inductor_config.get_config_copy()
+        assert target_fp8.quantize_decoder(layers, granularity) == 2  # 64 x 24 is not FP8-shaped
+        assert inductor_config.get_config_copy() == before
+    assert isinstance(layers[0][0].weight, Float8Tensor) and not isinstance(layers[0][2].weight, Float8Tensor)
+
+
+def test_torchaos_default_would_have_turned_tuning_on(fp8_gpu_claimed):
+    """The reference for the test above: the same quantisation with torchao's default settings is
+    caught by the guard (if torchao stops changing them, this test says so)."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerTensor, quantize_
+
+    with inductor_config.patch(coordinate_descent_tuning=False, coordinate_descent_check_all_directions=False):
+        with pytest.raises(RuntimeError, match="coordinate_descent_tuning: False -> True"):
+            with compile_settings_kept("torchao's default"):
+                quantize_(_layers(), Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()))
