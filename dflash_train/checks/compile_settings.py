@@ -6,22 +6,38 @@ turns on coordinate-descent tuning, and every graph compiled afterwards, the dra
 then compiles and benchmarks many launch configurations of each Triton kernel. At the Qwen3-8B shape
 the drafter's first step was still compiling after nine minutes
 (docs/benchmarks/throughput.md#fp8). Our calls opt out of such settings; this guard makes a library
-that changes them anyway fail at once, naming each setting, instead of slowing the run unseen.
+that changes them anyway fail at once, naming each setting, instead of slowing the run unseen. The
+settings a run starts with (an environment variable can set them too) go into its manifest.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch._inductor.config as inductor_config
 
 _PLAIN = (bool, int, float, str, type(None))
+_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TRITON_")
 
 
 def _plain_settings() -> dict[str, object]:
     """Inductor's settings of plain values (the flags and sizes a library would tune), by name."""
     return {name: value for name, value in inductor_config.get_config_copy().items() if isinstance(value, _PLAIN)}
+
+
+def run_settings() -> dict[str, dict]:
+    """What the manifest records, so that `diff-runs` shows it: inductor's plain settings whose
+    values differ from torch's defaults (set by code), and the environment variables that steer
+    compilation (an inductor default read from one, e.g. TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1,
+    counts as a default in the first). Cache folders are left out: they differ between hosts."""
+    # torch's own defaults (private, no public accessor): a value set back to its default is unchanged
+    defaults = {name: entry.default for name, entry in inductor_config._config.items()}
+    changed = {name: value for name, value in sorted(_plain_settings().items()) if value != defaults.get(name)}
+    environment = {name: value for name, value in sorted(os.environ.items())
+                   if name.startswith(_ENV_PREFIXES) and not name.endswith("_CACHE_DIR")}
+    return {"inductor": changed, "environment": environment}
 
 
 @contextmanager

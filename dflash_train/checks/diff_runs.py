@@ -10,12 +10,13 @@ from dflash_train.checks.manifest import MANIFEST_NAME
 
 ABSENT = "<absent>"
 # Slowdowns have come from these; time and host differ between any two runs and go last.
-RELEVANT_FIRST = ("packages", "torch", "python", "git", "config", "gpus", "hardware_fingerprint")
+RELEVANT_FIRST = ("packages", "torch", "compile_settings", "python", "git", "config", "gpus", "hardware_fingerprint")
 
 
 def _flatten(obj: object, prefix: str, out: dict[str, object]) -> dict[str, object]:
-    # Lists stay leaves: a GPU list or an argv reads better whole than element by element.
-    if isinstance(obj, dict) and obj:
+    # Lists stay leaves: a GPU list or an argv reads better whole than element by element. An empty
+    # dict has no leaves, so a setting added to one reads as that setting, not as the whole dict.
+    if isinstance(obj, dict):
         for key, value in obj.items():
             _flatten(value, f"{prefix}.{key}" if prefix else str(key), out)
     else:

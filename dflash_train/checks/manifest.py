@@ -59,6 +59,8 @@ def build_manifest(
 ) -> dict:
     """Collect the manifest. `config` is the resolved config as plain data (model_dump(mode="json"));
     `target`: what was loaded (class, attention, text format: chat template or plain text)."""
+    from dflash_train.checks.compile_settings import run_settings  # imports torch: `diff-runs` needs none
+
     found = env.installed(paths)
     gpu_list = env.gpus()
     return {
@@ -73,6 +75,7 @@ def build_manifest(
         "hostname": socket.gethostname(),
         "packages": env.package_versions(found),
         "torch": env.torch_build(),
+        "compile_settings": run_settings(),
         "gpus": gpu_list,
         "hardware_fingerprint": env.hardware_fingerprint(gpu_list),
         "config": config,
