@@ -36,8 +36,9 @@ class TargetConfig(Section):
     group's first rank sends the features); 1 = each target rank holds the whole target, as `train` needs."""
     fp8: Literal["off", "rowwise", "tensorwise"] = "off"
     """The decoder's matmuls in FP8 (torchao, the `fp8` extra; GPUs of compute capability >= 8.9): weights
-    and activations scaled per row or per tensor; embeddings and LM head stay. Off: the features the
-    drafter learns from are the bf16 target's (history: docs/benchmarks/throughput.md#fp8)."""
+    and activations scaled per row (bfloat16 targets) or per tensor; embeddings and LM head stay. Off:
+    the features the drafter learns from are the bf16 target's. Not recommended yet: its speed and the
+    drafter's acceptance are not measured cleanly (docs/benchmarks/throughput.md#fp8)."""
     compile: bool = False
     """Training's target forward through torch.compile, each decoder layer's forward (norms, rotary
     embedding and activation fuse; `bench/throughput.py --compile-target` measures it): a graph for
