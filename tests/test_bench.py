@@ -22,6 +22,7 @@ def test_throughput_benchmark_cpu_mode(tmp_path):
                 "drafter_with_task_steps_per_s", "block_mask_ms", "block_mask_create_block_mask_ms"):
         assert result[key] > 0
     assert result["anchors"] == 16 and result["block_size"] == 16
+    assert result["compile_settings"]["inductor"] == {}  # no kernel tuning behind these rates
 
 
 def test_sync_count_skips_the_debug_mode_notice():

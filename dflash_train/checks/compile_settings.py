@@ -20,6 +20,9 @@ import torch._inductor.config as inductor_config
 
 _PLAIN = (bool, int, float, str, type(None))
 _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TRITON_")
+# Settings that make each compiled graph compile and benchmark many variants of its kernels
+# (minutes a graph on a large drafter): off unless a run has measured that they pay.
+KERNEL_TUNING = ("coordinate_descent_tuning", "max_autotune", "max_autotune_gemm", "max_autotune_pointwise")
 
 
 def _plain_settings() -> dict[str, object]:
@@ -38,6 +41,11 @@ def run_settings() -> dict[str, dict]:
     environment = {name: value for name, value in sorted(os.environ.items())
                    if name.startswith(_ENV_PREFIXES) and not name.endswith("_CACHE_DIR")}
     return {"inductor": changed, "environment": environment}
+
+
+def kernel_tuning_on() -> list[str]:
+    """The KERNEL_TUNING settings now on, however set (code or a TORCHINDUCTOR_* variable)."""
+    return [name for name in KERNEL_TUNING if getattr(inductor_config, name)]
 
 
 @contextmanager

@@ -21,6 +21,7 @@ from packaging.version import Version
 
 from dflash_train.config import RunConfig
 from dflash_train.checks import compile_cache
+from dflash_train.checks.compile_settings import kernel_tuning_on
 from dflash_train.checks import environment as env
 from dflash_train.checks.gitstate import git_state, package_repo_root
 
@@ -171,6 +172,14 @@ def check_compile_cache(cache_root: str | Path | None, config: RunConfig | None)
     return Check("compile cache", "ok" if state == "warm" else "warn", detail)
 
 
+def check_kernel_tuning() -> Check:
+    tuning = kernel_tuning_on()
+    if tuning:
+        return Check("kernel tuning", "warn", f"{', '.join(tuning)} on: every compiled graph tunes each kernel "
+                     "(minutes a graph); unset the TORCHINDUCTOR_* variable unless a run has measured the gain")
+    return Check("kernel tuning", "ok", "off (inductor's default heuristics)")
+
+
 def check_credentials(config: RunConfig | None) -> Check:
     present = env.credentials_present()  # booleans only, by construction
     detail = ", ".join(f"{k}: {'present' if v else 'absent'}" for k, v in present.items())
@@ -212,6 +221,7 @@ def run_doctor(
         check_gpus(gpu_list, config),
         check_code(repo),
         check_compile_cache(cache_root, config),
+        check_kernel_tuning(),
         check_credentials(config),
         check_disk(run_dir),
     ])

@@ -6,13 +6,17 @@ compile must land in the keyed, durable cache (never /tmp), and the watch must s
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from dflash_train.checks import compile_cache
+from dflash_train.checks.compile_settings import kernel_tuning_on
 from dflash_train.checks.recompiles import RecompileWatch
 from dflash_train.config import RunConfig
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.train.shapes import bucket_shapes, compile_layers
+
+log = logging.getLogger("dflash_train")
 
 
 @dataclass
@@ -32,6 +36,9 @@ class Compilation:
             key = compile_cache.cache_key()
             state = compile_cache.cache_state(key)
             compile_cache.activate(key)
+            if tuning := kernel_tuning_on():  # the run's settings as set, by a variable or a library
+                log.warning("%s on: every graph this run compiles tunes each of its kernels, minutes a graph "
+                            "(`dflash-train doctor`)", ", ".join(tuning))
         recompiles = RecompileWatch()
         if cfg.train.compile:
             compile_layers(drafter, len(bucket_shapes(cfg.data)) if cfg.data.length_bucket else None)

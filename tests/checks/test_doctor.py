@@ -18,8 +18,9 @@ def test_this_environment_passes(tmp_path, monkeypatch):
     assert _check(report, "foreign packages").status == "ok"
     assert _check(report, "torch installs").status == "ok"
     assert {c.name for c in report.checks} >= {
-        "python", "torch", "pinned dependencies", "gpus", "code", "compile cache", "credentials", "disk"
+        "python", "torch", "pinned dependencies", "gpus", "code", "compile cache", "kernel tuning", "credentials", "disk"
     }
+    assert _check(report, "kernel tuning").status == "ok"
 
 
 def test_inference_package_in_the_env_is_a_warning(tmp_path):
@@ -77,3 +78,14 @@ def test_missing_credentials_warn_only_when_the_config_needs_them(tmp_path, monk
     (tmp_path / ".aws").mkdir()
     (tmp_path / ".aws" / "credentials").write_text("[default]\naws_access_key_id = x\n")
     assert _check(run_doctor(remote), "credentials").status == "ok"
+
+
+def test_kernel_tuning_left_on_is_a_warning_naming_it(tmp_path):
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(coordinate_descent_tuning=True, max_autotune=True):
+        report = run_doctor(RunConfig(run_dir=str(tmp_path / "run")))
+    check = _check(report, "kernel tuning")
+    assert check.status == "warn" and check.detail.startswith("coordinate_descent_tuning, max_autotune on:")
+    assert report.exit_code == 0
+
