@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 import torch._inductor.config as inductor_config
 
+from dflash_train.errors import UserError
+
 _PLAIN = (bool, int, float, str, type(None))
 _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TRITON_")
 # Settings that make each compiled graph compile and benchmark many variants of its kernels
@@ -50,12 +52,12 @@ def kernel_tuning_on() -> list[str]:
 
 @contextmanager
 def compile_settings_kept(caller: str) -> Iterator[None]:
-    """Run the block; raise if it changed any of inductor's process-wide settings. `caller` names
-    the block in the error."""
+    """Run the block; raise a UserError (one line from the CLI) if it changed any of inductor's
+    process-wide settings. `caller` names the block in the error."""
     before = _plain_settings()
     yield
     after = _plain_settings()
     changed = [f"{name}: {before.get(name)!r} -> {value!r}" for name, value in after.items() if before.get(name) != value]
     if changed:
-        raise RuntimeError(f"{caller} changed torch.compile's settings for the whole process ({'; '.join(changed)}); "
-                           "every graph compiled later would inherit them")
+        raise UserError(f"{caller} changed torch.compile's settings for the whole process ({'; '.join(changed)}), "
+                        "which every graph compiled later would inherit; please report it with the library's version")

@@ -7,6 +7,7 @@ import pytest
 import torch._inductor.config as inductor_config
 
 from dflash_train.checks.compile_settings import compile_settings_kept
+from dflash_train.errors import UserError
 
 
 def test_a_block_that_changes_no_setting_passes():
@@ -16,13 +17,13 @@ def test_a_block_that_changes_no_setting_passes():
 
 def test_a_block_that_turns_a_tuning_flag_on_fails_naming_it():
     with inductor_config.patch(coordinate_descent_tuning=False):  # restored whatever the block did
-        with pytest.raises(RuntimeError, match=r"a tuning library changed .*coordinate_descent_tuning: False -> True"):
+        with pytest.raises(UserError, match=r"a tuning library changed .*coordinate_descent_tuning: False -> True"):
             with compile_settings_kept("a tuning library"):
                 inductor_config.coordinate_descent_tuning = True
 
 
 def test_a_nested_setting_is_seen_too():
     with inductor_config.patch({"triton.cudagraphs": False}):
-        with pytest.raises(RuntimeError, match=r"triton\.cudagraphs: False -> True"):
+        with pytest.raises(UserError, match=r"triton\.cudagraphs: False -> True"):
             with compile_settings_kept("a library"):
                 inductor_config.triton.cudagraphs = True

@@ -15,6 +15,7 @@ from torch import nn
 
 import dflash_train.targets.fp8 as target_fp8
 from dflash_train.checks.compile_settings import compile_settings_kept
+from dflash_train.errors import UserError
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
                                 reason="the fp8 extra (torchao) is not installed")
@@ -49,6 +50,6 @@ def test_torchaos_default_would_have_turned_tuning_on(fp8_gpu_claimed):
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerTensor, quantize_
 
     with inductor_config.patch(coordinate_descent_tuning=False, coordinate_descent_check_all_directions=False):
-        with pytest.raises(RuntimeError, match="coordinate_descent_tuning: False -> True"):
+        with pytest.raises(UserError, match="coordinate_descent_tuning: False -> True"):
             with compile_settings_kept("torchao's default"):
                 quantize_(_layers(), Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()))
