@@ -37,7 +37,7 @@ from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.targets.fp8 import GRANULARITIES, quantize_decoder
 from dflash_train.targets.model import Target, compile_decoder
 from dflash_train.draft.loss import LossMix
-from dflash_train.checks.compile_settings import run_settings
+from dflash_train.checks.compile_settings import settings_for_manifest
 from dflash_train.checks.profile import profile_callable
 from dflash_train.train.shapes import draft_model_config, stream_layer_ids
 from dflash_train.train.optim import build_optimizer
@@ -315,7 +315,7 @@ def main(argv=None):
         "e2e_overlap_mfu": peak_tflops and levers and (flop_target + flop_draft) * levers["e2e_overlap_tokens_per_s"]
         / tokens / 1e12 / peak_tflops,
         "recompiles": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
-        "compile_settings": run_settings(),  # kernel tuning, set by a variable or a library, changes every rate
+        "compile_settings": settings_for_manifest(),  # kernel tuning, set by a variable or a library, changes every rate
     }
     print(json.dumps(result, indent=2))
     if args.out:

@@ -73,6 +73,10 @@ def _is_volatile(path: Path) -> bool:
     return any(resolved.is_relative_to(v.resolve()) for v in _VOLATILE_ROOTS)
 
 
+CACHE_SWITCHES = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+"""The variables `activate` sets besides the two folders: inductor's caches on."""
+
+
 def activate(key: str, root: str | Path | None = None, *, allow_tmp: bool = False) -> Path:
     """Point inductor and triton at `<root>/<key>`. Call before the first torch.compile.
 
@@ -90,8 +94,7 @@ def activate(key: str, root: str | Path | None = None, *, allow_tmp: bool = Fals
     (key_dir / "triton").mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(key_dir / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(key_dir / "triton")
-    os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "1"
-    os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "1"
+    os.environ.update(CACHE_SWITCHES)
     return key_dir
 
 

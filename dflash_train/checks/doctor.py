@@ -21,7 +21,6 @@ from packaging.version import Version
 
 from dflash_train.config import RunConfig
 from dflash_train.checks import compile_cache
-from dflash_train.checks.compile_settings import kernel_tuning_on
 from dflash_train.checks import environment as env
 from dflash_train.checks.gitstate import git_state, package_repo_root
 
@@ -173,6 +172,8 @@ def check_compile_cache(cache_root: str | Path | None, config: RunConfig | None)
 
 
 def check_kernel_tuning() -> Check:
+    from dflash_train.checks.compile_settings import kernel_tuning_on  # imports inductor (seconds): this check alone needs it
+
     tuning = kernel_tuning_on()
     if tuning:
         return Check("kernel tuning", "warn", f"{', '.join(tuning)} on: every compiled graph tunes each kernel "

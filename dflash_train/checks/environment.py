@@ -18,7 +18,7 @@ from packaging.utils import canonicalize_name
 
 from dflash_train.pinned_memory import ALLOC_CONF_VARS
 
-TRACKED_PACKAGES = ("torch", "triton", "transformers", "safetensors", "pydantic", "pyarrow")
+TRACKED_PACKAGES = ("torch", "triton", "transformers", "safetensors", "pydantic", "pyarrow", "torchao")
 # Inference stacks pin their own torch/CUDA builds and kernels; they belong in a serving env.
 # The slow run had sglang, vllm and flashinfer installed next to the trainer.
 FOREIGN_PACKAGES = (

@@ -19,7 +19,7 @@ from dflash_train.checks.diff_runs import diff_manifests
 from dflash_train.checks.manifest import MANIFEST_NAME
 
 METRICS_NAME = "metrics.jsonl"
-_DRIFT_KEYS = ("packages", "torch", "python", "git.commit", "git.diff_sha256")
+_DRIFT_KEYS = ("packages", "torch", "compile_settings", "python", "git.commit", "git.diff_sha256")
 logger = logging.getLogger("dflash_train")
 
 

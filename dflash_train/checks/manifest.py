@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dflash_train.checks import environment as env
+from dflash_train.checks.compile_settings import settings_for_manifest
 from dflash_train.atomic import write_json_atomic
 from dflash_train.checks.gitstate import git_state
 
@@ -59,8 +60,6 @@ def build_manifest(
 ) -> dict:
     """Collect the manifest. `config` is the resolved config as plain data (model_dump(mode="json"));
     `target`: what was loaded (class, attention, text format: chat template or plain text)."""
-    from dflash_train.checks.compile_settings import run_settings  # imports torch: `diff-runs` needs none
-
     found = env.installed(paths)
     gpu_list = env.gpus()
     return {
@@ -75,7 +74,7 @@ def build_manifest(
         "hostname": socket.gethostname(),
         "packages": env.package_versions(found),
         "torch": env.torch_build(),
-        "compile_settings": run_settings(),
+        "compile_settings": settings_for_manifest(),
         "gpus": gpu_list,
         "hardware_fingerprint": env.hardware_fingerprint(gpu_list),
         "config": config,

@@ -27,3 +27,10 @@ def test_a_nested_setting_is_seen_too():
         with pytest.raises(UserError, match=r"triton\.cudagraphs: False -> True"):
             with compile_settings_kept("a library"):
                 inductor_config.triton.cudagraphs = True
+
+
+def test_a_custom_pass_set_where_there_was_none_is_seen():
+    with inductor_config.patch(pre_grad_custom_pass=None):
+        with pytest.raises(UserError, match=r"pre_grad_custom_pass: None -> <function"):
+            with compile_settings_kept("a library"):
+                inductor_config.pre_grad_custom_pass = lambda graph: None

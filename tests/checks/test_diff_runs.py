@@ -18,7 +18,7 @@ def test_lists_exactly_the_changes_relevant_first(manifest):
     other["packages"]["torch"] = "2.11.0+cu130"
     other["config"]["train"]["lr"] = 1e-4
     other["hostname"] = "elsewhere"
-    other["compile_settings"]["inductor"] = {"coordinate_descent_tuning": True}
+    other["compile_settings"]["inductor"]["coordinate_descent_tuning"] = True
     diffs = diff_manifests(manifest, other)
     assert diffs == [
         ("packages.torch", manifest["packages"]["torch"], "2.11.0+cu130"),

@@ -88,4 +88,3 @@ def test_kernel_tuning_left_on_is_a_warning_naming_it(tmp_path):
     check = _check(report, "kernel tuning")
     assert check.status == "warn" and check.detail.startswith("coordinate_descent_tuning, max_autotune on:")
     assert report.exit_code == 0
-
