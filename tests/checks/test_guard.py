@@ -46,6 +46,7 @@ def test_fires_once_and_names_the_visible_causes(tmp_path, base_manifest, caplog
     now = _current(tmp_path, base_manifest)
     now["packages"]["torch"] = "2.9.0+cu126"
     now["packages"]["sglang"] = "0.5.2"
+    now["compile_settings"]["environment"]["TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"] = "1"
     now["git"] = {
         "commit": "abc", "dirty": True, "diff_sha256": "f" * 64, "changed_files": ["dflash_train/draft/model.py"]
     }
@@ -57,6 +58,7 @@ def test_fires_once_and_names_the_visible_causes(tmp_path, base_manifest, caplog
         message = guard.check(WARMUP + 1, 500, context)
     assert "50%" in message and str(tmp_path / "good") in message
     for cause in ("3 recompile(s)", "compile cache was cold", "packages.torch", "packages.sglang",
+                  "compile_settings.environment.TORCHINDUCTOR_COORDINATE_DESCENT_TUNING: <absent> -> 1",
                   "dflash_train/draft/model.py"):
         assert cause in message
     assert [r.getMessage() for r in caplog.records] == [message]
