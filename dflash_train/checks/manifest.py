@@ -19,7 +19,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dflash_train.checks import environment as env
-from dflash_train.checks.compile_settings import settings_for_manifest
 from dflash_train.atomic import write_json_atomic
 from dflash_train.checks.gitstate import git_state
 
@@ -60,6 +59,9 @@ def build_manifest(
 ) -> dict:
     """Collect the manifest. `config` is the resolved config as plain data (model_dump(mode="json"));
     `target`: what was loaded (class, attention, text format: chat template or plain text)."""
+    # inductor's import (~1.4 s): building a manifest needs it, `diff-runs` reading two does not
+    from dflash_train.checks.compile_settings import settings_for_manifest
+
     found = env.installed(paths)
     gpu_list = env.gpus()
     return {
