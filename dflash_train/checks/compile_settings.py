@@ -15,7 +15,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
+import torch
 import torch._inductor.config as inductor_config
 
 from dflash_train.checks.compile_cache import CACHE_SWITCHES
@@ -26,20 +28,29 @@ _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TRITON_")
 # Settings that make each compiled graph compile and benchmark many variants of its kernels
 # (minutes a graph on a large drafter): off unless a run has measured that they pay.
 KERNEL_TUNING = ("coordinate_descent_tuning", "max_autotune", "max_autotune_gemm", "max_autotune_pointwise")
+_TORCH_DIR = Path(torch.__file__).parent
+
+
+def _set_by_torch(name: str, value: str) -> bool:
+    """torch itself points Triton at the ptxas it ships (its place in the package varies between
+    releases), in whichever process compiles a kernel first: a run whose kernels all came from the
+    cache has no such variable, so recording it would only show a cold run and a warm one apart."""
+    return name == "TRITON_PTXAS_PATH" and Path(value).is_relative_to(_TORCH_DIR)
 
 
 def settings_for_manifest() -> dict[str, dict]:
     """What a run's manifest records, so that `diff-runs` shows it: inductor's plain settings whose
     values differ from torch's defaults, and the environment variables that steer compilation (a
     setting a variable changes may show in either part). Left out: the cache folders, which differ
-    between hosts, and the cache switches every compiling run of this package sets
-    (compile_cache.activate)."""
+    between hosts, the cache switches every compiling run of this package sets
+    (compile_cache.activate), and torch's own ptxas, which torch names in the environment itself."""
     # torch's own defaults (private, no public accessor): a value set back to its default is unchanged
     defaults = {name: entry.default for name, entry in inductor_config._config.items()}
     changed = {name: value for name, value in sorted(inductor_config.get_config_copy().items())
                if isinstance(value, _PLAIN) and value != defaults.get(name)}
     environment = {name: value for name, value in sorted(os.environ.items())
-                   if name.startswith(_ENV_PREFIXES) and not name.endswith("_CACHE_DIR") and name not in CACHE_SWITCHES}
+                   if name.startswith(_ENV_PREFIXES) and not name.endswith("_CACHE_DIR") and name not in CACHE_SWITCHES
+                   and not _set_by_torch(name, value)}
     return {"inductor": changed, "environment": environment}
 
 

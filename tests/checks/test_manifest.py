@@ -1,5 +1,6 @@
 import json
 import platform
+from pathlib import Path
 
 from dflash_train.config import RunConfig
 from dflash_train.checks.manifest import build_manifest, config_fingerprint, write_manifest
@@ -57,3 +58,16 @@ def test_the_manifest_records_compile_settings_that_are_not_torchs_defaults(tmp_
     assert settings["inductor"]["coordinate_descent_tuning"] is True and settings["inductor"]["max_autotune_gemm"] is True
     assert settings["environment"]["TORCHINDUCTOR_MAX_AUTOTUNE"] == "1"
     assert settings["environment"] == {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}
+
+
+def test_torchs_own_ptxas_is_not_recorded_but_another_one_is(tmp_path, monkeypatch):
+    """torch names the ptxas it ships in the environment of whichever process compiles a kernel
+    (not one whose kernels all come from the cache); a ptxas the user chose is a real difference."""
+    import torch
+
+    for own in (Path(torch.__file__).parent / "bin" / "ptxas", Path(torch.__file__).parent / "_inductor" / "bin" / "ptxas"):
+        monkeypatch.setenv("TRITON_PTXAS_PATH", str(own))  # torch 2.11's place, and a later release's
+        assert build_manifest(_config(), [], tmp_path)["compile_settings"]["environment"] == {}
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/usr/local/cuda/bin/ptxas")
+    assert build_manifest(_config(), [], tmp_path)["compile_settings"]["environment"] == {
+        "TRITON_PTXAS_PATH": "/usr/local/cuda/bin/ptxas"}
