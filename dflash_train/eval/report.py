@@ -170,6 +170,11 @@ def evaluate(target: Target, drafter: DFlashDraftModel, prompts: list[Prompt],
     s = settings
     block_size = s.block_size or drafter.config.block_size
     generator = torch.Generator(device=target.device).manual_seed(s.seed)
+    if target.fp8 == "tensorwise" and s.temperature == 0:
+        # one scale for all of a forward's activations: a token's logits move with the other rows and
+        # positions in its pass, so a 16-token verification and a 1-token greedy step round apart
+        log.warning("target.fp8=tensorwise scales each activation tensor as a whole: the target's output for a "
+                    "token depends on the rest of its batch, and the lossless check will find differences")
     why_not = RaggedCache.supports(target)
     cached = s.acceptance_cache == "ragged" or (s.acceptance_cache == "auto" and why_not is None)
     if why_not and s.acceptance_cache == "auto":
@@ -182,8 +187,8 @@ def evaluate(target: Target, drafter: DFlashDraftModel, prompts: list[Prompt],
     speed = {"speed_prompts": 0, "spec_tokens_per_s": None, "target_tokens_per_s": None, "speedup": None}
     if s.speed_prompts:
         speed = measure_speed(target, drafter, prompts[: s.speed_prompts], s, block_size, generator)
-    return {"target": target.name, "device": str(target.device), **acceptance,
-            **summarize(decoded, speed, block_size, s.max_new_tokens, s.temperature)}
+    return {"target": target.name, "device": str(target.device), "target_dtype": str(target.embed_weight.dtype),
+            "target_fp8": target.fp8, **acceptance, **summarize(decoded, speed, block_size, s.max_new_tokens, s.temperature)}
 
 
 def periodic_evaluator(prompts: str | list[Prompt], num_prompts: int | None, max_new_tokens: int):
@@ -219,8 +224,9 @@ def periodic_eval_for(ec: EvalConfig):
 def format_table(report: dict) -> str:
     """The report's headline numbers as a rich table, rendered to a string for the terminal."""
     on = f" on {report['label']}" if "label" in report else ""
+    fp8 = f", FP8 {report['target_fp8']}" if report.get("target_fp8", "off") != "off" else ""
     table = Table(title=f"DFlash eval: {report['target']}{on} ({report['num_turns']} turns, B={report['block_size']}, "
-                        f"T={report['temperature']})")
+                        f"T={report['temperature']}{fp8})")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("tau (accepted per round, incl. bonus)", f"{report['tau']:.2f}")

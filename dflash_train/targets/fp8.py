@@ -5,6 +5,9 @@ with a dynamic scale, so the target's matmuls run on the FP8 tensor cores. The e
 the LM head stay in the target's dtype: the drafter reads both as plain tensors (block embeddings,
 logits in the loss). The drafter is then trained on the FP8 target's features; serve it against the
 target it will verify (docs/benchmarks/quality.md measures both pairings).
+
+Tensorwise takes one scale for a whole activation tensor, so a token's features move with the other
+tokens in its forward; rowwise scales each token alone (bfloat16 targets only, a torchao limit).
 """
 
 from __future__ import annotations

@@ -41,7 +41,21 @@ def test_evaluate_multi_turn_report(chat_target, tmp_path):
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["eval.json", "eval.png"]
     table = format_table(report)
-    assert "tau" in table and "4/4" in table
+    assert "tau" in table and "4/4" in table and "FP8" not in table
+    assert report["target_dtype"] == str(chat_target.embed_weight.dtype) and report["target_fp8"] == "off"
+
+
+def test_a_tensorwise_fp8_target_is_named_and_its_lossless_check_explained(chat_target, caplog):
+    """An FP8 target's report says so, and with per-tensor activation scales the eval warns that the
+    lossless check cannot hold (tests/targets/test_fp8.py shows why, through torchao)."""
+    import dataclasses
+
+    fp8_target = dataclasses.replace(chat_target, fp8="tensorwise")  # labels only: the forward stays as it was
+    with caplog.at_level("WARNING", logger="dflash_train"):
+        report = evaluate(fp8_target, tiny_drafter(chat_target, block_size=4), load_prompts("mt-bench", 1),
+                          DecodeSettings(max_new_tokens=4, speed_prompts=0))
+    assert report["target_fp8"] == "tensorwise" and "FP8 tensorwise" in format_table(report)
+    assert any("depends on the rest of its batch" in r.getMessage() for r in caplog.records)
 
 
 def test_sampled_report_has_no_lossless_check(chat_target):

@@ -1,6 +1,6 @@
 """The target's FP8 quantisation (targets/fp8.py) leaves torch.compile's process-wide settings as
 they were, where torchao's default would turn coordinate-descent tuning on for every graph the
-process compiles later.
+process compiles later; and with tensorwise scales a token's output depends on its batch.
 
 Through the real torchao on CPU where it is installed (not in CI): torchao checks for an FP8 GPU
 before it quantises, so those tests tell it one is there (its CPU path quantises the same way). In
@@ -80,3 +80,20 @@ def test_torchaos_default_would_have_turned_tuning_on(fp8_gpu_claimed):
         with pytest.raises(UserError, match="coordinate_descent_tuning: False -> True"):
             with compile_settings_kept("torchao's default"):
                 quantize_(_layers(), Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()))
+
+
+@needs_torchao
+@pytest.mark.parametrize("granularity", target_fp8.GRANULARITIES)
+def test_only_rowwise_scales_keep_a_tokens_output_independent_of_its_batch(fp8_gpu_claimed, granularity):
+    """Why an eval against a `target.fp8=tensorwise` target fails its lossless check: one scale for
+    a whole activation tensor makes a token's output depend on the other tokens in the pass (a
+    verification block against a one-token step). Per-row scales leave it to the token alone."""
+    layers = _layers()
+    target_fp8.quantize_decoder(layers, granularity)
+    token = torch.randn(1, 64, dtype=torch.bfloat16)
+    louder = 8 * torch.randn(1, 64, dtype=torch.bfloat16)  # a neighbour with a larger range
+    alone, beside = layers[0](token), layers[0](torch.cat([token, louder]))[:1]
+    if granularity == "rowwise":
+        assert torch.equal(alone, beside)
+    else:
+        assert (alone.float() - beside.float()).abs().max() > 0.01
