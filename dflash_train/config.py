@@ -38,8 +38,9 @@ class TargetConfig(Section):
     """The decoder's matmuls in FP8 (torchao, the `fp8` extra; GPUs of compute capability >= 8.9): weights
     and activations scaled per row (bfloat16 targets) or per tensor; embeddings and LM head stay. With
     `compile`, tensorwise ran the Qwen3-8B shape's target forward 1.52x bf16's, and its drafter lost no
-    acceptance against the bf16 target at equal steps on SmolLM2 (docs/benchmarks/quality.md). For
-    large targets; off by default (the drafter then learns the bf16 target's features)."""
+    acceptance against the bf16 target at equal steps on SmolLM2, alone or with `draft.fp8` and
+    `train.fp8_lm_head` (docs/benchmarks/quality.md). For large targets; off by default (the drafter
+    then learns the bf16 target's features)."""
     compile: bool = False
     """Training's target forward through torch.compile, each decoder layer's forward (norms, rotary
     embedding and activation fuse; `bench/throughput.py --compile-target` measures it): a graph for
