@@ -161,6 +161,16 @@ def summarize(decoded: dict, speed: dict, block_size: int, max_new_tokens: int, 
     }
 
 
+# Why an FP8 target fails the lossless check whatever the eval's dtype: its 16-token verification and
+# its 1-token greedy step round apart (docs/benchmarks/quality.md measured both granularities).
+_FP8_NOT_LOSSLESS = {
+    "tensorwise": "scales each activation tensor as a whole: the target's output for a token depends on the rest "
+                  "of its batch",
+    "rowwise": "quantises bfloat16 targets only, and in bfloat16 a 16-token verification and a 1-token greedy "
+               "step round apart",
+}
+
+
 def evaluate(target: Target, drafter: DFlashDraftModel, prompts: list[Prompt],
              settings: DecodeSettings = DecodeSettings()) -> dict:
     """A report dict: acceptance over every turn of `prompts` (decode_turns), speed on the first
@@ -170,11 +180,9 @@ def evaluate(target: Target, drafter: DFlashDraftModel, prompts: list[Prompt],
     s = settings
     block_size = s.block_size or drafter.config.block_size
     generator = torch.Generator(device=target.device).manual_seed(s.seed)
-    if target.fp8 == "tensorwise" and s.temperature == 0:
-        # one scale for all of a forward's activations: a token's logits move with the other rows and
-        # positions in its pass, so a 16-token verification and a 1-token greedy step round apart
-        log.warning("target.fp8=tensorwise scales each activation tensor as a whole: the target's output for a "
-                    "token depends on the rest of its batch, and the lossless check will find differences")
+    if target.fp8 != "off" and s.temperature == 0:
+        log.warning("target.fp8=%s %s, and the lossless check will find differences",
+                    target.fp8, _FP8_NOT_LOSSLESS[target.fp8])
     why_not = RaggedCache.supports(target)
     cached = s.acceptance_cache == "ragged" or (s.acceptance_cache == "auto" and why_not is None)
     if why_not and s.acceptance_cache == "auto":

@@ -45,17 +45,21 @@ def test_evaluate_multi_turn_report(chat_target, tmp_path):
     assert report["target_dtype"] == str(chat_target.embed_weight.dtype) and report["target_fp8"] == "off"
 
 
-def test_a_tensorwise_fp8_target_is_named_and_its_lossless_check_explained(chat_target, caplog):
-    """An FP8 target's report says so, and with per-tensor activation scales the eval warns that the
-    lossless check cannot hold (tests/targets/test_fp8.py shows why, through torchao)."""
+@pytest.mark.parametrize("granularity, why", [("tensorwise", "depends on the rest of its batch"),
+                                              ("rowwise", "in bfloat16 a 16-token verification")])
+def test_an_fp8_target_is_named_and_its_lossless_check_explained(chat_target, caplog, granularity, why):
+    """An FP8 target's report says so, and the eval warns that the lossless check cannot hold:
+    per-tensor activation scales tie a token to its batch (tests/targets/test_fp8.py shows it, through
+    torchao); per-row ones need a bfloat16 target, whose verification and greedy step round apart."""
     import dataclasses
 
-    fp8_target = dataclasses.replace(chat_target, fp8="tensorwise")  # labels only: the forward stays as it was
+    fp8_target = dataclasses.replace(chat_target, fp8=granularity)  # labels only: the forward stays as it was
     with caplog.at_level("WARNING", logger="dflash_train"):
         report = evaluate(fp8_target, tiny_drafter(chat_target, block_size=4), load_prompts("mt-bench", 1),
                           DecodeSettings(max_new_tokens=4, speed_prompts=0))
-    assert report["target_fp8"] == "tensorwise" and "FP8 tensorwise" in format_table(report)
-    assert any("depends on the rest of its batch" in r.getMessage() for r in caplog.records)
+    assert report["target_fp8"] == granularity and f"FP8 {granularity}" in format_table(report)
+    warned = [r.getMessage() for r in caplog.records if "lossless check will find differences" in r.getMessage()]
+    assert len(warned) == 1 and f"target.fp8={granularity} " in warned[0] and why in warned[0]
 
 
 def test_sampled_report_has_no_lossless_check(chat_target):
