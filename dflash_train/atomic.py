@@ -6,6 +6,7 @@ fsynced, renamed, and the parent directory fsynced so the rename itself survives
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -23,6 +24,21 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+@functools.cache
+def _umask() -> int:
+    """Read once: Python can only read the umask by setting it, which other threads could see."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def default_mode(directory: bool = False) -> int:
+    """The mode a plain open() or mkdir() gives under the process's umask. Temp files and folders
+    are created owner-only; what they become is given this mode, so a server running as another
+    user (a converted target, an export) can read it as it could any file the user writes."""
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
 def write_atomic(path: str | Path, write) -> Path:
     """`write(binary file)` into a temp sibling, fsync, rename over `path`. A full disk or a
     read-only one is a DiskError naming `path`, and no temp file is left."""
@@ -31,6 +47,7 @@ def write_atomic(path: str | Path, write) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
+            os.fchmod(fd, default_mode())
             with os.fdopen(fd, "wb") as f:
                 write(f)
                 f.flush()
@@ -58,10 +75,12 @@ def read_json(path: str | Path) -> dict | None:
 
 
 def swap_dir(tmp: str | Path, final: str | Path) -> Path:
-    """Fsync every file of the finished directory `tmp`, then put it at `final` (replacing any old one)."""
+    """Fsync every file of the finished directory `tmp`, then put it at `final` (replacing any old one),
+    its files readable as any file the user writes (`default_mode`)."""
     tmp, final = Path(tmp), Path(final)
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
+            os.fchmod(fh.fileno(), default_mode())  # safetensors and mkstemp write owner-only files
             os.fsync(fh.fileno())
     fsync_dir(tmp)
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
@@ -77,4 +96,6 @@ def new_temp_dir(final: str | Path) -> Path:
     """An empty hidden directory beside `final`, to be filled and then `swap_dir`-ed into place."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    tmp.chmod(default_mode(directory=True))
+    return tmp

@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from dflash_train import __version__
 from dflash_train.config import ConfigError, RunConfig, load_config
@@ -175,8 +176,23 @@ def cmd_eval(args) -> int:
 def cmd_export(args) -> int:
     from dflash_train.eval.export import export_drafter
 
-    print(export_drafter(args.checkpoint, args.out_dir))
+    print(export_drafter(args.checkpoint, args.out_dir, mask_token=args.mask_token, target=args.target))
     return 0
+
+
+def cmd_serve_check(args) -> int:
+    from dflash_train.serve.check import ServeCheckSettings, format_summary, serve_check
+    from dflash_train.serve.llama_cpp import find_llama_cpp
+
+    llama = find_llama_cpp(args.llama_cpp, build=args.build_llama_cpp)
+    settings = ServeCheckSettings(target=args.target, drafter=args.drafter, out=Path(args.out), export=args.export,
+                                  prompts=args.prompts,
+                                  num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                                  gguf_type=args.gguf_type, max_tau_gap=args.max_tau_gap, threads=args.threads)
+    summary = serve_check(llama, settings)
+    print(format_summary(summary))
+    print(f"report: {args.out}/serve_check.json")
+    return 0 if summary["passed"] else 1
 
 
 DESCRIPTION = """\
@@ -194,7 +210,8 @@ Your own target, in this order:
   doctor     check the environment; warmup precompiles (GPU)
   train      train the drafter (launch: several GPUs)
   eval       speculative decoding on held-out prompts: acceptance length tau, speedup
-  export     checkpoint -> the format SGLang, vLLM and z-lab load
+  export     checkpoint -> the format SGLang, vLLM, llama.cpp and z-lab load
+  serve-check  llama.cpp serves the export: lossless, its acceptance against eval's, tokens/s
   diff-runs  what changed between two runs
 Each command has its own --help. Settings come from a YAML file (-c), then dotted overrides
 (train.lr=3e-4), then flags: every config key is one (--train.lr 3e-4), listed with its default."""
@@ -273,6 +290,30 @@ def _corpus_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="JSONL file of {id, messages} rows")
 
 
+def _serve_check_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="llama.cpp", choices=["llama.cpp"], help="the serving engine (default: llama.cpp)")
+    p.add_argument("--target", required=True, help="the target: an HF model dir, or smollm2 / gemma3-270m")
+    p.add_argument("--drafter", required=True, help="what eval decodes: a training checkpoint or an export folder")
+    p.add_argument("--export", help="what llama.cpp serves: an export folder (default: --drafter, exported first "
+                   "when it is a checkpoint); naming both checks an export against its checkpoint")
+    p.add_argument("--out", default="serve-check", help="folder for the GGUFs, server logs and serve_check.json "
+                   "(default: serve-check)")
+    p.add_argument("--prompts", default="mt-bench", help="prompts: a set or JSONL file (default: mt-bench)")
+    p.add_argument("--num-prompts", dest="num_prompts", type=_positive_int, default=20, help="first turns decoded "
+                   "(default: 20)")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=_positive_int, default=128,
+                   help="tokens per answer (default: 128)")
+    p.add_argument("--gguf-type", dest="gguf_type", default="f32", choices=["f32", "bf16", "f16"],
+                   help="GGUF weights; f32 (default) computes as eval's float32, so answers compare exactly")
+    p.add_argument("--max-tau-gap", dest="max_tau_gap", type=float, default=0.03, help="fail when llama.cpp's mean "
+                   "accepted length differs from eval's tau by more than this share (default: 0.03)")
+    p.add_argument("--threads", type=_positive_int, help="llama-server threads (default: llama.cpp's)")
+    p.add_argument("--llama-cpp", dest="llama_cpp", metavar="DIR", help="a llama.cpp source tree with llama-server "
+                   "built in DIR/build/bin (default: llama-server on PATH, else the cached pinned build)")
+    p.add_argument("--build-llama-cpp", dest="build_llama_cpp", action="store_true", help="no llama.cpp found: "
+                   "build the pinned release into the cache (cmake and a C++ compiler; 5-20 min on 2 cores)")
+
+
 def _positionals(p: argparse.ArgumentParser, **arguments: str) -> None:
     """Positional arguments (name=help, in order)."""
     for name, help_text in arguments.items():
@@ -321,8 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
             "(eval.heldout_files)")
     p.add_argument("run_dirs", nargs="+", help="run directories holding heldout.jsonl")
     p.add_argument("--out", default="curve.png", help="PNG file to write")
-    _positionals(add("export", cmd_export, "checkpoint -> folder SGLang, vLLM and z-lab load"),
-                 checkpoint="training checkpoint dir (runs/<name>/checkpoints/step_...)", out_dir="new export directory")
+    p = add("export", cmd_export, "checkpoint -> folder SGLang, vLLM, llama.cpp and z-lab load")
+    _positionals(p, checkpoint="training checkpoint dir (runs/<name>/checkpoints/step_...)", out_dir="new export directory")
+    p.add_argument("--target", help="the target, for the mask token's text (default: the checkpoint's run's target)")
+    p.add_argument("--mask-token", dest="mask_token", help="the mask token's text (default: looked up in the target's "
+                   "tokenizer)")
+    _serve_check_args(add("serve-check", cmd_serve_check, "llama.cpp serves the drafter: lossless, its acceptance "
+                          "against eval's tau on the same prompts, tokens/s with and without it"))
     _run_config(add("doctor", cmd_doctor, "check the environment, code and compile cache before a run"),
                 required=False).add_argument("--json", action="store_true", help="machine-readable report")
     _positionals(add("diff-runs", cmd_diff_runs, "what differs between two runs' manifests"),

@@ -77,8 +77,26 @@ class DraftConfig(Section):
     SmolLM2; off by default, as small drafters run slower with it (docs/benchmarks/throughput.md#fp8,
     quality.md)."""
 
+    family: Literal["dflash", "dflash2"] = "dflash"
+    """dflash: the drafter as published in February 2026; dflash2: plus a two-tap grouped convolution
+    around each attention and MLP sublayer and a top-k path selector, as SGLang, vLLM and llama.cpp
+    serve it (docs/design.md#dflash2). With `init_from` a dflash drafter, a dflash2 one starts as it."""
+    conv_kernel_size: int = Field(2, ge=1)
+    """dflash2: taps of each in-block convolution (the published drafters use 2)."""
+    conv_group_size: int = Field(64, ge=1)
+    """dflash2: channels sharing one per-token coefficient; must divide the hidden size."""
+    selector_rank: int = Field(64, ge=1)
+    """dflash2: rank of the selector's predecessor/successor codebooks (vocabulary x rank each)."""
+    selector_top_k: int = Field(4, ge=1)
+    """dflash2: candidates per position the selector chooses among."""
+
     @model_validator(mode="after")
     def _one_layer_choice(self) -> DraftConfig:
+        # changed from their defaults (a dumped config repeats the defaults of every key)
+        dflash2_only = sorted(k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+                              if getattr(self, k) != type(self).model_fields[k].default)
+        if self.family == "dflash" and dflash2_only:
+            raise ValueError(f"draft.{dflash2_only[0]} belongs to draft.family=dflash2 (the family is dflash)")
         self._not_both("draft", "target_layer_ids", "num_target_features",
                        "the ids already fix which (and how many) target layers are captured; set one")
         if self.init_layers_from is not None and len(self.init_layers_from) != self.num_layers:
@@ -153,9 +171,11 @@ class ObjectiveConfig(Section):
     past that, more anchors cost time without learning more (history: docs/benchmarks/quality.md)."""
     gamma: float = Field(7.0, gt=0)
     """Loss weight decay over block positions: w_k = exp(-(k-1)/gamma)."""
-    loss: dict[Literal["ce", "target_argmax", "kl"], float] = Field(default_factory=lambda: {"ce": 1.0})
+    loss: dict[Literal["ce", "target_argmax", "kl", "selector"], float] = Field(default_factory=lambda: {"ce": 1.0})
     """Per-slot loss as a weighted mix: `ce` on the data tokens, `target_argmax` (CE on the target's greedy
-    token), `kl` to the target's distribution; the target kinds make text the target did not write usable."""
+    token), `kl` to the target's distribution; the target kinds make text the target did not write usable.
+    `selector` (draft.family=dflash2): CE of the path selector choosing the data token among the slot's
+    top-k candidates after the true previous token (docs/design.md#dflash2)."""
     kd_temperature: float = Field(1.0, gt=0)
     """Softmax temperature of both distributions in `kl` (the loss is scaled by T^2)."""
     feature_noise: float = Field(0.0, ge=0)
@@ -357,6 +377,19 @@ class RunConfig(Section):
         if self.objective.feature_noise:
             raise ValueError("objective.feature_noise draws random numbers inside the step, which the captured "
                              "step is not tested with yet: set train.cuda_graphs=false or objective.feature_noise=0")
+        return self
+
+    @model_validator(mode="after")
+    def _selector_fits_the_family(self) -> RunConfig:
+        selector = self.objective.loss.get("selector", 0.0) > 0
+        if selector and self.draft.family != "dflash2":
+            raise ValueError("objective.loss.selector trains DFlash2's path selector: set draft.family=dflash2")
+        if selector and (self.train.fp8_lm_head or self.train.cuda_graphs or self.train.compile_loss):
+            raise ValueError("objective.loss.selector runs uncompiled through the bf16/fp32 LM head: set "
+                             "train.fp8_lm_head, train.cuda_graphs and train.compile_loss to false")
+        if self.draft.family == "dflash2" and not selector:
+            raise ValueError("draft.family=dflash2 without objective.loss.selector leaves the selector untrained "
+                             "(it would draft as DFlash): add selector to objective.loss, e.g. {ce: 1, selector: 1}")
         return self
 
     @model_validator(mode="after")

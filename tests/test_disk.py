@@ -170,7 +170,7 @@ def test_read_only_locations_fail_in_one_line_before_any_loading(tmp_path, read_
 def test_an_unchecked_writer_on_a_full_disk_is_one_line(monkeypatch, capsys):
     import dflash_train.eval.export as export
 
-    def full(*args):
+    def full(*args, **kwargs):
         raise RuntimeError("serialising failed") from OSError(errno.ENOSPC, "No space left on device", "out/w.bin")
 
     monkeypatch.setattr(export, "export_drafter", full)

@@ -142,3 +142,37 @@ def test_the_whole_chain_works_on_every_family(family, tmp_path, capsys):
     assert (report["acceptance_cache"], report["ragged_unavailable"]) == ("ragged", None), family
     assert (report["speed_engine"], report.get("static_unavailable")) == ("static", None), family
     print(json.dumps({"family": family, **outcomes}))  # -s: the rows of docs/families.md
+
+
+@pytest.mark.slow(seconds=10)
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "gemma3"])
+def test_dflash2_goes_through_the_chain(family, tmp_path, capsys):
+    """DFlash2 (in-block convolutions, the path selector trained by objective.loss.selector): train, export
+    in the engines' DFlash2DraftModel format, eval in fp32 with the selector drafting, every answer lossless."""
+    model_dir = _save_target(family, tmp_path / "model")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
+                               for i, p in enumerate(PROMPTS)))
+    outcomes: dict[str, str] = {}
+    _stage(outcomes, family, "generate padded", [
+        "generate", "--backend", "local", "--model", str(model_dir), "--input", str(prompts), "--output",
+        str(tmp_path / "gen-padded"), "--output-format", "jsonl", "--max-tokens", str(NEW_TOKENS), "--engine",
+        "padded", "--device", "cpu", "--batch-size", "4"], capsys)
+    config = _run_config(tmp_path, model_dir, tmp_path / "gen-padded")
+    dflash2 = ["draft.family=dflash2", "draft.conv_group_size=8", "draft.selector_rank=8", "draft.selector_top_k=3",
+               "objective.loss={ce: 1, selector: 1}"]
+    _stage(outcomes, family, "train", ["train", "-c", str(config), *dflash2], capsys)
+    run = tmp_path / "run"
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert sum(losses[-5:]) / 5 < 0.8 * losses[0], (family, losses[:5], losses[-5:])
+    export = tmp_path / "export"
+    _stage(outcomes, family, "export", ["export", str(next((run / "checkpoints").glob("step_*"))), str(export)], capsys)
+    assert json.loads((export / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    report_dir = tmp_path / "eval"
+    _stage(outcomes, family, "eval", [
+        "eval", "--target", str(model_dir), "--drafter", str(export), "--prompts", str(prompts), "--dtype", "float32",
+        "--device", "cpu", "--max-new-tokens", str(NEW_TOKENS), "--batch-size", "3", "--speed-prompts", "1",
+        "--speed-engine", "static", "--out", str(report_dir)], capsys)
+    report = json.loads((report_dir / "eval.json").read_text())
+    assert report["lossless"] == {"matches": len(PROMPTS), "total": len(PROMPTS)}, family

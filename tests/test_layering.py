@@ -20,6 +20,7 @@ LAYERS = [
     {"checkpoint"},
     {"generate"},
     {"eval"},
+    {"serve"},
     {"train"},
     {"distributed"},
     {"quickstart"},

@@ -31,11 +31,13 @@ class LossMix:
     target_argmax: float = 0.0
     kl: float = 0.0
     temperature: float = 1.0
+    selector: float = 0.0
+    """DFlash2's path selector (draft/dflash2.py selector_loss_sum), added to the per-slot loss."""
 
     @classmethod
     def from_weights(cls, weights: dict, temperature: float = 1.0) -> LossMix:
         return cls(ce=weights.get("ce", 0.0), target_argmax=weights.get("target_argmax", 0.0),
-                   kl=weights.get("kl", 0.0), temperature=temperature)
+                   kl=weights.get("kl", 0.0), temperature=temperature, selector=weights.get("selector", 0.0))
 
     @property
     def needs_target(self) -> bool:

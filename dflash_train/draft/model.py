@@ -42,6 +42,12 @@ class DraftModelConfig:
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 32768
     layer_types: list[str] = field(default_factory=list)
+    family: str = "dflash"
+    """dflash, or dflash2 (draft/dflash2.py: in-block convolutions and a top-k path selector)."""
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
 
     def __post_init__(self):
         if not self.layer_types:
@@ -54,6 +60,18 @@ class DraftModelConfig:
                 )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside vocabulary {self.vocab_size}")
+        if self.family not in ("dflash", "dflash2"):
+            raise ValueError(f"drafter family {self.family!r}: dflash or dflash2")
+        dflash2 = (self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k)
+        if self.family == "dflash" and any(dflash2):
+            raise ValueError("conv_* and selector_* sizes belong to family dflash2")
+        if self.family == "dflash2":
+            if min(dflash2) < 1 or self.hidden_size % self.conv_group_size:
+                raise ValueError(f"dflash2 needs positive conv_kernel_size, conv_group_size (dividing hidden_size "
+                                 f"{self.hidden_size}), selector_rank and selector_top_k; got {dflash2}")
+            if self.hidden_size < self.selector_top_k * (self.selector_top_k + 1):
+                raise ValueError(f"selector_top_k {self.selector_top_k}: llama.cpp packs k*(k+1) selector scores "
+                                 f"into a row of hidden_size {self.hidden_size}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -206,7 +224,7 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h_BQH, ctx_BCH, rope_q, rope_k, mask, cache=None, layer=0):
+    def forward(self, h_BQH, ctx_BCH, rope_q, rope_k, mask, cache=None, layer=0, block_size: int = 0):
         # The context enters k/v as fc+hidden_norm left it: only block tokens get input_layernorm.
         x = self.input_layernorm(h_BQH)
         h_BQH = h_BQH + self.self_attn(x, ctx_BCH, rope_q, rope_k, mask, cache, layer)
@@ -214,13 +232,15 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDraftModel(nn.Module):
+    layer_class = DFlashLayer
+
     def __init__(self, cfg: DraftModelConfig):
         super().__init__()
         self.config = cfg
         num_ctx = len(cfg.target_layer_ids)
         self.fc = nn.Linear(num_ctx * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.reset_parameters()
 
@@ -253,6 +273,17 @@ class DFlashDraftModel(nn.Module):
             torch.cat([context_positions, block_positions], dim=1), cfg.head_dim, cfg.rope_theta, dtype
         )
         h = block_embeds_BQH
+        block_size = self.block_length(h.shape[1])
         for i, layer in enumerate(self.layers):
-            h = layer(h, ctx, rope_q, rope_k, mask, cache, i)
+            h = layer(h, ctx, rope_q, rope_k, mask, cache, i, block_size)
         return self.norm(h)
+
+    def block_length(self, q: int) -> int:
+        """Tokens per block in a forward over `q` block tokens (only DFlash2's convolutions need it)."""
+        return self.config.block_size
+
+    def propose_greedy(self, hidden_BQH: torch.Tensor, lm_head_weight: torch.Tensor,
+                       block_ids: torch.Tensor) -> torch.Tensor:
+        """The drafted tokens [b, Q-1] of blocks [b, Q] at temperature 0 (final hidden states of
+        `forward`): each slot's argmax over the target's LM head."""
+        return (hidden_BQH[:, 1:] @ lm_head_weight.T).argmax(-1)

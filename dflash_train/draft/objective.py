@@ -12,6 +12,7 @@ import torch
 
 from dflash_train.config import ObjectiveConfig
 from dflash_train.draft import masks
+from dflash_train.draft.dflash2 import selector_loss_sum
 from dflash_train.draft.loss import BlockLoss, LossMix, block_loss
 from dflash_train.draft.model import DFlashDraftModel
 
@@ -107,5 +108,10 @@ def draft_loss(
     if mix.needs_target:
         pos = masks.label_source_positions(task.anchors, cfg.block_size, task.input_ids.shape[1])
         target_hidden = final.gather(1, pos[..., None].expand(-1, -1, final.shape[-1]))
-    return block_loss(hidden, lm_head, task.labels, task.weights, cfg.block_size, ce_chunk_size,
+    loss = block_loss(hidden, lm_head, task.labels, task.weights, cfg.block_size, ce_chunk_size,
                       mix, target_hidden, target_logits_fn, compiled_loss, ce_kernel, even_chunks)
+    if mix.selector > 0:
+        block_ids = masks.block_inputs(task.input_ids, task.anchors, cfg.block_size, cfg.mask_token_id)
+        selector = selector_loss_sum(drafter, hidden, block_ids, task.labels, task.weights, lm_head)
+        loss.weighted_ce_sum = loss.weighted_ce_sum + mix.selector * selector
+    return loss

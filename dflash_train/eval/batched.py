@@ -21,7 +21,7 @@ import torch
 
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.ragged_cache import RaggedCache, RaggedDraftCache
-from dflash_train.eval.spec_decode import SpecResult, accept_sampled, check_budget, sample_tokens
+from dflash_train.eval.spec_decode import SpecResult, accept_sampled, check_budget, propose, sample_tokens
 from dflash_train.generate.backends import emit_tokens
 from dflash_train.targets.model import Target
 
@@ -35,7 +35,8 @@ def _right_padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
 
 def _draft(drafter: DFlashDraftModel, target: Target, context: torch.Tensor, context_positions: torch.Tensor,
            starts: torch.Tensor, last: torch.Tensor, block_size: int, cache: RaggedDraftCache | None = None):
-    """Draft logits [R, B-1, V]: row r's block [last_r, MASK...] at positions starts_r.., seeing the
+    """(hidden states [R, B, H], blocks [R, B]) of the drafter: row r's block [last_r, MASK...] at
+    positions starts_r.., seeing the
     context of positions 0..starts_r-1 and the whole block (a block attends both ways). `context`
     [R, C, K*H] at `context_positions`: every position (right-padded), or with a `cache` only those
     it has not seen yet (the cache's width is then the longest row's start)."""
@@ -47,8 +48,7 @@ def _draft(drafter: DFlashDraftModel, target: Target, context: torch.Tensor, con
                          torch.ones_like(block, dtype=torch.bool)], dim=1)
     mask = visible[:, None, None, :].expand(rows, 1, block_size, width + block_size)
     positions = starts[:, None] + torch.arange(block_size, device=device)
-    hidden = drafter(context, target.embed_weight[block], context_positions, positions, mask=mask, cache=cache)
-    return hidden[:, 1:] @ target.lm_head_weight.T
+    return drafter(context, target.embed_weight[block], context_positions, positions, mask=mask, cache=cache), block
 
 
 def _verify(target: Target, rows: list[list[int]], starts: torch.Tensor, block_size: int, layer_ids: list[int]):
@@ -98,11 +98,11 @@ def _decode_group(target, drafter, prompts, max_new_tokens, stop_ids, temperatur
             context = context[keep, : int(starts.max())]
         last = torch.tensor([seqs[i][-1] for i in active], device=device)
         if ragged:
-            draft_logits = _draft(drafter, target, new_context, new_positions, starts, last, block_size, draft_cache)
+            hidden, block = _draft(drafter, target, new_context, new_positions, starts, last, block_size, draft_cache)
         else:
             positions = torch.arange(context.shape[1], device=device).expand(len(active), -1)
-            draft_logits = _draft(drafter, target, context, positions, starts, last, block_size)
-        proposals = sample_tokens(draft_logits, temperature, generator)
+            hidden, block = _draft(drafter, target, context, positions, starts, last, block_size)
+        proposals, draft_logits = propose(drafter, target, hidden, block, temperature, generator)
         drafted = proposals.tolist()
         if ragged:
             hidden, features = ragged.extend(torch.cat([last[:, None], proposals], dim=1))

@@ -10,6 +10,7 @@ own tensors only (embeddings and LM head are the target's and never stored).
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,16 +18,22 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_train.atomic import new_temp_dir, swap_dir
+from dflash_train.atomic import new_temp_dir, read_json, swap_dir
+from dflash_train.checks.manifest import MANIFEST_NAME
 from dflash_train.checkpoint.integrity import require_intact
 from dflash_train.checkpoint.local import read_checkpoint_file
 from dflash_train.disk import require_writable, writes_to
+from dflash_train.draft.dflash2 import drafter_for
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 
 if TYPE_CHECKING:  # an annotation only: `export` loads no target, and transformers' model code took
     from dflash_train.targets.model import Target  # ~3.5 s of its start
 
+log = logging.getLogger("dflash_train")
+
 CHECKPOINT_CONFIG = "draft_config.json"
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 WEIGHTS = "model.safetensors"
 
 
@@ -40,8 +47,10 @@ def export_config(cfg: DraftModelConfig, mask_token: str | None = None) -> dict:
     dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
     if mask_token is not None:
         dflash["mask_token"] = mask_token
+    if cfg.family == "dflash2":  # the keys llama.cpp's converter and vLLM's DFlash2 loader read
+        dflash.update({"block_size": cfg.block_size, **{k: getattr(cfg, k) for k in DFLASH2_KEYS}})
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [ARCHITECTURES[cfg.family]],
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -67,6 +76,9 @@ def export_config(cfg: DraftModelConfig, mask_token: str | None = None) -> dict:
         "dtype": "bfloat16",
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
+        # vLLM reads this first when present (older versions only this, else 3 default layers): the
+        # target's layer *inputs* it captures, so our layer outputs shifted by one
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
         "dflash_config": dflash,
     }
 
@@ -77,6 +89,8 @@ def draft_config_from_export(path: str | Path) -> DraftModelConfig:
     if "dflash_config" not in c:
         raise ValueError(f"{path}/config.json has no dflash_config: not a DFlash drafter export")
     rope_theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+    dflash2 = (c.get("architectures") or [None])[0] == ARCHITECTURES["dflash2"]
+    extra = {"family": "dflash2", **{k: int(c["dflash_config"][k]) for k in DFLASH2_KEYS}} if dflash2 else {}
     return DraftModelConfig(
         hidden_size=c["hidden_size"],
         num_attention_heads=c["num_attention_heads"],
@@ -93,7 +107,14 @@ def draft_config_from_export(path: str | Path) -> DraftModelConfig:
         rope_theta=rope_theta,
         max_position_embeddings=c["max_position_embeddings"],
         layer_types=list(c.get("layer_types") or []),
+        **extra,
     )
+
+
+def _existing_mask_token(folder: str | Path) -> str | None:
+    """An export's own `dflash_config.mask_token`, kept when it is exported again."""
+    config = read_json(Path(folder) / "config.json") or {}
+    return (config.get("dflash_config") or {}).get("mask_token")
 
 
 def read_drafter_folder(path: str | Path) -> tuple[DraftModelConfig, dict[str, torch.Tensor]]:
@@ -114,12 +135,13 @@ def read_drafter_folder(path: str | Path) -> tuple[DraftModelConfig, dict[str, t
 
 
 def check_state_dict(cfg: DraftModelConfig, state: dict[str, torch.Tensor], source: str) -> None:
-    """Names and shapes exactly as a DFlashDraftModel of `cfg` (SGLang rejects anything else)."""
+    """Names and shapes exactly as a DFlashDraftModel of `cfg`: SGLang's and vLLM's loaders skip a
+    weight they have no parameter for without a word, so an extra name would be silently dropped."""
     with torch.device("meta"):
-        expected = {name: t.shape for name, t in DFlashDraftModel(cfg).state_dict().items()}
+        expected = {name: t.shape for name, t in drafter_for(cfg).state_dict().items()}
     if set(state) != set(expected):
         raise ValueError(
-            f"{source}: tensor names differ from a DFlashDraftModel's: "
+            f"{source}: tensor names differ from a {ARCHITECTURES[cfg.family]}'s: "
             f"missing {sorted(set(expected) - set(state))}, unexpected {sorted(set(state) - set(expected))}"
         )
     for name, shape in expected.items():
@@ -150,21 +172,56 @@ def load_drafter(path: str | Path, target: Target, device: torch.device | str | 
     check_drafter_fits(cfg, target)
     check_state_dict(cfg, state, str(path))
     with torch.device("meta"):  # no random init of weights that are overwritten at once
-        model = DFlashDraftModel(cfg)
+        model = drafter_for(cfg)
     model.load_state_dict(state, strict=True, assign=True)
     dtype = target.embed_weight.dtype
     return model.to(device=device or target.device, dtype=dtype).eval().requires_grad_(False)
 
 
-def export_drafter(checkpoint_dir: str | Path, out_dir: str | Path, mask_token: str | None = None) -> Path:
+def run_target(checkpoint_dir: str | Path) -> str | None:
+    """The target a training checkpoint's run trained on (runs/<name>/checkpoints/step_N -> its
+    manifest), or None for a folder outside a run."""
+    manifest = read_json(Path(checkpoint_dir).resolve().parents[1] / MANIFEST_NAME)
+    return ((manifest or {}).get("config") or {}).get("target", {}).get("path")
+
+
+def mask_token_text(target: str, mask_token_id: int) -> str | None:
+    """The text of the mask token in the target's tokenizer (None: the id is past the tokenizer's
+    tokens, an embedding row no text names)."""
+    from dflash_train.targets.tokenizer import load_tokenizer, resolve_target_path
+
+    tokenizer = load_tokenizer(resolve_target_path(target))
+    return tokenizer.convert_ids_to_tokens(mask_token_id) if mask_token_id < len(tokenizer) else None
+
+
+def warn_unservable(cfg: DraftModelConfig, source: str) -> None:
+    last = cfg.num_target_layers - 1
+    if last in cfg.target_layer_ids:
+        log.warning("%s: target_layer_ids %s include the target's last layer (%d): SGLang captures the inputs of "
+                    "layers only, so it never serves this drafter, and llama.cpp reads a layer that does not exist",
+                    source, cfg.target_layer_ids, last)
+
+
+def export_drafter(checkpoint_dir: str | Path, out_dir: str | Path, mask_token: str | None = None,
+                   target: str | None = None) -> Path:
     """Training checkpoint (or another export) -> export folder with bf16 weights.
 
-    `mask_token`: the text of the mask token, for servers that look it up by name (see export_config).
+    `mask_token`: the text of the mask token, for servers that look it up by name (see export_config);
+    default: looked up in `target`'s tokenizer (default: the target of the checkpoint's run).
     """
     out_dir = Path(out_dir)
     require_writable(out_dir.parent, f"the export {out_dir}")  # written beside it, then renamed
     cfg, state = read_drafter_folder(checkpoint_dir)
     check_state_dict(cfg, state, str(checkpoint_dir))
+    warn_unservable(cfg, str(checkpoint_dir))
+    if mask_token is None:
+        mask_token = _existing_mask_token(checkpoint_dir)
+    target = target or run_target(checkpoint_dir)
+    if mask_token is None and target is not None:
+        mask_token = mask_token_text(target, cfg.mask_token_id)
+    if mask_token is None:
+        log.warning("%s: no mask token text for id %d (no target known: pass --target): SGLang versions that "
+                    "look the mask up by name add <|MASK|> to the tokenizer instead", out_dir, cfg.mask_token_id)
     weights = {name: t.to(torch.bfloat16).contiguous() for name, t in state.items()}
 
     with writes_to(out_dir):

@@ -42,6 +42,10 @@ def accepted_prefixes(target, drafter, seq: torch.Tensor, first: int, last: int)
         hidden = draft_hidden(drafter, task, features, target.embed_weight, use_flex=False)[0]
         slots = hidden.view(anchors.shape[1], block, -1).to(target.lm_head_weight.dtype)
         labels, inside = labels.view(-1, block), weights.view(-1, block) > 0
+        if drafter.config.family != "dflash":  # the selector walks whole blocks: every slot's candidates at once
+            drafted = drafter.propose_greedy(slots, target.lm_head_weight, seq[0, anchors[0]][:, None])
+            out.append(((drafted == labels[:, 1:]) & inside[:, 1:]).long().cumprod(1).sum(1))
+            continue
         accepted = torch.zeros(anchors.shape[1], dtype=torch.long, device=seq.device)
         alive = torch.arange(anchors.shape[1], device=seq.device)
         for k in range(1, block):  # the LM head only for blocks still accepting: ~tau_hat, not 15, per anchor

@@ -103,7 +103,7 @@ def draft_block(
     context_new: torch.Tensor,
     cache: DraftKVCache,
 ) -> torch.Tensor:
-    """Draft logits [B-1, V] for slots 1..B-1 of the block at positions start..start+B-1.
+    """The drafter's final hidden states [1, B, H] of the block at positions start..start+B-1.
 
     `context_new` [1, C, K*H] holds the features of positions cache.length .. start-1: every
     context token precedes the block, so no mask is needed.
@@ -112,10 +112,22 @@ def draft_block(
     ctx_positions = torch.arange(cache.length, start, device=device)[None]
     block_positions = torch.arange(start, start + block_ids.shape[0], device=device)[None]
     assert ctx_positions.shape[1] == context_new.shape[1], "context features out of step with positions"
-    hidden = drafter(
-        context_new, target.embed_weight[block_ids][None], ctx_positions, block_positions, mask=None, cache=cache
-    )
-    return hidden[0, 1:] @ target.lm_head_weight.T
+    return drafter(context_new, target.embed_weight[block_ids][None], ctx_positions, block_positions, mask=None,
+                   cache=cache)
+
+
+def propose(drafter: DFlashDraftModel, target: Target, hidden: torch.Tensor, block_ids: torch.Tensor,
+            temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(proposals [b, B-1], their draft logits or None at temperature 0) of blocks [b, B] from the
+    drafter's hidden states [b, B, H]: greedy as the drafter's family drafts (DFlash2's selector walks
+    its candidates), else a sample of each slot's distribution (DFlash only)."""
+    if temperature == 0:
+        return drafter.propose_greedy(hidden, target.lm_head_weight, block_ids), None
+    if drafter.config.family != "dflash":
+        raise ValueError(f"temperature {temperature}: sampled drafting is implemented for family dflash only; "
+                         f"evaluate {drafter.config.family} at temperature 0")
+    logits = hidden[:, 1:] @ target.lm_head_weight.T
+    return sample_tokens(logits, temperature, generator), logits
 
 
 def accept_greedy(proposals: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -194,13 +206,14 @@ def speculative_generate(
     while True:
         block = torch.full((block_size,), cfg.mask_token_id, dtype=torch.long, device=device)
         block[0] = token
-        draft_logits = draft_block(drafter, target, block, start, context_new, draft_cache)
-        block[1:] = sample_tokens(draft_logits, temperature, generator)
+        hidden = draft_block(drafter, target, block, start, context_new, draft_cache)
+        proposals, draft_logits = propose(drafter, target, hidden, block[None], temperature, generator)
+        block[1:] = proposals[0]
         target_logits, features = _target_forward(target, block[None], target_cache, layer_ids)
         if temperature == 0:
             n, token = accept_greedy(block[1:], target_logits)
         else:
-            q = torch.softmax(draft_logits.float() / temperature, dim=-1)
+            q = torch.softmax(draft_logits[0].float() / temperature, dim=-1)
             p = torch.softmax(target_logits.float() / temperature, dim=-1)
             n, token = accept_sampled(block[1:], q, p, generator)
         result.acceptance_lengths.append(n + 1)

@@ -117,7 +117,7 @@ class StaticDecoder:
         embeds = self.target.embed_weight[self.draft_ids]
         hidden = self.drafter(feats, embeds, ctx_pos, self.block_pos, mask=mask, cache=self.draft_cache)
         self.verify_ids[:, 0] = self.draft_ids[:, 0]
-        self.verify_ids[:, 1:] = (hidden[:, 1:] @ self.target.lm_head_weight.T).argmax(-1)
+        self.verify_ids[:, 1:] = self.drafter.propose_greedy(hidden, self.target.lm_head_weight, self.draft_ids)
 
     def _draft_step(self):
         self._draft(self.feats, self.ctx_pos)

@@ -15,6 +15,7 @@ import logging
 import torch
 
 from dflash_train.config import RunConfig
+from dflash_train.draft.dflash2 import drafter_for
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 from dflash_train.eval.export import check_state_dict, read_drafter_folder
 from dflash_train.targets.model import Target
@@ -25,7 +26,7 @@ log = logging.getLogger("dflash_train")
 
 def build_drafter(cfg: RunConfig, target: Target, device: torch.device) -> DFlashDraftModel:
     torch.manual_seed(cfg.seed)
-    drafter = DFlashDraftModel(draft_model_config(cfg, target))
+    drafter = drafter_for(draft_model_config(cfg, target))
     if cfg.draft.init_layers_from is not None:
         copy_target_layers(drafter, target, cfg.draft.init_layers_from)
     if cfg.draft.init_from:
@@ -56,13 +57,23 @@ def copy_target_layers(drafter: DFlashDraftModel, target: Target, layer_ids: lis
     log.info("draft.init_layers_from: drafter layers start as copies of target layers %s", layer_ids)
 
 
+FAMILY_FIELDS = {"family", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}
+
+
+def upgrades(saved: DraftModelConfig, current: DraftModelConfig) -> bool:
+    """A dflash drafter warm-starting a dflash2 one: its weights are all there, the new ones start as identity."""
+    return saved.family == "dflash" and current.family == "dflash2"
+
+
 def check_warm_start_compatible(saved: DraftModelConfig, current: DraftModelConfig, source: str) -> None:
     """Every field of the drafter's config must match, as for a resume: they fix its shapes (hidden
-    size, vocabulary, layers) or its task (block size, captured target layers, mask token)."""
+    size, vocabulary, layers) or its task (block size, captured target layers, mask token). A dflash
+    drafter may start a dflash2 one (`upgrades`)."""
+    skip = FAMILY_FIELDS if upgrades(saved, current) else set()
     problems = [
         f"  {f.name}: {source} has {getattr(saved, f.name)!r}, config now has {getattr(current, f.name)!r}"
         for f in dataclasses.fields(current)
-        if getattr(saved, f.name) != getattr(current, f.name)
+        if f.name not in skip and getattr(saved, f.name) != getattr(current, f.name)
     ]
     if problems:
         raise ValueError(f"draft.init_from: cannot warm-start from {source}, a drafter of a different setup:\n"
@@ -75,5 +86,12 @@ def warm_start(drafter: DFlashDraftModel, path: str) -> None:
     saved, state = read_drafter_folder(path)
     check_warm_start_compatible(saved, drafter.config, path)
     check_state_dict(saved, state, path)
+    if upgrades(saved, drafter.config):
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        assert not unexpected, unexpected
+        drafter.reset_dflash2()  # identity convolutions, zero successor codebook: it drafts as `path` did
+        log.info("draft.init_from: the dflash2 drafter starts as the dflash drafter %s (%d new tensors)",
+                 path, len(missing))
+        return
     drafter.load_state_dict(state, strict=True)
     log.info("draft.init_from: warm-started the drafter from %s", path)

@@ -34,7 +34,16 @@ def draft_model_config(cfg: RunConfig, target: Target) -> DraftModelConfig:
         rms_norm_eps=tc.rms_norm_eps,
         rope_theta=rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)),
         max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
+        **family_fields(cfg.draft),
     )
+
+
+def family_fields(draft) -> dict:
+    """The DraftModelConfig fields of `draft.family` (none for dflash)."""
+    if draft.family == "dflash":
+        return {}
+    return {"family": "dflash2", "conv_kernel_size": draft.conv_kernel_size, "conv_group_size": draft.conv_group_size,
+            "selector_rank": draft.selector_rank, "selector_top_k": draft.selector_top_k}
 
 
 def stream_layer_ids(cfg: RunConfig, target: Target) -> list[int]:

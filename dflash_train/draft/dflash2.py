@@ -1,0 +1,188 @@
+"""DFlash2: the DFlash drafter plus in-block convolutions and a top-k path selector.
+
+The serving engines are the reference (vLLM 0.33 `qwen3_dflash2.py`, llama.cpp `src/models/dflash.cpp`
+and `common/speculative.cpp`); names and shapes are theirs, so an export loads in both:
+
+- **Grouped convolution** around each attention and MLP sublayer, along the block's positions only
+  (a block never reads another block or the context). For the sublayer input `x` (after its norm),
+  `kernel_projection(x)` gives per-token coefficients `[2, taps, groups]`: side 0 convolves `x`
+  before the sublayer, side 1 its output after. Output at block position `p`:
+  `sum_{tap <= p} (base_kernel[side, tap, c] + coeff[p, side, tap, group(c)]) * x[p - tap, c]`.
+- **Candidate selector** over each position's top-k candidates of the draft logits: the score of
+  candidate `c` after predecessor `q` at position `p` is `logit_p(c) + sum_r predecessor[q, r] *
+  gate_p[r] * successor[c, r]`, with `gate_p = hidden_projection(h_p)` (the final-normed hidden).
+  Position 1's predecessor is the block's given token; later positions take the candidates of the
+  position before. Greedy decoding walks the block left to right, each position picking the best
+  candidate after the one picked before it.
+
+A DFlash2 drafter whose convolutions are identity (`base_kernel[:, 0] = 1`, the rest 0) and whose
+successor codebook is zero drafts exactly as the DFlash drafter it holds (warm start, `from_dflash`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_train.draft.model import DFlashDraftModel, DFlashLayer, DraftModelConfig
+
+
+class GroupedConv(nn.Module):
+    def __init__(self, cfg: DraftModelConfig):
+        super().__init__()
+        h, self.taps, self.group_size = cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size
+        self.num_groups = h // self.group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, self.taps, h))
+        self.kernel_projection = nn.Linear(h, 2 * self.taps * self.num_groups, bias=False)
+
+    def coefficients(self, x_BQH: torch.Tensor) -> torch.Tensor:
+        """Per-token coefficients [b, Q, 2, taps, groups] of both sides, from the sublayer's input."""
+        return self.kernel_projection(x_BQH).unflatten(-1, (2, self.taps, self.num_groups))
+
+    def convolve(self, x_BQH: torch.Tensor, coeff: torch.Tensor, side: int, block_size: int) -> torch.Tensor:
+        b, q, h = x_BQH.shape
+        blocks = x_BQH.view(b, q // block_size, block_size, self.num_groups, self.group_size)
+        weight = self.base_kernel[side].view(self.taps, self.num_groups, self.group_size).to(x_BQH.dtype)
+        weight = weight + coeff[:, :, side].view(b, q // block_size, block_size, self.taps, self.num_groups, 1)
+        out = weight[:, :, :, 0] * blocks
+        for tap in range(1, min(self.taps, block_size)):  # a tap past the block reads only its left padding
+            shifted = F.pad(blocks[:, :, :-tap], (0, 0, 0, 0, tap, 0))
+            out = out + weight[:, :, :, tap] * shifted
+        return out.reshape(b, q, h)
+
+
+class DFlash2Layer(DFlashLayer):
+    def __init__(self, cfg: DraftModelConfig):
+        super().__init__(cfg)
+        self.attention_conv = GroupedConv(cfg)
+        self.mlp_conv = GroupedConv(cfg)
+
+    def forward(self, h_BQH, ctx_BCH, rope_q, rope_k, mask, cache=None, layer=0, block_size: int = 0):
+        x = self.input_layernorm(h_BQH)
+        coeff = self.attention_conv.coefficients(x)
+        x = self.attention_conv.convolve(x, coeff, 0, block_size)
+        attn = self.self_attn(x, ctx_BCH, rope_q, rope_k, mask, cache, layer)
+        h_BQH = h_BQH + self.attention_conv.convolve(attn, coeff, 1, block_size)
+        y = self.post_attention_layernorm(h_BQH)
+        coeff = self.mlp_conv.coefficients(y)
+        y = self.mlp(self.mlp_conv.convolve(y, coeff, 0, block_size))
+        return h_BQH + self.mlp_conv.convolve(y, coeff, 1, block_size)
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, cfg: DraftModelConfig):
+        super().__init__()
+        self.top_k = cfg.selector_top_k
+        self.predecessor_codebook = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.selector_rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.selector_rank))
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+
+    def candidates(self, logits_BPV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, logits) [b, P, k] of each position's top-k candidates."""
+        unary, ids = logits_BPV.topk(self.top_k, dim=-1)
+        return ids, unary
+
+    def scores(self, hidden_BPH: torch.Tensor, unary_BPK: torch.Tensor, candidate_ids: torch.Tensor,
+               predecessor_ids: torch.Tensor) -> torch.Tensor:
+        """[b, P, n, k]: the score of candidate c after predecessor q (predecessor_ids [b, P, n])."""
+        gate = self.hidden_projection(hidden_BPH)  # [b, P, R]
+        pred = self.predecessor_codebook[predecessor_ids] * gate[:, :, None]  # [b, P, n, R]
+        succ = self.successor_codebook[candidate_ids]  # [b, P, k, R]
+        return unary_BPK[:, :, None] + torch.einsum("bpnr,bpkr->bpnk", pred, succ)
+
+    @torch.no_grad()
+    def walk(self, hidden_BPH: torch.Tensor, logits_BPV: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """The greedy path [b, P] over positions 1..P of a block (hidden and logits of those
+        positions; anchor_ids [b]: the block's given token), as llama.cpp and vLLM draft at T=0."""
+        ids, unary = self.candidates(logits_BPV)
+        b, p, k = ids.shape
+        predecessors = torch.cat([anchor_ids.view(b, 1, 1).expand(b, 1, k), ids[:, :-1]], dim=1)
+        scores = self.scores(hidden_BPH, unary, ids, predecessors)  # [b, P, k, k]
+        rows = torch.arange(b, device=ids.device)
+        chosen = scores[:, 0, 0].argmax(-1)  # position 1: every predecessor row holds the anchor
+        path = [ids[rows, 0, chosen]]
+        for i in range(1, p):
+            chosen = scores[rows, i, chosen].argmax(-1)
+            path.append(ids[rows, i, chosen])
+        return torch.stack(path, dim=1)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    layer_class = DFlash2Layer
+
+    def __init__(self, cfg: DraftModelConfig):
+        super().__init__(cfg)
+        self.candidate_selector = CandidateSelector(cfg)
+        self.reset_dflash2()
+
+    def reset_parameters(self, std: float = 0.02):
+        super().reset_parameters(std)
+        if hasattr(self, "candidate_selector"):  # not yet while the base class builds the layers
+            self.reset_dflash2()
+
+    def reset_dflash2(self) -> None:
+        """Identity convolutions, a zero successor codebook: the drafter drafts as DFlash until trained."""
+        with torch.no_grad():
+            for layer in self.layers:
+                for conv in (layer.attention_conv, layer.mlp_conv):
+                    conv.base_kernel.zero_()
+                    conv.base_kernel[:, 0] = 1.0
+                    conv.kernel_projection.weight.zero_()
+            sel = self.candidate_selector
+            nn.init.normal_(sel.predecessor_codebook, std=0.02)
+            sel.successor_codebook.zero_()
+            nn.init.normal_(sel.hidden_projection.weight, std=0.02)
+
+    def block_length(self, q: int) -> int:
+        if q % self.config.block_size:
+            raise ValueError(f"DFlash2 drafts whole blocks of {self.config.block_size} tokens, got {q} block tokens")
+        return self.config.block_size
+
+    def propose_greedy(self, hidden_BQH: torch.Tensor, lm_head_weight: torch.Tensor,
+                       block_ids: torch.Tensor) -> torch.Tensor:
+        slots = hidden_BQH[:, 1:]
+        return self.candidate_selector.walk(slots, slots @ lm_head_weight.T, block_ids[:, 0])
+
+
+def selector_loss_sum(drafter: DFlash2DraftModel, hidden_BQH: torch.Tensor, block_ids_BQ: torch.Tensor,
+                      labels_BQ: torch.Tensor, weights_BQ: torch.Tensor, lm_head_weight: torch.Tensor,
+                      chunk_rows: int = 1024) -> torch.Tensor:
+    """sum over counted slots of w * CE of the selector picking the slot's label.
+
+    Acceptance stops at the first miss, so a slot's score only matters when every slot before it was
+    right: its predecessor is then the true previous token (the block's given token for slot 1),
+    which is what the selector is conditioned on here, as the engines' walk conditions it at decode
+    time. The choice is among the slot's top-k candidates of the draft logits (chosen without
+    gradient); a label outside them joins as one more candidate, so every counted slot teaches the
+    codebooks and the drafter to rank it first. Gradients reach the drafter through the candidates'
+    logits (`unary`), the codebooks and the hidden projection."""
+    sel = drafter.candidate_selector
+    block = drafter.config.block_size
+    slot = torch.arange(labels_BQ.shape[1], device=labels_BQ.device) % block
+    prev = torch.where(slot == 1, block_ids_BQ.roll(1, 1), labels_BQ.roll(1, 1))
+    h, labels, prev, w = (hidden_BQH.flatten(0, 1), labels_BQ.flatten(), prev.flatten().clamp(min=0),
+                          weights_BQ.flatten())
+    rows = (w > 0).nonzero().squeeze(1)
+    total = hidden_BQH.new_zeros((), dtype=torch.float32)
+    for start in range(0, len(rows), chunk_rows):
+        r = rows[start : start + chunk_rows]
+        x, label = h[r], labels[r].clamp(min=0)
+        with torch.no_grad():
+            top = (x.to(lm_head_weight.dtype) @ lm_head_weight.T).topk(sel.top_k, dim=-1).indices
+        ids = torch.cat([top, label[:, None]], dim=1)  # [r, k+1]
+        in_top = top == label[:, None]
+        unary = (x[:, None, :].to(lm_head_weight.dtype) * lm_head_weight[ids]).sum(-1).float()
+        gate = sel.hidden_projection(x)
+        pair = torch.einsum("nr,nkr->nk", sel.predecessor_codebook[prev[r]] * gate, sel.successor_codebook[ids])
+        scores = unary + pair.float()
+        scores[:, -1] = scores[:, -1].masked_fill(in_top.any(1), float("-inf"))  # the label once
+        target = torch.where(in_top.any(1), in_top.float().argmax(1), torch.full_like(label, sel.top_k))
+        ce = torch.nn.functional.cross_entropy(scores, target, reduction="none")
+        total = total + (ce * w[r].float()).sum()
+    return total
+
+
+def drafter_for(cfg: DraftModelConfig) -> DFlashDraftModel:
+    """A drafter of `cfg.family`, initialised."""
+    return DFlash2DraftModel(cfg) if cfg.family == "dflash2" else DFlashDraftModel(cfg)

@@ -1,0 +1,229 @@
+"""`dflash-train serve-check`: does a serving engine run the drafter as our eval measures it?
+
+1. Our side: the target and drafter in float32 decode each prompt greedily with speculative decoding,
+   as `eval` measures acceptance (eval/batched.py), giving each answer and its rounds.
+2. The engine's side: the target and the drafter's export converted to GGUF with llama.cpp's own
+   converter, then llama-server decodes the same token prompts greedily, once with the target alone
+   and once with the drafter (`--spec-type draft-dflash`).
+3. The table: lossless (every speculative answer equal to the engine's target-only answer), the
+   engine's mean accepted length against our tau on the same prompts, tokens/s with and without
+   the drafter. The check fails (exit 1) when an answer differs or the acceptance gap exceeds
+   `max_tau_gap`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dflash_train.atomic import write_json_atomic
+from dflash_train.config import TargetConfig
+from dflash_train.data.prompts import Prompt, load_prompts
+from dflash_train.eval.export import CHECKPOINT_CONFIG, export_drafter, load_drafter, read_drafter_folder
+from dflash_train.eval.report import encode, stop_token_ids
+from dflash_train.eval.served_speed import first_difference
+from dflash_train.eval.batched import batched_speculative
+from dflash_train.eval.spec_decode import SpecResult
+from dflash_train.serve.gguf import convert
+from dflash_train.serve.llama_cpp import LlamaCpp
+from dflash_train.serve.llama_server import Completion, LlamaServer
+from dflash_train.targets.model import load_target
+from dflash_train.targets.tokenizer import resolve_target_path
+
+log = logging.getLogger("dflash_train")
+
+
+@dataclass
+class ServeCheckSettings:
+    target: str
+    drafter: str
+    """What our eval decodes: a training checkpoint or an export folder."""
+    out: Path
+    export: str | None = None
+    """What llama.cpp serves: an export folder; default: `drafter` (exported into `out` first when it
+    is a checkpoint). Naming both checks an export against the checkpoint it was made from."""
+    prompts: str = "mt-bench"
+    num_prompts: int = 20
+    max_new_tokens: int = 128
+    gguf_type: str = "f32"
+    """f32: the same numerics as our float32 eval, so answers and acceptance can be compared exactly."""
+    max_tau_gap: float = 0.03
+    """Largest allowed |engine mean length / our tau - 1|."""
+    threads: int | None = None
+
+
+@dataclass
+class PromptResult:
+    id: str
+    prompt_tokens: int
+    ours: list[int]
+    ours_lengths: list[int]
+    target_only: Completion
+    speculative: Completion
+    checks: dict = field(default_factory=dict)
+
+
+def _export_dir(settings: ServeCheckSettings) -> Path:
+    """The folder llama.cpp serves: the given export, or a fresh export of a training checkpoint."""
+    path = Path(settings.export or settings.drafter)
+    if (path / "config.json").is_file() and not (path / CHECKPOINT_CONFIG).is_file():
+        return path
+    if settings.export is not None:
+        raise FileNotFoundError(f"--export {settings.export}: not an export folder (no config.json, or a checkpoint)")
+    return export_drafter(path, settings.out / "export", target=settings.target)
+
+
+def our_decodes(settings: ServeCheckSettings,
+                prompts: list[Prompt]) -> tuple[list[list[int]], list[SpecResult], set[int]]:
+    """(prompt ids, our float32 speculative decode, stop ids) of every prompt's first turn, decoded as `eval`
+    decodes for acceptance (batched_speculative); the target is freed after, before llama.cpp loads
+    its own copy."""
+    target = load_target(TargetConfig(path=settings.target, dtype="float32"), torch.device("cpu"))
+    drafter = load_drafter(settings.drafter, target, torch.device("cpu"))
+    for weight in drafter.parameters():  # the weights as the export stores them, then computed in float32
+        weight.data = weight.data.to(torch.bfloat16).to(torch.float32)
+    prompt_ids = [encode(target, p.messages([]))[0].tolist() for p in prompts]
+    stop_ids = stop_token_ids(target)
+    decodes = batched_speculative(target, drafter, prompt_ids, settings.max_new_tokens, stop_ids)
+    return prompt_ids, decodes, set(stop_ids)
+
+
+def counted_as_engine(lengths: list[int], answer: list[int], stop_ids: set[int], max_new_tokens: int,
+                      block_size: int) -> tuple[int, int]:
+    """(verification steps, accepted drafts) of our rounds counted as llama.cpp counts them: it drafts
+    at most `remaining - 1` tokens so a round never passes the budget (the drafter still runs the full
+    block, so the proposals are ours), decodes the last token without a draft, and accepts no draft
+    past a stop token unless it is the round's last (common/sampling.cpp)."""
+    generated, steps, accepted = 1, 0, 0  # the prefill's token
+    for length in lengths:
+        drafts = min(block_size - 1, max_new_tokens - generated - 1)
+        if drafts <= 0:
+            break
+        taken = min(length - 1, drafts)
+        stop = next((j for j in range(taken) if generated + j < len(answer) and answer[generated + j] in stop_ids),
+                    None)
+        if stop is not None and stop + 1 < drafts:
+            taken = stop  # the stop token comes from the target instead, as the round's own token
+        steps, accepted, generated = steps + 1, accepted + taken, generated + taken + 1
+    return steps, accepted
+
+
+def _engine_answers(llama: LlamaCpp, target_gguf: Path, drafter_gguf: Path | None, block_size: int,
+                    prompt_ids: list[list[int]], settings: ServeCheckSettings, log_name: str) -> list[Completion]:
+    with LlamaServer(llama, target_gguf, drafter_gguf, block_size, settings.out / log_name,
+                     threads=settings.threads, exact=settings.gguf_type == "f32") as server:
+        server.complete(prompt_ids[0], 8)  # warm-up: the first request pays one-time set-up
+        return [server.complete(ids, settings.max_new_tokens) for ids in prompt_ids]
+
+
+def _rate(completions: list[Completion]) -> float:
+    seconds = sum(c.seconds for c in completions)
+    return sum(len(c.tokens) for c in completions) / seconds if seconds > 0 else 0.0
+
+
+def summarize(results: list[PromptResult], settings: ServeCheckSettings, block_size: int, stop_ids: set[int]) -> dict:
+    rounds = sum(len(r.ours_lengths) for r in results)
+    ours_tau = sum(sum(r.ours_lengths) for r in results) / max(1, rounds)
+    counted = [counted_as_engine(r.ours_lengths, r.ours, stop_ids, settings.max_new_tokens, block_size)
+               for r in results]
+    our_steps, our_accepted = sum(c[0] for c in counted), sum(c[1] for c in counted)
+    ours_as_engine = 1 + our_accepted / our_steps if our_steps else None
+    steps = sum(r.speculative.steps for r in results)
+    engine_tau = 1 + sum(r.speculative.accepted for r in results) / steps if steps else None
+    gap = None if engine_tau is None or ours_as_engine is None else engine_tau / ours_as_engine - 1
+    same_rounds = sum((r.speculative.steps, r.speculative.accepted) == c for r, c in zip(results, counted))
+    lossless = sum(r.speculative.tokens == r.target_only.tokens for r in results)
+    same_as_ours = sum(r.target_only.tokens == r.ours for r in results)
+    spec_rate, base_rate = _rate([r.speculative for r in results]), _rate([r.target_only for r in results])
+    passed = lossless == len(results) and gap is not None and abs(gap) <= settings.max_tau_gap
+    return {
+        "engine": "llama.cpp", "target": settings.target, "drafter": settings.drafter,
+        "export": settings.export, "prompts": settings.prompts,
+        "num_prompts": len(results), "max_new_tokens": settings.max_new_tokens, "gguf_type": settings.gguf_type,
+        "block_size": block_size,
+        "lossless": {"matches": lossless, "total": len(results)},
+        "same_answer_as_ours": {"matches": same_as_ours, "total": len(results)},
+        "engine_mean_accepted_length": engine_tau, "engine_verification_steps": steps,
+        "engine_drafted": sum(r.speculative.drafted for r in results),
+        "engine_accepted": sum(r.speculative.accepted for r in results),
+        "our_tau": ours_tau, "our_rounds": rounds, "our_tau_counted_as_engine": ours_as_engine,
+        "our_steps_counted_as_engine": our_steps, "our_accepted": our_accepted,
+        "same_steps_and_accepted": {"matches": same_rounds, "total": len(results)},
+        "tau_gap": gap, "max_tau_gap": settings.max_tau_gap,
+        "engine_tokens_per_s": {"with_drafter": spec_rate, "target_only": base_rate},
+        "engine_speedup": spec_rate / base_rate if base_rate > 0 else None,
+        "passed": passed,
+        "per_prompt": [{"id": r.id, "prompt_tokens": r.prompt_tokens,
+                        "engine_steps": r.speculative.steps, "engine_accepted": r.speculative.accepted,
+                        "our_steps_counted_as_engine": c[0], "our_accepted_counted_as_engine": c[1],
+                        "our_tau": sum(r.ours_lengths) / max(1, len(r.ours_lengths)),
+                        "lossless": r.speculative.tokens == r.target_only.tokens,
+                        "first_difference": first_difference(r.speculative.tokens, r.target_only.tokens),
+                        "same_answer_as_ours": r.target_only.tokens == r.ours}
+                       for r, c in zip(results, counted)],
+    }
+
+
+def format_summary(s: dict) -> str:
+    def ratio(d):
+        return f"{d['matches']}/{d['total']}"
+
+    engine_tau = s["engine_mean_accepted_length"]
+    rows = [
+        ("lossless (speculative == target-only answer)", ratio(s["lossless"])),
+        ("llama.cpp target answer == dflash-train's", ratio(s["same_answer_as_ours"])),
+        ("llama.cpp mean accepted length", "n/a" if engine_tau is None else f"{engine_tau:.3f} "
+         f"({s['engine_accepted']} accepted in {s['engine_verification_steps']} steps)"),
+        ("dflash-train, counted as llama.cpp counts", "n/a" if s["our_tau_counted_as_engine"] is None else
+         f"{s['our_tau_counted_as_engine']:.3f} "
+         f"({s['our_accepted']} accepted in {s['our_steps_counted_as_engine']} steps)"),
+        ("prompts with the same steps and accepted", ratio(s["same_steps_and_accepted"])),
+        ("dflash-train eval tau (fp32)", f"{s['our_tau']:.3f} ({s['our_rounds']} rounds, the budget's last round "
+         "counted whole)"),
+        ("gap", "n/a" if s["tau_gap"] is None else
+         f"{100 * s['tau_gap']:+.1f}% (allowed {100 * s['max_tau_gap']:.0f}%)"),
+        ("llama.cpp tokens/s with drafter", f"{s['engine_tokens_per_s']['with_drafter']:.1f}"),
+        ("llama.cpp tokens/s target only", f"{s['engine_tokens_per_s']['target_only']:.1f}"),
+        ("speedup", "n/a" if s["engine_speedup"] is None else f"{s['engine_speedup']:.2f}x"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    head = (f"serve-check: llama.cpp, {s['num_prompts']} {s['prompts']} prompts, {s['max_new_tokens']} new tokens, "
+            f"greedy, {s['gguf_type']} GGUF")
+    lines = [head] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    lines.append("PASSED" if s["passed"] else "FAILED")
+    return "\n".join(lines)
+
+
+def serve_check(llama: LlamaCpp, settings: ServeCheckSettings) -> dict:
+    """Run the check; writes serve_check.json, the GGUFs and the server logs into `settings.out`."""
+    out = settings.out
+    out.mkdir(parents=True, exist_ok=True)
+    cfg, _ = read_drafter_folder(settings.drafter)  # a broken drafter fails before anything is converted
+    target_dir = Path(resolve_target_path(settings.target))
+    prompts = load_prompts(settings.prompts, settings.num_prompts)
+    t0 = time.monotonic()
+    log.info("serve-check: our float32 speculative decode of %d prompts", len(prompts))
+    prompt_ids, ours, stop_ids = our_decodes(settings, prompts)
+    export = _export_dir(settings)
+    log.info("serve-check: converting target and drafter to %s GGUF with %s", settings.gguf_type, llama.converter)
+    target_gguf = convert(llama, target_dir, out / f"target-{settings.gguf_type}.gguf", settings.gguf_type,
+                          out / "convert_target.log")
+    drafter_gguf = convert(llama, export, out / f"drafter-{settings.gguf_type}.gguf", settings.gguf_type,
+                           out / "convert_drafter.log", target_dir=target_dir)
+    log.info("serve-check: llama-server, target alone")
+    base = _engine_answers(llama, target_gguf, None, cfg.block_size, prompt_ids, settings, "server_target.log")
+    log.info("serve-check: llama-server with the drafter")
+    spec = _engine_answers(llama, target_gguf, drafter_gguf, cfg.block_size, prompt_ids, settings,
+                           "server_drafter.log")
+    results = [PromptResult(id=p.id, prompt_tokens=len(ids), ours=o.tokens, ours_lengths=o.acceptance_lengths,
+                            target_only=b, speculative=s)
+               for p, ids, o, b, s in zip(prompts, prompt_ids, ours, base, spec)]
+    summary = summarize(results, settings, cfg.block_size, stop_ids)
+    summary["seconds"] = round(time.monotonic() - t0, 1)
+    write_json_atomic(out / "serve_check.json", summary)
+    return summary
+

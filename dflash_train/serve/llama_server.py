@@ -1,0 +1,163 @@
+"""One llama-server process on a loopback port: start, greedy completions of token prompts, stop.
+
+Acceptance is read the way llama.cpp counts it: its Prometheus counters (`--metrics`) of drafted
+tokens, accepted tokens and verification steps, taken before and after each request (one slot, one
+request at a time), so a request's mean accepted length is llama.cpp's own `1 + accepted / steps`.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_train.errors import UserError
+from dflash_train.serve.llama_cpp import LlamaCpp
+
+START_TIMEOUT_S = 300
+"""Loading an f32 GGUF of a few GB from a cold disk; a server that never answers is killed then."""
+REQUEST_TIMEOUT_S = 1800
+SPEC_COUNTERS = {
+    "drafted": "llamacpp:spec_decode_num_draft_tokens_total",
+    "accepted": "llamacpp:spec_decode_num_accepted_tokens_total",
+    "steps": "llamacpp:spec_decode_num_drafts_total",
+}
+
+
+class ServerError(UserError):
+    pass
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    seconds: float
+    """llama.cpp's own generation time (prompt processing excluded)."""
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    """Verification steps: target passes that checked a draft."""
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """llama.cpp's `mean len`: 1 + accepted drafts per verification step (None: no step)."""
+        return 1 + self.accepted / self.steps if self.steps else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """`with LlamaServer(llama, target_gguf, drafter_gguf, block_size, log_file) as server:`; no drafter
+    = the target alone. `exact`: f32 KV caches (llama.cpp's default f16 rounds every key and value) and
+    no flash attention (its CPU kernel rounds a several-token verification apart from a one-token
+    step, so a near-tie can flip): an f32 model then computes as a float32 reference does."""
+
+    def __init__(self, llama: LlamaCpp, target: Path, drafter: Path | None, block_size: int, log_file: Path,
+                 context: int = 4096, threads: int | None = None, exact: bool = False):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_file = log_file
+        kv_type = "f32" if exact else "f16"
+        cmd = [str(llama.server), "-m", str(target), "--host", "127.0.0.1", "--port", str(self.port),
+               "-np", "1", "-c", str(context), "--metrics", "--no-webui", "-ctk", kv_type, "-ctv", kv_type]
+        if exact:
+            cmd += ["-fa", "off"]
+        if threads:
+            cmd += ["-t", str(threads)]
+        if drafter is not None:
+            # llama.cpp drafts block_size - 1 tokens a round at most (slot 0 is the verified token)
+            cmd += ["-md", str(drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(block_size - 1),
+                    "-ctkd", kv_type, "-ctvd", kv_type]
+        self.cmd = cmd
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> LlamaServer:
+        self._log = open(self.log_file, "w")
+        self.process = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"llama-server exited with {self.process.returncode} while loading: "
+                                  f"{self.first_error()} (log {self.log_file})")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        self.__exit__(None, None, None)
+        raise ServerError(f"llama-server did not answer within {START_TIMEOUT_S} s (log {self.log_file})")
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+    def first_error(self) -> str:
+        """The first error line of the log (llama.cpp's level letter E), where it says what it refused."""
+        self._log.flush()
+        lines = self.log_file.read_text(errors="replace").splitlines()
+        errors = [ln.split(" E ", 1)[1].strip() for ln in lines if " E " in ln and "is normal" not in ln]
+        return errors[0] if errors else self.last_log_lines()
+
+    def why_it_stopped(self) -> str:
+        """What a crashed server's log says, in the user's terms where the cause is known."""
+        self._log.flush()
+        text = self.log_file.read_text(errors="replace")
+        if "layer input tensor is null" in text:
+            return ("llama.cpp's graph for this target's family does not expose the layer inputs a DFlash drafter "
+                    "reads (docs/serving.md lists the families it serves)")
+        failed = [ln.strip() for ln in text.splitlines() if "GGML_ASSERT" in ln or "failed" in ln]
+        return failed[0] if failed else self.last_log_lines()
+
+    def last_log_lines(self, n: int = 3) -> str:
+        self._log.flush()
+        lines = [ln for ln in self.log_file.read_text(errors="replace").splitlines() if ln.strip()]
+        return " | ".join(lines[-n:])
+
+    def _request(self, path: str, body: dict | None = None) -> bytes:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.url}{path}", data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+                return r.read()
+        except urllib.error.HTTPError as err:
+            raise ServerError(f"llama-server {path}: HTTP {err.code} {err.read()[:300]!r} "
+                              f"(log {self.log_file})") from None
+        except (urllib.error.URLError, ConnectionError) as err:
+            raise ServerError(f"llama-server {path}: {err}; {self.why_it_stopped()} (log {self.log_file})") from None
+
+    def spec_counters(self) -> dict[str, int]:
+        values = {}
+        for line in self._request("/metrics").decode().splitlines():
+            name, _, value = line.partition(" ")
+            for key, metric in SPEC_COUNTERS.items():
+                if name == metric:
+                    values[key] = int(float(value))
+        return {key: values.get(key, 0) for key in SPEC_COUNTERS}
+
+    def complete(self, prompt_ids: list[int], max_new_tokens: int) -> Completion:
+        """A greedy completion of the token prompt (no prompt cache reused between requests)."""
+        before = self.spec_counters()
+        body = {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
+                "cache_prompt": False, "return_tokens": True, "stream": False}
+        reply = json.loads(self._request("/completion", body))
+        after = self.spec_counters()
+        delta = {key: after[key] - before[key] for key in SPEC_COUNTERS}
+        return Completion(tokens=list(reply["tokens"]), seconds=reply["timings"]["predicted_ms"] / 1000, **delta)

@@ -1,0 +1,207 @@
+"""DFlash2 against brute-force references written from the serving engines' code (float64 loops)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from dflash_train.draft.dflash2 import DFlash2DraftModel, GroupedConv, drafter_for
+from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
+from dflash_train.eval.export import draft_config_from_export, export_config
+
+
+def config(**kw) -> DraftModelConfig:
+    base = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                num_hidden_layers=2, vocab_size=50, block_size=4, target_layer_ids=[0, 2], num_target_layers=4,
+                mask_token_id=3, family="dflash2", conv_kernel_size=2, conv_group_size=8, selector_rank=6,
+                selector_top_k=3)
+    return DraftModelConfig(**{**base, **kw})
+
+
+def conv_reference(x, coeff, base, side, block, group):
+    """llama.cpp's build_dflash2_conv, one output element at a time."""
+    b, q, h = x.shape
+    out = torch.zeros_like(x)
+    for r in range(b):
+        for t in range(q):
+            p = t % block
+            for c in range(h):
+                for tap in range(base.shape[1]):
+                    if p >= tap:
+                        out[r, t, c] += (base[side, tap, c] + coeff[r, t, side, tap, c // group]) * x[r, t - tap, c]
+    return out
+
+
+@pytest.mark.parametrize("taps", [1, 2, 3, 6])
+def test_grouped_conv_matches_the_engines_loop(taps):
+    cfg = config(conv_kernel_size=taps)
+    conv = GroupedConv(cfg).double()
+    torch.manual_seed(0)
+    torch.nn.init.normal_(conv.base_kernel)
+    torch.nn.init.normal_(conv.kernel_projection.weight)
+    x = torch.randn(2, 3 * cfg.block_size, cfg.hidden_size, dtype=torch.float64)
+    coeff = conv.coefficients(x)
+    for side in (0, 1):
+        got = conv.convolve(x, coeff, side, cfg.block_size)
+        want = conv_reference(x, coeff, conv.base_kernel, side, cfg.block_size, cfg.conv_group_size)
+        torch.testing.assert_close(got, want)
+
+
+def walk_reference(sel, hidden, logits, anchor):
+    """llama.cpp's selector lattice and CPU walk (common/speculative.cpp), position by position."""
+    path, prev = [], int(anchor)
+    for i in range(hidden.shape[0]):
+        unary, ids = logits[i].topk(sel.top_k)
+        gate = sel.hidden_projection(hidden[i])
+        scores = [float(unary[c] + (sel.predecessor_codebook[prev] * gate * sel.successor_codebook[ids[c]]).sum())
+                  for c in range(sel.top_k)]
+        prev = int(ids[max(range(sel.top_k), key=scores.__getitem__)])
+        path.append(prev)
+    return path
+
+
+def test_the_selector_walk_matches_the_engines_loop():
+    cfg = config()
+    model = DFlash2DraftModel(cfg).double()
+    torch.manual_seed(1)
+    sel = model.candidate_selector
+    for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
+        torch.nn.init.normal_(p)
+    hidden = torch.randn(5, cfg.block_size, cfg.hidden_size, dtype=torch.float64)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.float64)
+    blocks = torch.randint(0, cfg.vocab_size, (5, cfg.block_size))
+    got = model.propose_greedy(hidden, head, blocks)
+    for r in range(5):
+        slots = hidden[r, 1:]
+        assert got[r].tolist() == walk_reference(sel, slots, slots @ head.T, blocks[r, 0])
+
+
+def test_a_fresh_dflash2_drafts_as_the_dflash_drafter_it_holds():
+    v1_cfg = config(family="dflash", conv_kernel_size=0, conv_group_size=0, selector_rank=0, selector_top_k=0)
+    torch.manual_seed(2)
+    v1 = DFlashDraftModel(v1_cfg).double()
+    v2 = DFlash2DraftModel(config()).double()
+    missing, unexpected = v2.load_state_dict(v1.state_dict(), strict=False)
+    assert not unexpected and all("conv" in n or "candidate_selector" in n for n in missing)
+    v2.reset_dflash2()
+    ctx = torch.randn(2, 6, 2 * 32, dtype=torch.float64)
+    blocks = torch.randn(2, 8, 32, dtype=torch.float64)
+    ctx_pos, blk_pos = torch.arange(6).expand(2, 6), torch.arange(6, 14).expand(2, 8)
+    torch.testing.assert_close(v2(ctx, blocks, ctx_pos, blk_pos), v1(ctx, blocks, ctx_pos, blk_pos))
+    head = torch.randn(50, 32, dtype=torch.float64)
+    hidden = v1(ctx, blocks[:, :4], ctx_pos, blk_pos[:, :4])
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    assert torch.equal(v2.propose_greedy(hidden, head, ids), v1.propose_greedy(hidden, head, ids))
+
+
+def test_the_export_names_and_fields_are_the_engines(tmp_path):
+    cfg = config()
+    with torch.device("meta"):
+        names = set(drafter_for(cfg).state_dict())
+    assert {"layers.0.attention_conv.base_kernel", "layers.1.mlp_conv.kernel_projection.weight",
+            "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+            "candidate_selector.hidden_projection.weight"} <= names
+    written = export_config(cfg)
+    assert written["architectures"] == ["DFlash2DraftModel"]
+    assert {k: written["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                     "selector_top_k", "block_size")} == \
+        {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 6, "selector_top_k": 3, "block_size": 4}
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    assert draft_config_from_export(tmp_path) == cfg
+
+
+def test_bad_dflash2_sizes_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="dividing hidden_size"):
+        config(conv_group_size=5)
+    with pytest.raises(ValueError, match="k\\*\\(k\\+1\\)"):
+        config(selector_top_k=6)
+    with pytest.raises(ValueError, match="belong to family dflash2"):
+        config(family="dflash")
+
+
+def selector_loss_reference(model, hidden, block_ids, labels, weights, head):
+    """The selector objective slot by slot, in float64: CE of the label among top-k ∪ {label}."""
+    sel, block, total = model.candidate_selector, model.config.block_size, 0.0
+    for r in range(hidden.shape[0]):
+        for t in range(hidden.shape[1]):
+            if weights[r, t] <= 0:
+                continue
+            prev = int(block_ids[r, t - 1]) if t % block == 1 else int(labels[r, t - 1])
+            logits = hidden[r, t] @ head.T
+            cands = logits.topk(sel.top_k).indices.tolist()
+            label = int(labels[r, t])
+            if label not in cands:
+                cands.append(label)
+            gate = sel.hidden_projection(hidden[r, t])
+            scores = torch.stack([logits[c] + (sel.predecessor_codebook[prev] * gate * sel.successor_codebook[c]).sum()
+                                  for c in cands])
+            total += float(weights[r, t]) * float(torch.logsumexp(scores, 0) - scores[cands.index(label)])
+    return total
+
+
+def test_the_selector_loss_matches_a_slot_by_slot_reference():
+    from dflash_train.draft.dflash2 import selector_loss_sum
+
+    cfg = config()
+    model = DFlash2DraftModel(cfg).double()
+    torch.manual_seed(3)
+    sel = model.candidate_selector
+    for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
+        torch.nn.init.normal_(p)
+    q = 3 * cfg.block_size
+    hidden = torch.randn(2, q, cfg.hidden_size, dtype=torch.float64)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.float64)
+    block_ids = torch.randint(0, cfg.vocab_size, (2, q))
+    labels = torch.randint(0, cfg.vocab_size, (2, q))
+    labels[0, 5] = (hidden[0, 5] @ head.T).argmax()  # one label inside the top-k, counted once
+    weights = torch.rand(2, q, dtype=torch.float64) * (torch.arange(q) % cfg.block_size != 0)
+    weights[1, 7] = 0
+    got = selector_loss_sum(model, hidden, block_ids, labels, weights, head, chunk_rows=5)
+    assert float(got) == pytest.approx(selector_loss_reference(model, hidden, block_ids, labels, weights, head))
+
+
+def test_training_the_selector_picks_the_successor_its_predecessor_calls_for():
+    """Two candidates with equal logits; which one comes next depends on the previous token only. The
+    drafter's logits cannot tell them apart; the trained selector walks the right path."""
+    from dflash_train.draft.dflash2 import selector_loss_sum
+
+    cfg = config(block_size=3, selector_top_k=2)
+    model = DFlash2DraftModel(cfg)
+    head = torch.zeros(cfg.vocab_size, cfg.hidden_size)
+    head[10, 0] = head[11, 0] = head[20, 0] = head[21, 0] = 1.0
+    hidden = torch.zeros(4, 3, cfg.hidden_size)
+    hidden[..., 0] = 1.0  # logits: 10, 11, 20, 21 tie at every slot
+    hidden[..., 1] = 1.0  # a constant gate input
+    anchors = torch.tensor([1, 2, 1, 2])
+    block_ids = torch.stack([anchors, torch.full_like(anchors, 3), torch.full_like(anchors, 3)], 1)
+    # anchor 1 -> 10 -> 20, anchor 2 -> 11 -> 21
+    labels = torch.stack([anchors, torch.where(anchors == 1, 10, 11), torch.where(anchors == 1, 20, 21)], 1)
+    weights = torch.tensor([[0.0, 1.0, 1.0]]).expand(4, 3)
+    opt = torch.optim.Adam(model.candidate_selector.parameters(), lr=0.05)
+    for _ in range(200):
+        opt.zero_grad()
+        selector_loss_sum(model, hidden, block_ids, labels, weights, head).backward()
+        opt.step()
+    with torch.no_grad():
+        # top-2 of the tied logits are two of the four; place the right ones there as the engines' top-k would
+        head[10, 0] = head[11, 0] = 1.01
+        head[20, 0] = head[21, 0] = 1.0
+        path = model.propose_greedy(hidden, head, block_ids)
+    assert path[:, 0].tolist() == [10, 11, 10, 11]
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["draft.selector_rank=8"], "draft.selector_rank belongs to draft.family=dflash2"),
+    (["draft.family=dflash2"], "add selector to objective.loss"),
+    (["objective.loss={ce: 1, selector: 1}"], "set draft.family=dflash2"),
+    (["draft.family=dflash2", "objective.loss={ce: 1, selector: 1}", "train.fp8_lm_head=true"], "fp8_lm_head"),
+])
+def test_the_family_keys_are_read_or_refused_in_one_line(overrides, named):
+    from dflash_train.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        build_config({}, overrides)
+    build_config({}, ["draft.family=dflash2", "objective.loss={ce: 1, selector: 1}", "draft.selector_rank=8"])

@@ -1,0 +1,96 @@
+"""serve-check against the real llama.cpp: SmolLM2 and a drafter export, converted by llama.cpp's own
+converter and served by llama-server. CI builds llama.cpp before the tests (.ci/run), so there these
+tests run; elsewhere they say how to get it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
+from dflash_train.eval.export import export_config
+from dflash_train.serve.check import ServeCheckSettings, counted_as_engine, format_summary, serve_check
+from dflash_train.serve.llama_cpp import LlamaCppError, find_llama_cpp
+from dflash_train.serve.llama_server import ServerError
+
+
+def test_counted_as_engine_stops_drafting_before_the_budget():
+    # no proposal accepted: 32 tokens = the prefill's + 30 verified steps + one plain decode (llama.cpp
+    # counted 30 steps for each such answer)
+    assert counted_as_engine([1] * 31, [9] * 32, set(), 32, 8) == (30, 0)
+    # a round accepting 7 with 5 tokens left: llama.cpp drafts 4 and accepts them, then decodes the last
+    assert counted_as_engine([1, 1, 8, 1], [9] * 8, set(), 8, 8) == (3, 4)
+
+
+def test_counted_as_engine_accepts_no_draft_past_a_stop_token():
+    # the prefill's 5, then a round whose proposals 6, EOS, 7 all match: llama.cpp takes 6, and the EOS
+    # from the target
+    assert counted_as_engine([4], [5, 6, 2], {2}, 100, 8) == (1, 1)
+    # an EOS as the round's last draft is accepted
+    assert counted_as_engine([3], [5, 6, 2], {2}, 4, 8) == (1, 2)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    try:
+        return find_llama_cpp()
+    except LlamaCppError as err:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI builds llama.cpp before the tests: {err}")
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="module")
+def smollm2_export(tmp_path_factory):
+    """A random-init drafter for SmolLM2 in the export format (what `export` writes)."""
+    torch.manual_seed(0)
+    cfg = DraftModelConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                           intermediate_size=256, num_hidden_layers=1, vocab_size=49152, block_size=4,
+                           target_layer_ids=[1, 20], num_target_layers=30, mask_token_id=16, rms_norm_eps=1e-5,
+                           rope_theta=100000.0, max_position_embeddings=8192)
+    out = tmp_path_factory.mktemp("export")
+    (out / "config.json").write_text(json.dumps(export_config(cfg, mask_token="<jupyter_start>")))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in DFlashDraftModel(cfg).state_dict().items()},
+              out / "model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve")
+
+
+def settings(drafter, out, **kw) -> ServeCheckSettings:
+    return ServeCheckSettings(target="smollm2", drafter=str(drafter), out=out, num_prompts=2, max_new_tokens=12,
+                              threads=1, **kw)
+
+
+@pytest.mark.slow(seconds=90)
+def test_llama_cpp_serves_the_export_as_our_decoder_counts_it(llama, smollm2_export, work):
+    summary = serve_check(llama, settings(smollm2_export, work))
+    print(format_summary(summary))
+    assert summary["passed"], format_summary(summary)
+    assert summary["lossless"] == {"matches": 2, "total": 2}
+    assert summary["same_answer_as_ours"] == {"matches": 2, "total": 2}
+    # the engine's own counters equal our rounds counted by its budget rule, prompt by prompt
+    assert summary["same_steps_and_accepted"] == {"matches": 2, "total": 2}
+    assert summary["engine_verification_steps"] == summary["our_steps_counted_as_engine"] > 0
+    assert json.loads((work / "serve_check.json").read_text())["passed"]
+
+
+@pytest.mark.slow(seconds=40)
+def test_an_export_without_target_layer_ids_fails_in_one_line(llama, smollm2_export, work, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(smollm2_export, broken)
+    config = json.loads((broken / "config.json").read_text())
+    del config["dflash_config"]["target_layer_ids"]
+    (broken / "config.json").write_text(json.dumps(config))
+    # our side decodes the intact export; llama.cpp is handed the broken one
+    with pytest.raises(ServerError, match="target_layers") as err:
+        serve_check(llama, settings(smollm2_export, work, export=str(broken)))
+    assert "\n" not in str(err.value)
