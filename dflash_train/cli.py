@@ -188,7 +188,8 @@ def cmd_serve_check(args) -> int:
     settings = ServeCheckSettings(target=args.target, drafter=args.drafter, out=Path(args.out), export=args.export,
                                   prompts=args.prompts,
                                   num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                                  gguf_type=args.gguf_type, max_tau_gap=args.max_tau_gap, threads=args.threads)
+                                  gguf_type=args.gguf_type, max_tau_gap=args.max_tau_gap,
+                                  min_identical=args.min_identical, threads=args.threads)
     summary = serve_check(llama, settings)
     print(format_summary(summary))
     print(f"report: {args.out}/serve_check.json")
@@ -307,6 +308,8 @@ def _serve_check_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF weights; f32 (default) computes as eval's float32, so answers compare exactly")
     p.add_argument("--max-tau-gap", dest="max_tau_gap", type=float, default=0.03, help="fail when llama.cpp's mean "
                    "accepted length differs from eval's tau by more than this share (default: 0.03)")
+    p.add_argument("--min-identical", dest="min_identical", type=float, default=0.9, help="f32: fail when a smaller "
+                   "share of prompts has llama.cpp's verification steps and accepted drafts exactly ours (default: 0.9)")
     p.add_argument("--threads", type=_positive_int, help="llama-server threads (default: llama.cpp's)")
     p.add_argument("--llama-cpp", dest="llama_cpp", metavar="DIR", help="a llama.cpp source tree with llama-server "
                    "built in DIR/build/bin (default: llama-server on PATH, else the cached pinned build)")

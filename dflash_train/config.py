@@ -387,6 +387,9 @@ class RunConfig(Section):
         if selector and (self.train.fp8_lm_head or self.train.cuda_graphs or self.train.compile_loss):
             raise ValueError("objective.loss.selector runs uncompiled through the bf16/fp32 LM head: set "
                              "train.fp8_lm_head, train.cuda_graphs and train.compile_loss to false")
+        if self.draft.family == "dflash2" and self.draft.fp8 != "off":
+            raise ValueError("draft.fp8 with draft.family=dflash2: the convolutions' and the selector's layers in FP8 "
+                             "are not tested yet; set draft.fp8=off")
         if self.draft.family == "dflash2" and not selector:
             raise ValueError("draft.family=dflash2 without objective.loss.selector leaves the selector untrained "
                              "(it would draft as DFlash): add selector to objective.loss, e.g. {ce: 1, selector: 1}")

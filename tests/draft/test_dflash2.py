@@ -198,6 +198,7 @@ def test_training_the_selector_picks_the_successor_its_predecessor_calls_for():
     (["draft.family=dflash2"], "add selector to objective.loss"),
     (["objective.loss={ce: 1, selector: 1}"], "set draft.family=dflash2"),
     (["draft.family=dflash2", "objective.loss={ce: 1, selector: 1}", "train.fp8_lm_head=true"], "fp8_lm_head"),
+    (["draft.family=dflash2", "objective.loss={ce: 1, selector: 1}", "draft.fp8=tensorwise"], "set draft.fp8=off"),
 ])
 def test_the_family_keys_are_read_or_refused_in_one_line(overrides, named):
     from dflash_train.config import ConfigError, build_config
