@@ -50,6 +50,10 @@ class TargetConfig(Section):
     target.tensor_parallel > 1."""
 
 
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+"""The sizes only draft.family=dflash2 has (DraftConfig, the drafter's config and its export name them alike)."""
+
+
 class DraftConfig(Section):
     """The DFlash drafter. Width, heads and vocabulary come from the target."""
 
@@ -93,8 +97,7 @@ class DraftConfig(Section):
     @model_validator(mode="after")
     def _one_layer_choice(self) -> DraftConfig:
         # changed from their defaults (a dumped config repeats the defaults of every key)
-        dflash2_only = sorted(k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-                              if getattr(self, k) != type(self).model_fields[k].default)
+        dflash2_only = sorted(k for k in DFLASH2_FIELDS if getattr(self, k) != type(self).model_fields[k].default)
         if self.family == "dflash" and dflash2_only:
             raise ValueError(f"draft.{dflash2_only[0]} belongs to draft.family=dflash2 (the family is dflash)")
         self._not_both("draft", "target_layer_ids", "num_target_features",

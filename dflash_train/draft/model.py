@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash_train.config import DraftConfig
+from dflash_train.config import DFLASH2_FIELDS, DraftConfig
 
 
 @dataclass
@@ -62,7 +62,7 @@ class DraftModelConfig:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside vocabulary {self.vocab_size}")
         if self.family not in ("dflash", "dflash2"):
             raise ValueError(f"drafter family {self.family!r}: dflash or dflash2")
-        dflash2 = (self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k)
+        dflash2 = tuple(getattr(self, k) for k in DFLASH2_FIELDS)
         if self.family == "dflash" and any(dflash2):
             raise ValueError("conv_* and selector_* sizes belong to family dflash2")
         if self.family == "dflash2":

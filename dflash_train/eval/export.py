@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_train.atomic import new_temp_dir, read_json, swap_dir
 from dflash_train.checks.manifest import MANIFEST_NAME
+from dflash_train.config import DFLASH2_FIELDS
 from dflash_train.checkpoint.integrity import require_intact
 from dflash_train.checkpoint.local import read_checkpoint_file
 from dflash_train.disk import require_writable, writes_to
@@ -33,7 +34,6 @@ log = logging.getLogger("dflash_train")
 
 CHECKPOINT_CONFIG = "draft_config.json"
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 WEIGHTS = "model.safetensors"
 
 
@@ -48,7 +48,7 @@ def export_config(cfg: DraftModelConfig, mask_token: str | None = None) -> dict:
     if mask_token is not None:
         dflash["mask_token"] = mask_token
     if cfg.family == "dflash2":  # the keys llama.cpp's converter and vLLM's DFlash2 loader read
-        dflash.update({"block_size": cfg.block_size, **{k: getattr(cfg, k) for k in DFLASH2_KEYS}})
+        dflash.update({"block_size": cfg.block_size, **{k: getattr(cfg, k) for k in DFLASH2_FIELDS}})
     return {
         "architectures": [ARCHITECTURES[cfg.family]],
         "model_type": "qwen3",
@@ -90,7 +90,7 @@ def draft_config_from_export(path: str | Path) -> DraftModelConfig:
         raise ValueError(f"{path}/config.json has no dflash_config: not a DFlash drafter export")
     rope_theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
     dflash2 = (c.get("architectures") or [None])[0] == ARCHITECTURES["dflash2"]
-    extra = {"family": "dflash2", **{k: int(c["dflash_config"][k]) for k in DFLASH2_KEYS}} if dflash2 else {}
+    extra = {"family": "dflash2", **{k: int(c["dflash_config"][k]) for k in DFLASH2_FIELDS}} if dflash2 else {}
     return DraftModelConfig(
         hidden_size=c["hidden_size"],
         num_attention_heads=c["num_attention_heads"],

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from dflash_train.config import RunConfig
+from dflash_train.config import DFLASH2_FIELDS, RunConfig
 from dflash_train.draft.dflash2 import drafter_for
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 from dflash_train.eval.export import check_state_dict, read_drafter_folder
@@ -57,7 +57,7 @@ def copy_target_layers(drafter: DFlashDraftModel, target: Target, layer_ids: lis
     log.info("draft.init_layers_from: drafter layers start as copies of target layers %s", layer_ids)
 
 
-FAMILY_FIELDS = {"family", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}
+FAMILY_FIELDS = {"family", *DFLASH2_FIELDS}
 
 
 def upgrades(saved: DraftModelConfig, current: DraftModelConfig) -> bool:

@@ -6,7 +6,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from dflash_train.config import DataConfig, RunConfig
+from dflash_train.config import DFLASH2_FIELDS, DataConfig, RunConfig
 from dflash_train.data.batching import bucket_shape
 from dflash_train.draft.model import DraftModelConfig, target_layer_ids
 from dflash_train.targets.model import Target, resolve_mask_token_id
@@ -42,8 +42,7 @@ def family_fields(draft) -> dict:
     """The DraftModelConfig fields of `draft.family` (none for dflash)."""
     if draft.family == "dflash":
         return {}
-    return {"family": "dflash2", "conv_kernel_size": draft.conv_kernel_size, "conv_group_size": draft.conv_group_size,
-            "selector_rank": draft.selector_rank, "selector_top_k": draft.selector_top_k}
+    return {"family": "dflash2", **{k: getattr(draft, k) for k in DFLASH2_FIELDS}}
 
 
 def stream_layer_ids(cfg: RunConfig, target: Target) -> list[int]:
