@@ -117,18 +117,24 @@ def _existing_mask_token(folder: str | Path) -> str | None:
     return (config.get("dflash_config") or {}).get("mask_token")
 
 
-def read_drafter_folder(path: str | Path) -> tuple[DraftModelConfig, dict[str, torch.Tensor]]:
-    """(config, state dict) of a training checkpoint dir or an export dir."""
+def read_drafter_config(path: str | Path) -> DraftModelConfig:
+    """The DraftModelConfig of a training checkpoint dir or an export dir, its weights left unread."""
     path = Path(path)
     if not (path / WEIGHTS).is_file():
         raise FileNotFoundError(f"{path}: no {WEIGHTS} (expected a drafter checkpoint or export folder)")
     if (path / CHECKPOINT_CONFIG).is_file():
+        return DraftModelConfig(**json.loads((path / CHECKPOINT_CONFIG).read_text()))
+    if (path / "config.json").is_file():
+        return draft_config_from_export(path)
+    raise FileNotFoundError(f"{path}: neither {CHECKPOINT_CONFIG} (checkpoint) nor config.json (export)")
+
+
+def read_drafter_folder(path: str | Path) -> tuple[DraftModelConfig, dict[str, torch.Tensor]]:
+    """(config, state dict) of a training checkpoint dir or an export dir."""
+    path = Path(path)
+    if (path / CHECKPOINT_CONFIG).is_file() and (path / WEIGHTS).is_file():
         require_intact(path, [WEIGHTS, CHECKPOINT_CONFIG])  # only the files read here are hashed
-        cfg = DraftModelConfig(**json.loads((path / CHECKPOINT_CONFIG).read_text()))
-    elif (path / "config.json").is_file():
-        cfg = draft_config_from_export(path)
-    else:
-        raise FileNotFoundError(f"{path}: neither {CHECKPOINT_CONFIG} (checkpoint) nor config.json (export)")
+    cfg = read_drafter_config(path)
     # SGLang accepts a `model.` prefix on every name; so do we.
     state = {name.removeprefix("model."): t for name, t in read_checkpoint_file(path / WEIGHTS, load_file).items()}
     return cfg, state

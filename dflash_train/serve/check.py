@@ -24,7 +24,7 @@ import torch
 from dflash_train.atomic import write_json_atomic
 from dflash_train.config import TargetConfig
 from dflash_train.data.prompts import Prompt, load_prompts
-from dflash_train.eval.export import CHECKPOINT_CONFIG, export_drafter, load_drafter, read_drafter_folder
+from dflash_train.eval.export import CHECKPOINT_CONFIG, export_drafter, load_drafter, read_drafter_config
 from dflash_train.eval.report import encode, stop_token_ids
 from dflash_train.eval.served_speed import first_difference
 from dflash_train.eval.batched import batched_speculative
@@ -211,7 +211,7 @@ def serve_check(llama: LlamaCpp, settings: ServeCheckSettings) -> dict:
     """Run the check; writes serve_check.json, the GGUFs and the server logs into `settings.out`."""
     out = settings.out
     out.mkdir(parents=True, exist_ok=True)
-    cfg, _ = read_drafter_folder(settings.drafter)  # a broken drafter fails before anything is converted
+    cfg = read_drafter_config(settings.drafter)  # before anything loads; our_decodes reads the weights
     target_dir = Path(resolve_target_path(settings.target))
     prompts = load_prompts(settings.prompts, settings.num_prompts)
     t0 = time.monotonic()

@@ -55,6 +55,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def last_lines(lines: list[str], n: int = 3) -> str:
+    return " | ".join(lines[-n:])
+
+
 class LlamaServer:
     """`with LlamaServer(llama, target_gguf, drafter_gguf, block_size, log_file) as server:`; no drafter
     = the target alone. `exact`: f32 KV caches (llama.cpp's default f16 rounds every key and value) and
@@ -109,27 +113,24 @@ class LlamaServer:
                 self.process.wait()
         self._log.close()
 
+    def _log_lines(self) -> list[str]:
+        self._log.flush()
+        return [ln for ln in self.log_file.read_text(errors="replace").splitlines() if ln.strip()]
+
     def first_error(self) -> str:
         """The first error line of the log (llama.cpp's level letter E), where it says what it refused."""
-        self._log.flush()
-        lines = self.log_file.read_text(errors="replace").splitlines()
+        lines = self._log_lines()
         errors = [ln.split(" E ", 1)[1].strip() for ln in lines if " E " in ln and "is normal" not in ln]
-        return errors[0] if errors else self.last_log_lines()
+        return errors[0] if errors else last_lines(lines)
 
     def why_it_stopped(self) -> str:
         """What a crashed server's log says, in the user's terms where the cause is known."""
-        self._log.flush()
-        text = self.log_file.read_text(errors="replace")
-        if "layer input tensor is null" in text:
+        lines = self._log_lines()
+        if any("layer input tensor is null" in ln for ln in lines):
             return ("llama.cpp's graph for this target's family does not expose the layer inputs a DFlash drafter "
                     "reads (docs/serving.md lists the families it serves)")
-        failed = [ln.strip() for ln in text.splitlines() if "GGML_ASSERT" in ln or "failed" in ln]
-        return failed[0] if failed else self.last_log_lines()
-
-    def last_log_lines(self, n: int = 3) -> str:
-        self._log.flush()
-        lines = [ln for ln in self.log_file.read_text(errors="replace").splitlines() if ln.strip()]
-        return " | ".join(lines[-n:])
+        failed = [ln.strip() for ln in lines if "GGML_ASSERT" in ln or "failed" in ln]
+        return failed[0] if failed else last_lines(lines)
 
     def _request(self, path: str, body: dict | None = None) -> bytes:
         data = None if body is None else json.dumps(body).encode()
