@@ -16,7 +16,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -220,13 +221,23 @@ def tokenize_files(
     if processes == 1:
         _collect(ds, _pipelined(tokenizer, chunks, max_length, template_kwargs), skip_invalid)
     else:
-        ctx = multiprocessing.get_context(method)
-        with ctx.Pool(processes, initializer=_init_worker, initargs=(tokenizer, max_length, template_kwargs)) as pool:
-            results = pool.imap(_tokenize_chunk, chunks)
-            first = next(results)  # a spawned pool's start (imports in every worker) is seconds
-            log.info("tokeniser pool of %d (%s): first chunk after %.1f s", processes, method,
-                     time.perf_counter() - start)
-            _collect(ds, (r for packed in itertools.chain([first], results) for r in _unpacked(packed)), skip_invalid)
+        # concurrent.futures, not multiprocessing.Pool: on the first bad row the pending chunks are
+        # cancelled and the running ones finish, where Pool.terminate kills workers that may hold its
+        # queue's locks and can hang; a worker that dies is an error here, a hang there.
+        with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context(method),
+                                 initializer=_init_worker, initargs=(tokenizer, max_length, template_kwargs)) as pool:
+            try:
+                results = pool.map(_tokenize_chunk, chunks)
+                first = next(results)  # a spawned pool's start (imports in every worker) is seconds
+                log.info("tokeniser pool of %d (%s): first chunk after %.1f s", processes, method,
+                         time.perf_counter() - start)
+                _collect(ds, (r for packed in itertools.chain([first], results) for r in _unpacked(packed)),
+                         skip_invalid)
+            except BrokenProcessPool as err:
+                raise RuntimeError(f"a tokeniser process died ({err}); out of memory? `data.tokenize_workers: 1` "
+                                   "tokenises in process") from None
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
     log.info("tokenised %d rows in %.1f s (%s)", len(rows), time.perf_counter() - start,
              "in process" if processes == 1 else f"{processes} {method}ed processes")
     if unreadable is not None:

@@ -191,6 +191,6 @@ def test_a_checkpoint_damaged_before_its_upload_is_refused_on_restore(make_run_c
     store = CopiedStore(tmp_path / "bucket")
     store.upload(newest)
     with pytest.raises(CheckpointError, match=r"s3://bucket/run/step_00000002: corrupt checkpoint \(damaged before "
-                                              "its upload\): model.safetensors: contents differ"):
+                                              r"its upload\): model.safetensors: contents differ"):
         download_checkpoint(store, newest.name, tmp_path / "restore")
     assert list((tmp_path / "restore").iterdir()) == []  # nothing half-restored left behind

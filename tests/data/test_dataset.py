@@ -201,6 +201,30 @@ def test_worker_processes_tokenise_like_one_process(tmp_path, method):
     assert re.search("c.jsonl:18: not valid JSON", pooled(src)["error"])
 
 
+DYING = """
+import os, sys
+import dflash_train.data.dataset as dataset
+from tiny import tiny_tokenizer
+dataset.PARALLEL_MIN_ROWS, dataset.POOL_CHUNK_ROWS = 0, 4
+def _tokenize_chunk(rows):  # forked workers inherit it: each dies on its first chunk
+    os._exit(3)
+_tokenize_chunk.__module__ = dataset.__name__  # pickled by name, as the real one
+dataset._tokenize_chunk = _tokenize_chunk
+dataset.tokenize_files([sys.argv[1]], tiny_tokenizer(), 128, skip_invalid=True, workers=2)
+"""
+
+
+def test_a_tokeniser_process_that_dies_fails_the_run_in_one_line(tmp_path):
+    """A worker killed mid-chunk (the out-of-memory killer) ends the run with one line naming the way
+    out, instead of waiting forever for its chunk."""
+    src = tmp_path / "c.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in conversations(12)) + "\n")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    out = subprocess.run([sys.executable, "-c", DYING, str(src)], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 1
+    assert re.search(r"RuntimeError: a tokeniser process died .*data.tokenize_workers: 1", out.stderr.splitlines()[-1])
+
+
 def test_default_workers_fork_one_per_core_only_when_safe(monkeypatch):
     import threading
 
