@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
+import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -20,23 +22,31 @@ from dflash_train.disk import as_disk_error, require_writable
 from dflash_train.errors import UserError
 from dflash_train.eval.config import EvalJobConfig
 from dflash_train.generate.config import GenerateConfig
+from dflash_train.run_lock import RunLock
+from dflash_train.train.stop_signals import EXIT_STATUS
 
 
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)  # a bad config fails before torch is imported
-    from dflash_train.eval.report import periodic_eval_for
-    from dflash_train.train.loop import train
+    with RunLock(cfg.run_dir, "train"):  # so does a run dir in use (train takes the lock again)
+        from dflash_train.eval.report import periodic_eval_for
+        from dflash_train.train.loop import train
 
-    summary = train(cfg, resume=args.resume, periodic_eval=periodic_eval_for(cfg.eval))
+        summary = train(cfg, resume=args.resume, periodic_eval=periodic_eval_for(cfg.eval))
     print(json.dumps(summary["last"], indent=2))
+    if (signal_name := summary["stopped"]) in EXIT_STATUS:
+        print(f"{signal_name}: stopped at step {summary['steps']} of {summary['total_steps']}, saved in "
+              f"{summary['checkpoint']}; to go on: {_resumed(args)}", file=sys.stderr)
+        return EXIT_STATUS[signal_name]
     return 0
 
 
 def cmd_capture(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    from dflash_train.train.capture import capture
+    with RunLock(args.out, "capture"):
+        from dflash_train.train.capture import capture
 
-    manifest = capture(cfg, args.out, args.rows_per_shard)
+        manifest = capture(cfg, args.out, args.rows_per_shard)
     print(json.dumps({"out": args.out, **manifest["fingerprint"], "shards": len(manifest["shards"])}, indent=2))
     return 0
 
@@ -218,6 +228,37 @@ Each command has its own --help. Settings come from a YAML file (-c), then dotte
 (train.lr=3e-4), then flags: every config key is one (--train.lr 3e-4), listed with its default."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, so that it ends a command as Ctrl-C does."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated
+
+
+AFTER_INTERRUPT = {
+    "train": "the newest checkpoint is kept; to go on, the same command with --resume auto",
+    "launch": "the newest checkpoint is kept; to go on, the same command with --resume auto",
+    "capture": "the shards written are kept; the same command finishes the capture",
+    "generate": "the rows committed are kept; the same command resumes after them",
+    "quickstart": "the same command starts it again",
+    "prepare": "nothing was written; the same command starts again",
+}
+"""What an interrupted command kept and how to go on (generate says more itself: how many rows)."""
+
+
+def _resumed(args) -> str:
+    """This command line, resuming: any --resume given replaced by `--resume auto`."""
+    argv, kept = list(args.argv), []
+    while argv:
+        arg = argv.pop(0)
+        if arg == "--resume":
+            argv = argv[1:]
+        elif not arg.startswith("--resume="):
+            kept.append(arg)
+    return shlex.join(["dflash-train", *kept, "--resume", "auto"])
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -391,8 +432,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )
+    signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: every command's clean-up runs (train saves first)
     try:
         return args.func(args)
+    except KeyboardInterrupt as err:
+        if args.verbose:
+            raise
+        name = "SIGTERM" if isinstance(err, Terminated) else "SIGINT"
+        print(f"{name}: {args.command} stopped; {AFTER_INTERRUPT.get(args.command, 'nothing was kept')}",
+              file=sys.stderr)
+        return EXIT_STATUS[name]
     except USER_ERRORS as err:
         if args.verbose:  # -v: the full traceback, for a bug rather than bad input
             raise

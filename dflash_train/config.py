@@ -291,6 +291,10 @@ class CheckpointConfig(Section):
     """S3-compatible endpoint of `remote` (e.g. MinIO); default: AWS."""
     region: str | None = None
     """Region of `remote`'s bucket; default: the environment's."""
+    grace_seconds: float = Field(60.0, gt=0)
+    """After SIGTERM or Ctrl-C: time for the step in flight, the checkpoint and its upload before the
+    process exits anyway. Keep it under the scheduler's own grace period (Kubernetes'
+    terminationGracePeriodSeconds, SLURM's KillWait), which ends in SIGKILL."""
 
 
 class TrackingConfig(Section):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -126,3 +127,27 @@ def test_a_bad_config_fails_before_torch_is_imported(tmp_path, command):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert "train.lrr: unknown key" in done.stderr, done.stderr[-2000:]
     assert done.stdout.split()[-3:] == ["2", "False", "False"], (done.stdout, done.stderr[-2000:])
+
+
+@pytest.mark.slow(seconds=20)
+def test_ctrl_c_during_prepare_is_one_line(tmp_path, tiny_target_dir):
+    """Ctrl-C reaches the whole process group (the tokeniser pool too): the command says what it kept
+    and how to go on, in one line; no traceback from it or its workers."""
+    cfg = _config(tmp_path, str(tiny_target_dir))
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"},
+                          {"role": "assistant", "content": f"answer {i} " * 20}]} for i in range(60_000)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_train", "prepare", "-c", str(cfg), "--out",
+                             str(tmp_path / "prepared"), "data.tokenize_workers=2"], stderr=subprocess.PIPE, text=True,
+                            env=os.environ | {"PYTHONPATH": str(REPO)}, start_new_session=True)
+    seen = []
+    for line in proc.stderr:  # the pool is up: the worst moment, mid-chunk in every worker
+        seen.append(line)
+        if "tokeniser pool of 2" in line:
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    err = "".join(seen) + proc.stderr.read()
+    assert proc.wait(timeout=60) == 130, err
+    assert "Traceback" not in err, err
+    assert err.splitlines()[-1] == "SIGINT: prepare stopped; nothing was written; the same command starts again"
+    assert not (tmp_path / "prepared").exists()

@@ -12,7 +12,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "dflash_train"
 
 LAYERS = [
-    {"__init__", "pinned_memory", "device_clock", "errors", "disk", "atomic", "package_data", "config", "config_loader",
+    {"__init__", "pinned_memory", "device_clock", "errors", "disk", "atomic", "run_lock", "package_data", "config", "config_loader",
      "config_flags", "checks"},
     {"data"},
     {"targets"},

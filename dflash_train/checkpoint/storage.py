@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dflash_train.atomic import write_json_atomic
 from dflash_train.checkpoint.integrity import CheckpointError, find_fault, has_record, require_intact, sha256_file
-from dflash_train.checkpoint.local import checkpoints_dir, list_checkpoints, step_of
+from dflash_train.checkpoint.local import checkpoint_path, checkpoints_dir, list_checkpoints, step_of
 from dflash_train.checkpoint.s3 import FileEntry, RemoteStorageError, S3Store, S3Url
 
 log = logging.getLogger(__name__)
@@ -49,15 +49,35 @@ def newest_intact(run_dir: str | Path) -> Path | None:
     with a warning). A newer one that differs is moved aside, never deleted: a job restarted on
     failure must go on from the newest good checkpoint, not fail on the same bad file forever."""
     for path in reversed(list_checkpoints(run_dir)):
-        try:
-            if not _verified(path):
-                log.warning("%s has no integrity record (written before checkpoints had one): resuming from "
-                            "it unverified", path)
+        if _usable(path):
             return path
-        except CheckpointError as err:
-            aside = move_aside(path)
-            log.warning("%s; moved aside to %s, resuming from the newest intact checkpoint before it", err, aside.name)
     return None
+
+
+def newest_common_intact(run_dirs: list[str | Path]) -> int | None:
+    """newest_intact for several drafter groups' run dirs (distributed training): the newest step
+    that every one of them holds intact, damaged ones moved aside; None when there is none."""
+    while True:
+        steps = [{step_of(p.name) for p in list_checkpoints(d)} for d in run_dirs]
+        common = set.intersection(*steps) if steps else set()
+        if not common:
+            return None
+        step = max(common)
+        if all(_usable(checkpoint_path(d, step)) for d in run_dirs):  # a damaged one leaves `common`
+            return step
+
+
+def _usable(path: Path) -> bool:
+    """Intact, or from before integrity records (said); a damaged one is moved aside: False."""
+    try:
+        if not _verified(path):
+            log.warning("%s has no integrity record (written before checkpoints had one): resuming from it "
+                        "unverified", path)
+        return True
+    except CheckpointError as err:
+        aside = move_aside(path)
+        log.warning("%s; moved aside to %s, resuming from the newest intact checkpoint before it", err, aside.name)
+        return False
 
 
 def _verified(path: Path) -> bool:

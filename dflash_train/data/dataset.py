@@ -12,6 +12,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -143,6 +144,9 @@ def _init_worker(*args) -> None:
     _worker_args = args
     # Each worker encodes on one thread: N processes with a thread per core each would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Ctrl-C reaches the whole process group: the parent stops the pool, a worker prints nothing.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _tokenize_chunk(rows: list) -> tuple[list, np.ndarray, np.ndarray, list[int]]:

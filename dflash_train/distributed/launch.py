@@ -26,6 +26,7 @@ from dflash_train.targets.tokenizer import resolve_target_path
 from dflash_train.targets.path import load_pretrained
 from dflash_train.distributed.layout import Plan, build_layout, drafter_runs, plan_split
 from dflash_train.distributed.memory import GiB, check_fits, plan_memory
+from dflash_train.run_lock import RunLock, held_for_workers
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -172,5 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(" ".join(cmd))
         return 0
+    hold_run_dirs(args)
     sys.stdout.flush()
     os.execvp(cmd[0], cmd)
+
+
+def hold_run_dirs(args: argparse.Namespace) -> None:
+    """Every drafter's run dir locked before torchrun starts, by the process torchrun becomes (the
+    lock's descriptor survives the exec) and so for the whole job; the ranks are told it is held.
+    Node 0 holds it for a job on several nodes, whose run dirs may be one shared folder."""
+    dirs = [run_cfg.run_dir for _, run_cfg in drafter_runs(load_config(args.config, args.overrides))]
+    if args.node_rank == 0:
+        for run_dir in dirs:
+            lock = RunLock(run_dir, "launch").__enter__()  # held until the job ends: never exited
+            os.set_inheritable(lock.descriptor, True)
+    os.environ.update(held_for_workers(dirs))

@@ -29,6 +29,8 @@ from dflash_train.config import RunConfig, load_config
 from dflash_train.data.dataset import load_training_data
 from dflash_train.targets.model import compile_decoder, load_target, resolve_device, warm_up_compiled
 from dflash_train.checkpoint import local as ckpt
+from dflash_train.checkpoint.storage import newest_common_intact
+from dflash_train.run_lock import RunLock
 from dflash_train.distributed.layout import Layout, build_layout, drafter_runs
 from dflash_train.train.shapes import bucket_shapes, stream_layer_ids
 from dflash_train.distributed.roles import (Link, TargetFeeder, agree_on_start, check_lead_rank_evals,
@@ -160,6 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     for _, run_cfg in runs:  # every rank refuses alike, before any target loads
         check_lead_rank_evals(run_cfg, layout)
         check_single_process_keys(run_cfg)
+    group = layout.drafter_role(rank)
+    if group is not None and layout.group_ranks(group)[0] == rank:  # the rank that writes the group's run dir
+        # Held for the whole process (`launch` holds it for its ranks, which this then takes again).
+        RunLock(runs[group][1].run_dir, "launch").__enter__()
+    if args.resume == "auto":  # as one process does: damaged newest checkpoints moved aside, by one rank
+        if rank == 0:
+            newest_common_intact([run_cfg.run_dir for _, run_cfg in runs])
+        dist.barrier()
     groups = [dist.new_group(layout.group_ranks(g)) for g in range(len(runs))]  # every rank creates every group
     mesh = None
     if layout.tensor_parallel > 1:

@@ -33,8 +33,8 @@ from dflash_train.data.formats import DataError, row_id, iter_rows, normalise_me
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.atomic import write_json_atomic
 from dflash_train.disk import require_writable, writes_to
+from dflash_train.run_lock import RunLock
 from dflash_train.generate.shards import (
-    OutputLock,
     ShardWriter,
     committed_shards,
     read_done_keys,
@@ -294,7 +294,7 @@ async def _generate(cfg: GenerateConfig) -> dict:
     out_dir = Path(cfg.output_dir)
     require_writable(out_dir, "generate's output")
     out_dir.mkdir(parents=True, exist_ok=True)
-    with OutputLock(out_dir), writes_to(out_dir):
+    with RunLock(out_dir, "generate"), writes_to(out_dir):
         if removed := remove_temp_files(out_dir):
             log.info("removed %d uncommitted temporary file(s) of an earlier run", removed)
         done = read_done_keys(committed_shards(out_dir, cfg.output_format))

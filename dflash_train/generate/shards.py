@@ -3,21 +3,18 @@
 A shard is written to a temporary name, fsynced, renamed to `shard-NNNNNN.<ext>` and the
 directory fsynced: after a `kill -9` or a power cut a shard is either complete or absent, never
 half there. Resuming reads the `key` of every row in committed shards and skips those inputs;
-leftover temporary files are deleted. An exclusive lock on the directory keeps two runs from
-writing the same rows twice (the kernel drops it when the process dies, however it dies).
+leftover temporary files are deleted. The run lock (run_lock.py) keeps two runs from
+writing the same rows twice.
 The training reader (`formats.expand_paths`) takes the directory and reads its shards.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import json
-import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Self
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -42,26 +39,6 @@ SCHEMA = pa.schema(
 STATUSES = ("ok", "error", "skipped")
 _TMP_GLOB = ".*.tmp"  # what dflash_train.atomic.write_atomic leaves when killed mid-write
 
-
-
-class OutputLock:
-    """Exclusive, non-blocking lock on an output directory for the life of a run."""
-
-    def __init__(self, out_dir: Path):
-        self.path = out_dir / ".lock"
-        self._fd: int | None = None
-
-    def __enter__(self) -> Self:
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._fd)
-            raise ValueError(f"{self.path.parent} is in use by another generate run") from None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        os.close(self._fd)  # closing releases the lock
 
 
 def remove_temp_files(out_dir: Path) -> int:

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from dflash_train.atomic import write_atomic
+from dflash_train.run_lock import RunLock
 from dflash_train.disk import require_writable
 from dflash_train.config import RunConfig
 from dflash_train.data.dataset import TokenizedDataset
@@ -68,6 +69,11 @@ def capture(cfg: RunConfig, out: str | Path, rows_per_shard: int = 1024) -> dict
     """Runs `cfg`'s target once over `cfg`'s training data and writes its features to `out`."""
     out = Path(out)
     require_writable(out, "the captured features")
+    with RunLock(out, "capture"):
+        return _capture_into(cfg, out, rows_per_shard)
+
+
+def _capture_into(cfg: RunConfig, out: Path, rows_per_shard: int) -> dict:
     device, target, dataset = load_inputs(cfg)
     layer_ids = stream_layer_ids(cfg, target)
     width, dtype = len(layer_ids) * target.hidden_size, target.embed_weight.dtype

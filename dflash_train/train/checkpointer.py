@@ -118,10 +118,10 @@ class Checkpointer:
         safe = self.uploader.is_safe_to_delete if self.uploader is not None else (lambda _: True)
         prune_local(ckpt.checkpoints_dir(self.run_dir), self.cfg.checkpoint.keep_last, safe)
 
-    def close(self) -> None:
-        """Waits for the uploads (local copies are kept where they did not finish)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Waits for the uploads, an hour or `timeout` s (local copies are kept where they did not finish)."""
         if self.uploader is None:
             return
-        if not self.uploader.wait(timeout=3600):
+        if not self.uploader.wait(timeout=3600 if timeout is None else timeout):
             log.warning("checkpoint uploads did not finish; local copies are kept")
         self.uploader.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 
@@ -19,6 +20,7 @@ from dflash_train.checks.profile import StepProfiler, extras_after
 from dflash_train.config import RunConfig
 from dflash_train.data.dataset import TokenizedDataset
 from dflash_train.disk import writes_to
+from dflash_train.run_lock import RunLock
 from dflash_train.targets.model import Target
 from dflash_train.train.accumulate import Replica
 from dflash_train.train.budget import TimeLimits
@@ -29,6 +31,7 @@ from dflash_train.train.periodic_eval import Evaluator, PeriodicEval
 from dflash_train.train.progress import Progress
 from dflash_train.train.step import TrainStep
 from dflash_train.train.step_log import StepLog
+from dflash_train.train.stop_signals import EXIT_STATUS, StopSignals
 from dflash_train.train.tracking import Tracker
 
 log = logging.getLogger("dflash_train")
@@ -56,9 +59,15 @@ class Trainer:
     def resume(self, path: str | Path) -> None:
         self.checkpointer.resume(path, self.progress)
 
-    def fit(self, progress: bool = True) -> dict:
+    def fit(self, progress: bool = True, stop_on_signals: bool = False) -> dict:
         """Steps to the run's end (or its deadline), each periodic part run where it is due, then the
-        final checkpoint. Time between steps is logged apart from training time."""
+        final checkpoint. Time between steps is logged apart from training time. `stop_on_signals`
+        (one process): SIGTERM or Ctrl-C ends the run after the step in flight, saved
+        (train/stop_signals.py)."""
+        with StopSignals(self.cfg.checkpoint.grace_seconds) if stop_on_signals else nullcontext() as signals:
+            return self._fit(progress, signals)
+
+    def _fit(self, progress: bool, signals: StopSignals | None) -> dict:
         cfg, run, parts = self.cfg, self.progress, self.parts
         manifest = self.checkpointer.start()
         run.tracking_run_id = self.tracker.start(Path(cfg.run_dir), cfg.model_dump(mode="json"), manifest,
@@ -76,27 +85,32 @@ class Trainer:
                 with profiler.step(run.step):
                     out = self.train_step()
                 limits.maybe_stop(run, step_log.paused_total)
+                if signals is not None and signals.received:
+                    run.stopped = signals.received
+                    log.info("%s: stopping at step %d of %d", signals.received, run.step, run.total_steps)
                 step_log.maybe_log(out, run)
                 with step_log.pause():
                     profiler.flush()
-                    if self.periodic_eval is not None:
-                        self.periodic_eval.maybe_run(run)
-                    if probe is not None:
-                        probe.maybe_run(run)
+                    if run.stopped not in EXIT_STATUS:  # evaluations would spend the grace period
+                        if self.periodic_eval is not None:
+                            self.periodic_eval.maybe_run(run)
+                        if probe is not None:
+                            probe.maybe_run(run)
                     self.checkpointer.maybe_save(run)
         except BaseException:
             profiler.abort()
             raise
         profiler.close(run.step)
         step_log.close()
-        return self._finish(step_log.last)
+        return self._finish(step_log.last, signals.remaining() if signals is not None else None)
 
-    def _finish(self, last: dict) -> dict:
-        """The final checkpoint (waited for, uploads too), the tracker closed, summary.json."""
+    def _finish(self, last: dict, grace: float | None = None) -> dict:
+        """The final checkpoint (waited for, uploads too: for `grace` seconds after a stop signal), the
+        tracker closed, summary.json."""
         run, dataset = self.progress, self.parts.dataset
         final = self.checkpointer.save(run, wait=True)
         self.tracker.finish()
-        self.checkpointer.close()
+        self.checkpointer.close(timeout=grace)
         summary = {"steps": run.step, "total_steps": run.total_steps, "stopped": run.stopped or "end",
                    "checkpoint": str(final), "data_rows": dataset.stats.to_dict(),
                    "data_lengths": dataset.length_stats(), "last": last}
@@ -108,17 +122,18 @@ def train(cfg: RunConfig, resume: str | None = None, target: Target | None = Non
           periodic_eval: Evaluator | None = None, parts: RunParts | None = None) -> dict:
     """Trains `cfg`'s drafter in this process (`dflash-train train`); returns the summary. `parts`:
     the run built by the caller (`build(cfg)`), who may then use them before and after training."""
-    path = None  # checked before the target loads: a corrupt checkpoint chosen by hand fails at once
-    if resume:
-        path = checkpoint_to_resume(resume, cfg.run_dir, endpoint_url=cfg.checkpoint.endpoint_url,
-                                    region=cfg.checkpoint.region)
-    trainer = Trainer(cfg, parts, target=target, periodic_eval=periodic_eval)
-    if resume and path is None:
-        log.info("--resume auto: no intact checkpoint in %s, starting fresh", cfg.run_dir)
-    elif path is not None:
-        trainer.resume(path)
-    with writes_to(cfg.run_dir):  # a write that fails for want of space names at least the run
-        return trainer.fit(progress=progress)
+    with RunLock(cfg.run_dir, "train"):  # before anything loads: a second writer is refused at once
+        path = None  # checked before the target loads: a corrupt checkpoint chosen by hand fails at once
+        if resume:
+            path = checkpoint_to_resume(resume, cfg.run_dir, endpoint_url=cfg.checkpoint.endpoint_url,
+                                        region=cfg.checkpoint.region)
+        trainer = Trainer(cfg, parts, target=target, periodic_eval=periodic_eval)
+        if resume and path is None:
+            log.info("--resume auto: no intact checkpoint in %s, starting fresh", cfg.run_dir)
+        elif path is not None:
+            trainer.resume(path)
+        with writes_to(cfg.run_dir):  # a write that fails for want of space names at least the run
+            return trainer.fit(progress=progress, stop_on_signals=True)
 
 
 def train_replica(cfg: RunConfig, parts: RunParts, replica: Replica, resume: str | Path | None = None,

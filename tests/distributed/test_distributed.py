@@ -170,6 +170,21 @@ def test_killed_rank_stops_everyone_then_resume_with_another_split(assets, tmp_p
     assert losses(tmp_path / "run") == pytest.approx(expected, abs=1e-5)
 
 
+@pytest.mark.slow(seconds=20)
+def test_resume_auto_falls_back_past_a_damaged_newest_checkpoint(assets, tmp_path):
+    """As one process does: the newest checkpoint cut short is moved aside and the ranks resume from
+    the one before it, ending where an uninterrupted run does."""
+    config = write_config(assets, tmp_path / "run")  # 4 steps, saved at 2 and 4
+    split = ["-c", str(config), "--target-ranks", "1"]
+    assert spawn(3, split) == [0] * 3
+    model = tmp_path / "run" / "checkpoints" / "step_00000004" / "model.safetensors"
+    model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    assert spawn(3, [*split, "--resume", "auto"]) == [0] * 3
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved == ["step_00000002", "step_00000004", "step_00000004.corrupt"]
+    assert losses(tmp_path / "run") == pytest.approx(reference_losses(config, tmp_path / "ref"), abs=1e-5)
+
+
 def test_watchdog_names_a_silent_rank_and_a_failed_one():
     store = torch.distributed.HashStore()
     layout = Layout(1, (2,), ("b16",))

@@ -1,0 +1,74 @@
+"""SIGTERM and SIGINT during training: finish the step in flight, save, exit resumable.
+
+Schedulers (SLURM, Kubernetes, spot reclaimers) send SIGTERM and kill a grace period later; Ctrl-C
+sends SIGINT. The first signal asks the loop to stop after the step it is running; the loop then
+writes the final checkpoint as at the end of a run (uploads included), within
+`checkpoint.grace_seconds` of the signal, after which the process exits without waiting further.
+A second signal stops at once. The process exits with EXIT_STATUS[signal]: a scheduler's requeue
+(or a rerun with `--resume auto`) continues from the saved step exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+log = logging.getLogger("dflash_train")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+EXIT_STATUS = {"SIGTERM": 75, "SIGINT": 130}
+"""75 is EX_TEMPFAIL (sysexits.h: try again later), what a requeue policy matches on; 130 is the
+shell's status for Ctrl-C."""
+
+
+class StopSignals:
+    """`with StopSignals(grace_seconds) as signals:` around the loop; `signals.received` is the first
+    signal's name ('SIGTERM', 'SIGINT') or None. Outside the main thread (where Python delivers
+    signals) it installs nothing."""
+
+    def __init__(self, grace_seconds: float):
+        self.grace_seconds = grace_seconds
+        self.received: str | None = None
+        self._previous: dict = {}
+        self._timer: threading.Timer | None = None
+        self._deadline: float | None = None
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:  # a second signal: the default action, now
+            log.warning("%s again: stopping without waiting for the checkpoint", name)
+            self.__exit__()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.raise_signal(signum)  # the default handler again: the process ends
+        self.received = name
+        self._deadline = time.monotonic() + self.grace_seconds
+        log.warning("%s: finishing the step in flight, then saving a checkpoint (within %.0f s; a second %s "
+                    "stops at once)", name, self.grace_seconds, name)
+        self._timer = threading.Timer(self.grace_seconds, self._grace_over)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def remaining(self) -> float | None:
+        """Seconds left of the grace period after a signal; None before one."""
+        return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
+
+    def _grace_over(self) -> None:
+        log.error("%s: the checkpoint was not saved within checkpoint.grace_seconds (%.0f s); exiting without it "
+                  "(--resume auto continues from the newest saved step)", self.received, self.grace_seconds)
+        logging.shutdown()
+        os._exit(EXIT_STATUS[self.received])
