@@ -23,7 +23,7 @@ from dflash_train.errors import UserError
 from dflash_train.eval.config import EvalJobConfig
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.run_lock import RunLock
-from dflash_train.train.stop_signals import EXIT_STATUS
+from dflash_train.train.stop_signals import EXIT_STATUS, Terminated, raise_terminated
 
 
 def cmd_train(args) -> int:
@@ -107,14 +107,14 @@ def cmd_diff_runs(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from dflash_train.generate.job import OutputMismatch, generate, stop_advice
+    from dflash_train.generate.job import NoValidRows, OutputMismatch, generate, stop_advice
     from dflash_train.generate.config import load_generate_config
 
     cfg = load_generate_config(args.config, args.overrides)
     try:
         summary = generate(cfg)
-    except OutputMismatch:
-        raise  # another run's directory: nothing of this run to resume
+    except (OutputMismatch, NoValidRows):
+        raise  # another run's directory, or nothing to resume
     except BaseException as err:  # also Ctrl-C: say what is kept and how to go on, then fail as before
         if (advice := stop_advice(cfg, err, ["dflash-train", *args.argv])) is not None:
             print(advice, file=sys.stderr)
@@ -228,20 +228,12 @@ Each command has its own --help. Settings come from a YAML file (-c), then dotte
 (train.lr=3e-4), then flags: every config key is one (--train.lr 3e-4), listed with its default."""
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the main thread is, so that it ends a command as Ctrl-C does."""
-
-
-def _terminated(signum, frame) -> None:
-    raise Terminated
-
-
 AFTER_INTERRUPT = {
     "train": "the newest checkpoint is kept; to go on, the same command with --resume auto",
     "launch": "the newest checkpoint is kept; to go on, the same command with --resume auto",
     "capture": "the shards written are kept; the same command finishes the capture",
     "generate": "the rows committed are kept; the same command resumes after them",
-    "quickstart": "the same command starts it again",
+    "quickstart": "the answers generated so far are kept; the same command uses them and trains again",
     "prepare": "nothing was written; the same command starts again",
 }
 """What an interrupted command kept and how to go on (generate says more itself: how many rows)."""
@@ -432,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )
-    signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: every command's clean-up runs (train saves first)
+    signal.signal(signal.SIGTERM, raise_terminated)  # as Ctrl-C: every command's clean-up runs (train saves first)
     try:
         return args.func(args)
     except KeyboardInterrupt as err:

@@ -30,6 +30,7 @@ from dflash_train.targets.model import load_target, resolve_device
 from dflash_train.train.build import RunParts, build
 from dflash_train.train.heldout import score_heldout
 from dflash_train.train.loop import train
+from dflash_train.train.stop_signals import EXIT_STATUS, interrupt
 
 # Shipped inside the package (an installed copy has no repo configs/; configs/quickstart.yaml links here).
 CONFIG = Path(__file__).resolve().parent / "configs" / "quickstart.yaml"
@@ -127,7 +128,8 @@ def run_quickstart(device: str = "auto", overrides=(), sizes: Sizes | None = Non
     references: dict[int, list[int]] = {}
     before = {**score_heldout(parts, cfg, heldout), **real_tau(parts, eval_prompts, sizes.eval_new_tokens, references)}
     t_fit = time.perf_counter()
-    train(cfg, parts=parts)
+    if (stopped := train(cfg, parts=parts)["stopped"]) in EXIT_STATUS:  # saved; the results would not be
+        raise interrupt(stopped)
     phases["train"] = round(time.perf_counter() - t_fit, 1)
     after = {**score_heldout(parts, cfg, heldout), **real_tau(parts, eval_prompts, sizes.eval_new_tokens, references)}
 

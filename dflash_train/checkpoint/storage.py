@@ -38,7 +38,12 @@ def checkpoint_to_resume(resume: str, run_dir: str | Path, *, endpoint_url: str 
     if resume == "auto":
         return newest_intact(run_dir)
     path = resolve_resume(resume, checkpoints_dir(run_dir), endpoint_url=endpoint_url, region=region)
-    if path.is_dir() and not _verified(path):
+    if not (path / "trainer_state.json").is_file():  # said before a warning about its integrity record
+        what = "not a checkpoint (no trainer_state.json)" if path.is_dir() else "no such directory"
+        hint = ("a run directory: --resume auto takes the newest checkpoint of the config's run_dir"
+                if (path / "checkpoints").is_dir() else "give a checkpoints/step_NNNNNNNN folder, or --resume auto")
+        raise CheckpointError(f"--resume {resume}: {what}; {hint}")
+    if not _verified(path):
         log.warning("%s has no integrity record (written before checkpoints had one): resuming from it "
                     "unverified", path)
     return path

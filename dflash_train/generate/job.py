@@ -178,6 +178,7 @@ async def regenerate(job: Job, backend: Backend, params: GenParams, system_promp
         try:
             answer = await backend.complete(history, request)
         except GenerationError as err:
+            log.warning("%s: turn %d: %s (recorded as an error row)", job.source, turn, err)
             return _result_row(job, "error", f"turn {turn}: {err}", **counts)
         history.append({"role": "assistant", "content": answer.text})
         out.append({"role": "assistant", "content": answer.text, "reasoning_content": answer.reasoning})
@@ -208,6 +209,10 @@ def _settings(cfg: GenerateConfig) -> dict:
 
 class OutputMismatch(ValueError):
     """The output directory belongs to another run (settings, model): rerunning cannot resume it."""
+
+
+class NoValidRows(DataError):
+    """Every input row was malformed (and skipped): the output holds no answer to train on."""
 
 
 def _check_meta(out_dir: Path, meta: dict) -> None:
@@ -317,6 +322,9 @@ async def _generate(cfg: GenerateConfig) -> dict:
             await backend.aclose()
         summary = _summary(cfg, out_dir, stats, done)
         write_json_atomic(out_dir / "summary.json", summary)
+        if summary["skipped"] and not (summary["ok"] or summary["error"]):  # as prepare and train refuse it
+            raise NoValidRows(f"{', '.join(cfg.inputs)}: no usable input row: all {summary['skipped']} skipped as "
+                              f"malformed (each row's reason is in {out_dir}); nothing was generated")
         return summary
 
 

@@ -18,13 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 import hashlib
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import GenerationConfig
 
 from dflash_train.config import TargetConfig
-from dflash_train.generate.backends import Completion, GenParams
+from dflash_train.generate.backends import Completion, GenerationError, GenParams
 from dflash_train.generate.config import LocalConfig
 from dflash_train.generate.graphed_engine import GraphedEngine, Job, prefill_problem
 from dflash_train.targets.static_cache import static_cache_problem
@@ -51,6 +51,18 @@ def encode_prompt(tokenizer, messages: list[dict], thinking: bool | None) -> lis
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def fit_context(prompt: list[int], params: GenParams, config) -> GenParams:
+    """A prompt the target's context cannot hold is this row's error (as a server answers it); an
+    answer is cut where the context ends, counted as truncated like one cut at max_tokens."""
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if context is None:
+        return params
+    if len(prompt) >= context:
+        raise GenerationError(f"the prompt is {len(prompt):,} tokens, over the target's context of {context:,} "
+                              "positions (max_position_embeddings)")
+    return replace(params, max_tokens=min(params.max_tokens, context - len(prompt)))
 
 
 def pad_token_id(tokenizer, stops) -> int:
@@ -268,6 +280,7 @@ class LocalBackend:
             self._wake = asyncio.Event()
             self._worker = asyncio.create_task(self._run())
         prompt = encode_prompt(self.tokenizer, messages, params.thinking)
+        params = fit_context(prompt, params, self.model.config)
         request = _Request(prompt, params, asyncio.get_running_loop().create_future())
         self._queue.append(request)
         self._wake.set()

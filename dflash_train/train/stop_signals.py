@@ -24,6 +24,20 @@ EXIT_STATUS = {"SIGTERM": 75, "SIGINT": 130}
 shell's status for Ctrl-C."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, so that it ends a command as Ctrl-C does (the CLI
+    installs `raise_terminated` for every command; `StopSignals` replaces it while training)."""
+
+
+def raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+def interrupt(name: str) -> KeyboardInterrupt:
+    """The exception a command raises to stop as if signal `name` had reached it there."""
+    return Terminated() if name == "SIGTERM" else KeyboardInterrupt()
+
+
 class StopSignals:
     """`with StopSignals(grace_seconds) as signals:` around the loop; `signals.received` is the first
     signal's name ('SIGTERM', 'SIGINT') or None. Outside the main thread (where Python delivers

@@ -16,7 +16,7 @@ from dflash_train.checkpoint import local as ckpt
 from dflash_train.checkpoint.integrity import (
     RECORD, CheckpointError, find_fault, hash_checkpoint, require_intact, sha256_file,
 )
-from dflash_train.checkpoint.storage import download_checkpoint, has_receipt, newest_intact, write_receipt
+from dflash_train.checkpoint.storage import checkpoint_to_resume, download_checkpoint, has_receipt, newest_intact, write_receipt
 from dflash_train.cli import main
 from dflash_train.eval.export import export_drafter
 from dflash_train.train.loop import Trainer, train
@@ -106,6 +106,15 @@ def test_a_checkpoint_without_a_record_still_resumes_with_a_warning(make_run_con
     with caplog.at_level(logging.WARNING):
         assert newest_intact(cfg.run_dir) == newest
     assert "has no integrity record" in caplog.text and "unverified" in caplog.text
+
+
+def test_resume_at_a_folder_that_is_no_checkpoint_says_so(tmp_path):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"--resume .*/run: not a checkpoint \(no trainer_state.json\); "
+                                              "a run directory: --resume auto takes"):
+        checkpoint_to_resume(str(tmp_path / "run"), tmp_path / "run")
+    with pytest.raises(CheckpointError, match="/nowhere: no such directory; give a checkpoints/step_NNNNNNNN folder"):
+        checkpoint_to_resume(str(tmp_path / "nowhere"), tmp_path / "run")
 
 
 def test_a_corrupt_checkpoint_chosen_by_hand_fails_before_the_target_loads(make_run_config, monkeypatch,

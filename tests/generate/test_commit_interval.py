@@ -83,3 +83,33 @@ def test_a_job_killed_every_few_commit_intervals_finishes_every_row_once(tmp_pat
     assert committed == sorted(committed)
     ids = [r["id"] for r in read_rows(tmp_path / "out")]
     assert sorted(ids) == sorted(f"c{i}" for i in range(rows))  # every row, exactly once
+
+
+def test_sigterm_commits_the_finished_rows_and_the_same_command_finishes_every_row_once(tmp_path, start_server):
+    """A scheduler's SIGTERM through the real command: the rows finished are committed, one line says
+    how to go on (exit 75), and the same command then writes the others, every row exactly once."""
+    import subprocess
+    import sys
+
+    from tests.generate.conftest import REPO
+
+    server = start_server("--echo", "--stall-every", "1", "--stall-s", "0.1")
+    inputs = write_jsonl(tmp_path / "in.jsonl", [conversation(i) for i in range(60)])
+    argv = [sys.executable, "-m", "dflash_train", "generate", "--input", str(inputs), "--output", str(tmp_path / "out"),
+            "--no-progress", "--commit-interval", "1000", "concurrency=2", f"http.server_urls=[{server.url}]"]
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 60
+    while server.stats()["requests"] < 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, err
+    kept = read_rows(tmp_path / "out")  # nothing was due on the clock: committed by the stop
+    assert 4 <= len(kept) < 60 and "Traceback" not in err
+    assert f"generate stopped: {tmp_path / 'out'} keeps {len(kept)} committed rows" in err
+    assert err.splitlines()[-1] == "SIGTERM: generate stopped; the rows committed are kept; the same command resumes after them"
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    ids = [r["id"] for r in read_rows(tmp_path / "out")]
+    assert sorted(ids) == sorted(f"c{i}" for i in range(60)) and len(ids) == len(set(ids))

@@ -64,6 +64,21 @@ def test_skip_invalid_records_every_bad_row_with_its_reason(tmp_path, start_serv
     assert sum(summary["top_reasons"].values()) == 6
 
 
+def test_skip_invalid_with_no_valid_row_fails_as_prepare_does(tmp_path, start_server, capsys):
+    """The malformed rows are recorded (a rerun does not read them again), and the run exits 2."""
+    from dflash_train.cli import main
+
+    server = start_server("--echo")
+    inputs = write_jsonl(tmp_path / "bad.jsonl", BAD_LINES[1:7])
+    argv = ["generate", "--input", str(inputs), "--output", str(tmp_path / "out"), "--skip-invalid", "--no-progress",
+            "http.server_urls=[" + server.url + "]"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {inputs}: no usable input row: all 6 skipped as malformed (each row's reason is in "
+                   f"{tmp_path / 'out'}); nothing was generated")
+    assert len(read_rows(tmp_path / "out")) == 6
+
+
 def test_parquet_sharegpt_input_and_jsonl_output(tmp_path, start_server):
     server = start_server("--echo")
     table = pa.Table.from_pylist(

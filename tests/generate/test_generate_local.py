@@ -242,3 +242,22 @@ def test_a_multi_turn_prompt_file_is_answered_turn_after_turn(tmp_path, tiny_tar
     assert [m["role"] for m in row["messages"]] == ["user", "assistant"] * 3
     assert [m["content"] for m in row["messages"][::2]] == ["Hi there", "and then?", "why?"]
     assert all(m["content"] for m in row["messages"][1::2])
+
+
+def test_a_prompt_over_the_targets_context_is_an_error_row_naming_its_line(tmp_path, tiny_target, caplog):
+    """The tiny target has 2,048 positions (byte-level tokenizer: a character a token): a longer
+    prompt is that row's error, said with its file:line; an answer stops where the context ends."""
+    inputs = write_jsonl(tmp_path / "in.jsonl", [
+        {"messages": [{"role": "user", "content": "x" * 2100}]},
+        {"messages": [{"role": "user", "content": "y" * 2020}]},
+        {"messages": [{"role": "user", "content": "hello"}]},
+    ])
+    summary = generate(build_generate_config(
+        {"inputs": [str(inputs)], "output_dir": str(tmp_path / "out"), "progress": False, "model": str(tiny_target),
+         "backend": "local", "sampling": {"max_tokens": 64}}, {"local.device": "cpu"}))
+    assert (summary["ok"], summary["error"]) == (2, 1)
+    rows = {r["source"].rsplit(":", 1)[1]: r for r in read_rows(tmp_path / "out")}
+    assert rows["1"]["status"] == "error" and "over the target's context of 2,048 positions" in rows["1"]["reason"]
+    assert f"{inputs}:1: turn 1: the prompt is 2," in caplog.text
+    assert rows["2"]["prompt_tokens"] + rows["2"]["completion_tokens"] <= 2048
+    assert rows["2"]["completion_tokens"] < 64 and rows["3"]["status"] == "ok"
