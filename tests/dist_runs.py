@@ -107,7 +107,7 @@ def children(pid: int) -> dict[int, int]:
     return found
 
 
-def _env() -> dict:
+def dist_env() -> dict:
     return dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
 
 
@@ -115,12 +115,12 @@ def launch_node(node_rank: int, endpoint: str, argv: list[str]) -> subprocess.Po
     """One machine of a two-node `dflash-train launch` (one process per node), in its own session."""
     cmd = [sys.executable, "-m", "dflash_train", "launch", "--nproc-per-node", "1", "--nnodes", "2",
            "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint, *argv]
-    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(cmd, env=dist_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
 
 def torchrun(nproc: int, argv: list[str]) -> subprocess.Popen:
-    env = _env()
+    env = dist_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--monitor-interval", "0.5", "-m", "dflash_train.distributed.run", *argv]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

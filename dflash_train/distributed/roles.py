@@ -230,6 +230,11 @@ class GroupReduction:
         dist.all_reduce(value, group=self.group)
         return value
 
+    def any_of(self, flags: list[bool], device: torch.device) -> list[bool]:
+        if dist.get_world_size(self.group) == 1:
+            return flags
+        return [bool(f) for f in self.sum(torch.tensor(flags, dtype=torch.float32, device=device)).tolist()]
+
     def finish(self, params, stats: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
         works = [dist.all_reduce(p.grad, group=self.group, async_op=True) for p in params]
         stats = torch.cat([stats, torch.tensor([float(tokens)], device=stats.device)])
@@ -258,9 +263,11 @@ def agree_on_start(layout: Layout, rank: int, feeder: TargetFeeder | None, progr
 
 
 def run_drafter(cfg: RunConfig, target: Target, dataset: TokenizedDataset | None, *, layout: Layout, link: Link,
-                rank: int, group_index: int, group, feeder: TargetFeeder | None, resume: str | Path | None) -> None:
+                rank: int, group_index: int, group, feeder: TargetFeeder | None, resume: str | Path | None
+                ) -> str | None:
     """One data-parallel replica of a drafter group: its features come from the target ranks and its
-    sums run over the group. Only the group's first rank evaluates, logs and saves."""
+    sums run over the group. Only the group's first rank evaluates, logs and saves. Returns the stop
+    signal that ended it early, else None."""
     check_lead_rank_evals(cfg, layout)
     leader = rank == layout.group_ranks(group_index)[0]
     periodic_eval = periodic_eval_for(cfg.eval) if leader else None
@@ -268,4 +275,4 @@ def run_drafter(cfg: RunConfig, target: Target, dataset: TokenizedDataset | None
     replica = Replica(LinkSource(cfg, parts, layout, link, rank, group_index, feeder), GroupReduction(group),
                       devices=layout.world_size, leader=leader,
                       start=functools.partial(agree_on_start, layout, rank, feeder))
-    train_replica(cfg, parts, replica, resume=resume, periodic_eval=periodic_eval)
+    return train_replica(cfg, parts, replica, resume=resume, periodic_eval=periodic_eval)

@@ -33,6 +33,7 @@ from dflash_train.checkpoint.storage import newest_common_intact
 from dflash_train.run_lock import RunLock
 from dflash_train.distributed.layout import Layout, build_layout, drafter_runs
 from dflash_train.train.shapes import bucket_shapes, stream_layer_ids
+from dflash_train.train.stop_signals import EXIT_STATUS, StopSignals
 from dflash_train.distributed.roles import (Link, TargetFeeder, agree_on_start, check_lead_rank_evals,
                                             check_single_process_keys, run_drafter)
 
@@ -63,6 +64,7 @@ class Watchdog:
         self.timeout, self.interval = timeout, interval
         self.on_failure = on_failure or _exit_failed
         self._stop = threading.Event()
+        self._leave_status: int | None = None
         self._thread = threading.Thread(target=self._run, name="dflash-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
@@ -75,6 +77,11 @@ class Watchdog:
     def finish(self, failure: str | None = None) -> None:
         self.store.set(f"state/{self.rank}", f"failed: {failure}" if failure else "done")
         self._stop.set()
+
+    def leave_after_drafters(self, status: int) -> None:
+        """Exit with `status` once every drafter rank has finished (a target rank after a stop signal:
+        it feeds until the drafters have saved, then nothing will consume what it sends)."""
+        self._leave_status = status
 
     def silent_ranks(self, seconds: float) -> list[int]:
         """Ranks whose heartbeat does not move for `seconds`: after a failed send or collective, the
@@ -95,6 +102,10 @@ class Watchdog:
         while not self._stop.wait(self.interval):
             try:
                 self.store.add(f"beat/{self.rank}", 1)
+                if self._leave_status is not None and all(
+                        self.store.check([f"state/{r}"]) for r in others if self.layout.drafter_role(r) is not None):
+                    log.info("rank %d: every drafter rank has stopped; the target rank stops too", self.rank)
+                    os._exit(self._leave_status)
                 for r in others:
                     if self.store.check([f"state/{r}"]):
                         state = self.store.get(f"state/{r}").decode()
@@ -182,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     where = f"node {os.environ.get('GROUP_RANK', 0)} ({socket.gethostname()})"
     watchdog = Watchdog(store, rank, layout, args.heartbeat_timeout, where=where).start()
     try:
-        run_rank(args, cfg, runs, layout, groups, rank, device, mesh)
+        stopped = run_rank(args, cfg, runs, layout, groups, rank, device, mesh, watchdog)
     except Exception as err:
         silent = watchdog.silent_ranks(seconds=3 * watchdog.interval) if isinstance(err, RuntimeError) else []
         names = ", ".join(watchdog.describe(r) for r in silent)
@@ -190,13 +201,18 @@ def main(argv: list[str] | None = None) -> int:
               + (f"\n  silent peers (likely dead): {names}" if silent else ""), file=sys.stderr, flush=True)
         watchdog.finish(failure=f"{type(err).__name__}: {err}")
         raise
+    if stopped is not None:  # saved by the lead rank; the target ranks leave once every drafter rank has
+        watchdog.finish()
+        return EXIT_STATUS[stopped]
     dist.barrier()  # the store may live in rank 0: nobody leaves while others still need it
     watchdog.finish()
     dist.destroy_process_group()
     return 0
 
 
-def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, device: torch.device, mesh) -> None:
+def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, device: torch.device, mesh,
+             watchdog: Watchdog) -> str | None:
+    """This rank's part of the run; the stop signal that ended it early, else None."""
     link = Link(rank, device, args.max_in_flight)
     group = layout.drafter_role(rank)
     # Drafter-only ranks need just the target's embedding and LM head: its layers never reach the GPU.
@@ -218,8 +234,12 @@ def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, devi
             log.info("rank %d: the compiled target warmed up on %d bucket shapes in %.1f s", rank, len(shapes),
                      time.perf_counter() - start)
         step, total_steps = agree_on_start(layout, rank, feeder, None)
-        for _ in range(step, total_steps):
-            feeder.feed_step()
+        # On SIGTERM or Ctrl-C it feeds on while the drafters finish their step and save, then leaves.
+        with StopSignals(cfg.checkpoint.grace_seconds, second_ends=False,
+                         on_signal=lambda name: watchdog.leave_after_drafters(EXIT_STATUS[name])):
+            for _ in range(step, total_steps):
+                feeder.feed_step()
+        stopped = None
     else:
         run_cfg = runs[group][1]
         path = args.resume
@@ -228,9 +248,10 @@ def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, devi
             path = step and ckpt.checkpoint_path(run_cfg.run_dir, step)
         elif args.resume and len(runs) > 1:
             raise ValueError("--resume PATH needs a single drafter; use --resume auto with several")
-        run_drafter(run_cfg, target, dataset, layout=layout, link=link, rank=rank, group_index=group,
-                    group=groups[group], feeder=feeder, resume=path or None)
+        stopped = run_drafter(run_cfg, target, dataset, layout=layout, link=link, rank=rank, group_index=group,
+                              group=groups[group], feeder=feeder, resume=path or None)
     link.drain()
+    return stopped
 
 
 if __name__ == "__main__":

@@ -57,6 +57,9 @@ class Reduction(Protocol):
     def finish(self, params: Iterable[torch.Tensor], stats: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
         """Sums the gradients of `params`, the flat `stats` and the `tokens` over the replicas."""
 
+    def any_of(self, flags: list[bool], device: torch.device) -> list[bool]:
+        """Each flag true on any replica: what every replica then acts on alike (a stop signal)."""
+
 
 class LocalSource:
     """The single process's own cursor, data and target (or its feature cache)."""
@@ -87,6 +90,9 @@ class NoReduction:
 
     def finish(self, params, stats: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
         return stats, tokens
+
+    def any_of(self, flags: list[bool], device: torch.device) -> list[bool]:
+        return flags
 
 
 @dataclass

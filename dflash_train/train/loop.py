@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-from contextlib import nullcontext
 from pathlib import Path
 
 
@@ -59,15 +58,11 @@ class Trainer:
     def resume(self, path: str | Path) -> None:
         self.checkpointer.resume(path, self.progress)
 
-    def fit(self, progress: bool = True, stop_on_signals: bool = False) -> dict:
+    def fit(self, progress: bool = True, signals: StopSignals | None = None) -> dict:
         """Steps to the run's end (or its deadline), each periodic part run where it is due, then the
-        final checkpoint. Time between steps is logged apart from training time. `stop_on_signals`
-        (one process): SIGTERM or Ctrl-C ends the run after the step in flight, saved
+        final checkpoint. Time between steps is logged apart from training time. With `signals`
+        installed, SIGTERM or Ctrl-C ends the run after the step in flight, saved
         (train/stop_signals.py)."""
-        with StopSignals(self.cfg.checkpoint.grace_seconds) if stop_on_signals else nullcontext() as signals:
-            return self._fit(progress, signals)
-
-    def _fit(self, progress: bool, signals: StopSignals | None) -> dict:
         cfg, run, parts = self.cfg, self.progress, self.parts
         manifest = self.checkpointer.start()
         run.tracking_run_id = self.tracker.start(Path(cfg.run_dir), cfg.model_dump(mode="json"), manifest,
@@ -85,9 +80,7 @@ class Trainer:
                 with profiler.step(run.step):
                     out = self.train_step()
                 limits.maybe_stop(run, step_log.paused_total)
-                if signals is not None and signals.received:
-                    run.stopped = signals.received
-                    log.info("%s: stopping at step %d of %d", signals.received, run.step, run.total_steps)
+                self.maybe_stop_on_signal(signals)
                 step_log.maybe_log(out, run)
                 with step_log.pause():
                     profiler.flush()
@@ -103,6 +96,16 @@ class Trainer:
         profiler.close(run.step)
         step_log.close()
         return self._finish(step_log.last, signals.remaining() if signals is not None else None)
+
+    def maybe_stop_on_signal(self, signals: StopSignals | None) -> None:
+        """After a step: stop when a signal came, to this process or (distributed) to any replica of
+        its group, so that all of them stop after the same step."""
+        if signals is None:
+            return
+        flags = self.stepper.reduction.any_of([signals.received == name for name in EXIT_STATUS], self.parts.device)
+        if (name := next((n for n, f in zip(EXIT_STATUS, flags) if f), None)) is not None:
+            self.progress.stopped = name
+            log.info("%s: stopping at step %d of %d", name, self.progress.step, self.progress.total_steps)
 
     def _finish(self, last: dict, grace: float | None = None) -> dict:
         """The final checkpoint (waited for, uploads too: for `grace` seconds after a stop signal), the
@@ -132,20 +135,25 @@ def train(cfg: RunConfig, resume: str | None = None, target: Target | None = Non
             log.info("--resume auto: no intact checkpoint in %s, starting fresh", cfg.run_dir)
         elif path is not None:
             trainer.resume(path)
-        with writes_to(cfg.run_dir):  # a write that fails for want of space names at least the run
-            return trainer.fit(progress=progress, stop_on_signals=True)
+        with writes_to(cfg.run_dir), StopSignals(cfg.checkpoint.grace_seconds) as signals:
+            return trainer.fit(progress=progress, signals=signals)
 
 
 def train_replica(cfg: RunConfig, parts: RunParts, replica: Replica, resume: str | Path | None = None,
-                  periodic_eval: Evaluator | None = None) -> None:
+                  periodic_eval: Evaluator | None = None) -> str | None:
     """One data-parallel replica of a drafter group: the leader runs the whole loop (evaluates, logs
-    and saves); the others step in lockstep, waiting in the all-reduces."""
+    and saves); the others step in lockstep, waiting in the all-reduces. A stop signal to any of them
+    stops all after the same step (the leader saves it); returns the signal's name, else None."""
     trainer = Trainer(cfg, parts, periodic_eval=periodic_eval, replica=replica)
     if resume:
         trainer.resume(resume)
     replica.start(trainer.progress)
-    if replica.leader:
-        trainer.fit(progress=True)
-        return
-    while not trainer.progress.done:
-        trainer.train_step()
+    # A second SIGTERM is the launcher passing the scheduler's on: only SIGKILL (or the grace period) cuts the save.
+    with StopSignals(cfg.checkpoint.grace_seconds, second_ends=False) as signals:
+        if replica.leader:
+            trainer.fit(progress=True, signals=signals)
+        else:
+            while not trainer.progress.done:
+                trainer.train_step()
+                trainer.maybe_stop_on_signal(signals)
+    return trainer.progress.stopped if trainer.progress.stopped in EXIT_STATUS else None

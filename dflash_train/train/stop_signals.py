@@ -41,10 +41,14 @@ def interrupt(name: str) -> KeyboardInterrupt:
 class StopSignals:
     """`with StopSignals(grace_seconds) as signals:` around the loop; `signals.received` is the first
     signal's name ('SIGTERM', 'SIGINT') or None. Outside the main thread (where Python delivers
-    signals) it installs nothing."""
+    signals) it installs nothing. `second_ends=False`: a second SIGTERM is not a second request (a
+    distributed rank gets the scheduler's and then torchrun's, which passes it on). `on_signal(name)`
+    runs in the handler, after the first."""
 
-    def __init__(self, grace_seconds: float):
+    def __init__(self, grace_seconds: float, second_ends: bool = True, on_signal=None):
         self.grace_seconds = grace_seconds
+        self.second_ends = second_ends
+        self.on_signal = on_signal
         self.received: str | None = None
         self._previous: dict = {}
         self._timer: threading.Timer | None = None
@@ -63,6 +67,8 @@ class StopSignals:
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        if self.received is not None and not self.second_ends and signum == signal.SIGTERM:
+            return
         if self.received is not None:  # a second signal: the default action, now
             log.warning("%s again: stopping without waiting for the checkpoint", name)
             self.__exit__()
@@ -71,11 +77,13 @@ class StopSignals:
             signal.raise_signal(signum)  # the default handler again: the process ends
         self.received = name
         self._deadline = time.monotonic() + self.grace_seconds
-        log.warning("%s: finishing the step in flight, then saving a checkpoint (within %.0f s; a second %s "
-                    "stops at once)", name, self.grace_seconds, name)
+        log.warning("%s: finishing the step in flight, then saving a checkpoint (within %.0f s%s)", name,
+                    self.grace_seconds, f"; a second {name} stops at once" if self.second_ends or name != "SIGTERM" else "")
         self._timer = threading.Timer(self.grace_seconds, self._grace_over)
         self._timer.daemon = True
         self._timer.start()
+        if self.on_signal is not None:
+            self.on_signal(name)
 
     def remaining(self) -> float | None:
         """Seconds left of the grace period after a signal; None before one."""

@@ -6,8 +6,11 @@ goes through torchrun, whose group-kill on a dead worker is part of what is test
 
 import json
 import os
+import random
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +24,7 @@ from dflash_train.distributed.roles import TargetFeeder
 from dflash_train.distributed.run import Watchdog, resume_step
 from dflash_train.distributed.launch import main as launch_main
 from dflash_train.distributed.layout import Layout, plan_split
-from dist_runs import children, losses, read_metrics, reference_losses, spawn, torchrun, write_assets, write_config
+from dist_runs import children, dist_env, losses, read_metrics, reference_losses, spawn, torchrun, write_assets, write_config
 from tiny import tiny_target
 
 
@@ -183,6 +186,31 @@ def test_resume_auto_falls_back_past_a_damaged_newest_checkpoint(assets, tmp_pat
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert saved == ["step_00000002", "step_00000004", "step_00000004.corrupt"]
     assert losses(tmp_path / "run") == pytest.approx(reference_losses(config, tmp_path / "ref"), abs=1e-5)
+
+
+@pytest.mark.slow(seconds=40)
+def test_sigterm_to_launch_saves_the_step_and_the_resumed_run_matches(assets, tmp_path):
+    """A scheduler's SIGTERM to `launch` (torchrun passes it to every rank): the two replicas of the
+    drafter group stop after the same step, the lead saves it, the target rank leaves once they have,
+    and `--resume auto` ends where an uninterrupted run does."""
+    steps = ["train.max_steps=60", "train.grad_accum=2", "checkpoint.every=1000"]
+    config = write_config(assets, tmp_path / "run")
+    cmd = [sys.executable, "-m", "dflash_train", "launch", "-c", str(config), "--nproc-per-node", "3",
+           "--target-gpus", "1", *steps]
+    proc = subprocess.Popen(cmd, env=dist_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    at = random.randint(2, 20)
+    deadline = time.monotonic() + 120
+    while len(losses(tmp_path / "run")) < at and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=90)
+    saved = resume_step([str(tmp_path / "run")])
+    assert saved is not None and at <= saved < 60, out[-3000:]
+    assert "SIGTERM: stopping at step" in out and "every drafter rank has stopped; the target rank stops too" in out
+    assert len(losses(tmp_path / "run")) == saved
+    assert spawn(3, ["-c", str(config), "--target-ranks", "1", "--resume", "auto", *steps]) == [0] * 3
+    expected = reference_losses(config, tmp_path / "ref", steps)
+    assert losses(tmp_path / "run") == pytest.approx(expected, abs=1e-5)
 
 
 def test_watchdog_names_a_silent_rank_and_a_failed_one():
