@@ -7,6 +7,7 @@ off the start-up path of `--help`, `doctor`, `prompts` and every command that do
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import shlex
@@ -251,6 +252,17 @@ def _resumed(args) -> str:
     return shlex.join(["dflash-train", *kept, "--resume", "auto"])
 
 
+def _close_flags(command: argparse.ArgumentParser, extra: list[str]) -> str:
+    """'; did you mean --seed?' for each unknown flag close to one of the command's."""
+    known = [o for action in command._actions for o in action.option_strings]
+    hints = []
+    for flag in (x.split("=")[0] for x in extra if x.startswith("--")):
+        close = [k for k in known if k.startswith(flag)][:3] or difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+        if close:
+            hints.append(f"{flag}: did you mean {' or '.join(close)}?")
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -270,11 +282,11 @@ USER_ERRORS = (ConfigError, UserError, ValueError, FileNotFoundError)
 
 
 def _settings(p: argparse.ArgumentParser, model, what: str, example: str, required: bool = False, short: bool = False,
-              dest: str = "overrides") -> argparse.ArgumentParser:
+              dest: str = "overrides", no_default: dict[str, str] | None = None) -> argparse.ArgumentParser:
     """-c YAML file, `key=value` overrides and a flag for every field of `model`: one style for every command."""
     p.add_argument("-c", "--config", required=required, help=what)
     p.add_argument(dest, nargs="*", metavar="overrides", help=f"dotted overrides of the config, e.g. {example}")
-    add_config_flags(p, model, short=short)
+    add_config_flags(p, model, short=short, no_default=no_default)
     return p
 
 
@@ -357,14 +369,18 @@ def _positionals(p: argparse.ArgumentParser, **arguments: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-train", description=DESCRIPTION, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(prog="dflash-train", description=DESCRIPTION, formatter_class=HelpFormatter,
+                                     allow_abbrev=False)  # a typo never falls back to another key
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, and full tracebacks on errors")
     parser.add_argument("--version", action="version", version=f"dflash-train {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    parser.commands = {}
+
     def add(name: str, func, help: str, **kw) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter, **kw)
+        p = sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter, allow_abbrev=False, **kw)
         p.set_defaults(func=func)
+        parser.commands[name] = p
         return p
 
     _quickstart_args(add("quickstart", cmd_quickstart,
@@ -393,7 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     _settings(add("eval", cmd_eval, "speculative-decoding evaluation: tau, histogram, speedup",
                   epilog="Without -c, --target and --drafter are required."), EvalJobConfig,
               "YAML run config: its target, eval prompts and newest checkpoint become the defaults; flags override them",
-              "eval.prompts=humaneval", short=True, dest="run_overrides")
+              "eval.prompts=humaneval", short=True, dest="run_overrides",
+              no_default={"target.path": "default: the run config's; required without -c"})
     p = add("curve", cmd_curve, "chart of held-out acceptance against device-minutes for one or more runs "
             "(eval.heldout_files)")
     p.add_argument("run_dirs", nargs="+", help="run directories holding heldout.jsonl")
@@ -420,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "launch":
         args.launch_args = extra
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        command = parser.commands[args.command]
+        command.error(f"unrecognized arguments: {' '.join(extra)}{_close_flags(command, extra)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )

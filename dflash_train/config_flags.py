@@ -88,8 +88,10 @@ def _reader(annotation: Any) -> dict:
     return {"type": _yaml_value}
 
 
-def _help(info: FieldInfo) -> str:
+def _help(info: FieldInfo, instead_of_default: str | None = None) -> str:
     text = (info.description or "").replace("%", "%%")  # argparse %-formats help
+    if instead_of_default:
+        return f"{text} ({instead_of_default})"
     default = info.get_default(call_default_factory=True)
     if default is PydanticUndefined or default is None:
         return text
@@ -102,8 +104,10 @@ def _section_doc(model: type[BaseModel], section: str) -> str | None:
     return (model.__doc__ or "").strip() or None
 
 
-def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], *, short: bool = False) -> None:
-    """One flag per field of `model` (see the module docstring), grouped by section in --help."""
+def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], *, short: bool = False,
+                     no_default: dict[str, str] | None = None) -> None:
+    """One flag per field of `model` (see the module docstring), grouped by section in --help.
+    `no_default`: keys whose field default the command does not use, and what their help says instead."""
     groups: dict[str, Any] = {}
     for key, info in config_fields(model):
         section, _, name = key.rpartition(".")
@@ -115,7 +119,8 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], *,
         reader = _reader(info.annotation)
         metavar = {} if "choices" in reader or reader.get("action") is argparse.BooleanOptionalAction else {
             "metavar": names[0].lstrip("-").rpartition(".")[2].replace("-", "_").upper()}
-        groups.get(section, parser).add_argument(*names, dest=DEST + key, default=None, help=_help(info),
+        groups.get(section, parser).add_argument(*names, dest=DEST + key, default=None,
+                                                 help=_help(info, (no_default or {}).get(key)),
                                                  **reader, **metavar)
 
 

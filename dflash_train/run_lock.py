@@ -25,6 +25,10 @@ HELD_ENV = "DFLASH_TRAIN_HELD_LOCKS"
 """Outputs the launching process holds for its workers (os.pathsep-separated): `launch` locks the
 run dirs, then torchrun's ranks write to them without locking again."""
 
+WRITES = {"train": "the run's checkpoints and metrics", "launch": "the run's checkpoints and metrics",
+          "capture": "the captured features", "generate": "generate's output"}
+"""What each command writes there, for the one line when it cannot."""
+
 _held: dict[Path, list] = {}  # directory -> [fd, how many holders in this process]
 
 
@@ -46,7 +50,7 @@ class RunLock:
         if str(self.directory) in os.environ.get(HELD_ENV, "").split(os.pathsep):
             _held[self.directory] = [None, 1]
             return self
-        require_writable(self.directory, f"{self.command}'s output")
+        require_writable(self.directory, WRITES.get(self.command, f"{self.command}'s output"))
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / LOCK_FILE
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

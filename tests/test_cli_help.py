@@ -95,3 +95,38 @@ def test_quickstart_size_flags_state_the_device_defaults_and_reject_zero():
             assert flag in text and f"{getattr(sizes, field)} on {dev}" in text, (flag, dev)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["quickstart", "--train-prompts", "0"])
+
+
+def test_a_flag_is_never_taken_for_a_longer_one(capsys):
+    """Prefix matching is off in every parser: `--see 1` is not `--seed 1`, it fails and names it."""
+    for argv, hint in ((["train", "-c", "run.yaml", "--see", "1"], "--see: did you mean --seed?"),
+                       (["train", "-c", "run.yaml", "--train.log", "5"], "--train.log: did you mean --train.log_every?"),
+                       (["eval", "--targ", "smollm2"], "--targ: did you mean --target")):
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 2 and hint in capsys.readouterr().err
+    for name, parser in _all_parsers().items():
+        assert parser.allow_abbrev is False, name
+
+
+def test_launch_help_imports_no_torch_and_launch_takes_the_flags_train_takes(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom dflash_train.cli import main\ntry:\n    main(['launch', '--help'])\nexcept SystemExit:\n"
+            "    pass\nassert 'torch' not in sys.modules, 'launch --help imported torch'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--train.lr" in done.stdout, done.stderr
+    from dflash_train.distributed.launch import parse_args, torchrun_command
+
+    args = parse_args(["-c", "run.yaml", "--colocated", "--nproc-per-node", "2", "--train.lr", "3e-4", "seed=5",
+                       "--data.train_files", "a.jsonl", "--data.train_files", "b.jsonl", "--no-train.compile"])
+    assert sorted(torchrun_command(args, ["--colocated"])[-4:]) == [
+        'data.train_files=["a.jsonl", "b.jsonl"]', "seed=5", "train.compile=false", "train.lr=3e-4"]
+
+
+def test_eval_help_says_the_target_is_required_without_a_run_config(tmp_path, capsys):
+    text = " ".join(_subparsers(build_parser())["eval"].format_help().split())
+    assert "(default: the run config's; required without -c)" in text and "(default: smollm2)" not in text
+    assert main(["eval", "--drafter", str(tmp_path)]) == 2
+    assert "eval needs --target" in capsys.readouterr().err

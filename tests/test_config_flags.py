@@ -132,7 +132,9 @@ def test_every_setting_of_every_command_has_a_description_and_shows_its_default(
             assert field.description, f"{command}: {key} has no docstring"
             default = field.get_default(call_default_factory=True)
             assert f"--{key}" in text or command in ("generate", "eval"), (command, key)
-            if default is not None and repr(default) != "PydanticUndefined":
+            if (command, key) == ("eval", "target.path"):  # eval's target: the run config's, or given
+                assert "(default: the run config's; required without -c)" in text
+            elif default is not None and repr(default) != "PydanticUndefined":
                 assert f"(default: {default})" in text, (command, key)
 
 

@@ -12,33 +12,27 @@ the failed rank; the workers' watchdog covers ranks on other nodes (distributed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import replace
 
-import torch
-from transformers import AutoConfig
-
-from dflash_train.config_flags import HelpFormatter
-from dflash_train.config import load_config
-from dflash_train.draft.model import target_layer_ids
-from dflash_train.targets.tokenizer import resolve_target_path
-from dflash_train.targets.path import load_pretrained
+from dflash_train.config import RunConfig, load_config
+from dflash_train.config_flags import HelpFormatter, add_config_flags, with_flag_overrides
 from dflash_train.distributed.layout import Plan, build_layout, drafter_runs, plan_split
-from dflash_train.distributed.memory import GiB, check_fits, plan_memory
 from dflash_train.run_lock import RunLock, held_for_workers
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="dflash-train launch", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="dflash-train launch", description=__doc__, formatter_class=HelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("-c", "--config", required=True, help="YAML run config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
     split = p.add_mutually_exclusive_group(required=True)
     split.add_argument("--target-gpus", help="global ranks that run the target, or 'auto'")
     split.add_argument("--colocated", action="store_true", help="every GPU runs target and drafter")
     p.add_argument("--drafter-gpus", help="GPUs per drafter group, e.g. 6 or 4,2 (default: the rest, split evenly)")
-    p.add_argument("--nproc-per-node", type=int, default=torch.cuda.device_count() or None,
-                   help="processes per node (default: visible GPUs)")
+    p.add_argument("--nproc-per-node", type=int, help="processes per node (default: visible GPUs)")
     p.add_argument("--nnodes", type=int, default=1, help="machines in the job")
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index among --nnodes")
     p.add_argument("--rdzv-endpoint", help="host:port of the rendezvous (multi-node)")
@@ -53,7 +47,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="memory of one GPU for the plan's check (default: this node's first GPU; none on CPU)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the memory plan and the torchrun command instead of running it")
-    return p.parse_args(argv)
+    add_config_flags(p, RunConfig)  # as `train` takes them
+    args = with_flag_overrides(p.parse_args(argv))
+    # The workers' command line carries the flags as `key=value` overrides: text as typed, the rest as
+    # JSON (which the loader reads as YAML).
+    args.overrides = [o if isinstance(o, str) else f"{o[0]}={o[1] if isinstance(o[1], str) else json.dumps(o[1])}"
+                      for o in args.overrides]
+    return args
 
 
 def torchrun_command(args: argparse.Namespace, split: list[str]) -> list[str]:
@@ -142,6 +142,14 @@ def choose_split(args: argparse.Namespace) -> list[str]:
 
 def check_memory(args: argparse.Namespace, colocated: bool) -> None:
     """Prints the per-GPU memory plan (memory.py) and refuses one that cannot fit."""
+    import torch
+    from transformers import AutoConfig
+
+    from dflash_train.distributed.memory import GiB, check_fits, plan_memory
+    from dflash_train.draft.model import target_layer_ids
+    from dflash_train.targets.path import load_pretrained
+    from dflash_train.targets.tokenizer import resolve_target_path
+
     cfg = load_config(args.config, args.overrides)
     hf = load_pretrained(AutoConfig, resolve_target_path(cfg.target.path))
     runs = drafter_runs(cfg)
@@ -165,6 +173,10 @@ def check_memory(args: argparse.Namespace, colocated: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.nproc_per_node is None:
+        import torch
+
+        args.nproc_per_node = torch.cuda.device_count() or None
     if not args.nproc_per_node:
         raise ValueError("no GPU visible: give --nproc-per-node (CPU runs use gloo, one process each)")
     split = choose_split(args)

@@ -140,7 +140,7 @@ def resume_step(run_dirs: list[str]) -> int | None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dflash_train.distributed.run", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m dflash_train.distributed.run", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-c", "--config", required=True)
     p.add_argument("overrides", nargs="*")

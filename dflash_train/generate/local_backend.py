@@ -18,10 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 import hashlib
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from dflash_train.config import TargetConfig
 from dflash_train.generate.backends import Completion, GenerationError, GenParams
@@ -113,7 +114,23 @@ transformers compiles nothing, and the padding was only prefill work: a batch of
 tokens or fewer ran 128 wide, 40% more."""
 
 
-def _static_generate(model, prompts: list[list[int]], gen: GenerationConfig) -> list[list[int]]:
+class ReleaseFinished(StoppingCriteria):
+    """Hands each row's answer on (`release(row, new token ids)`) as soon as it ends with a stop token,
+    while the batch decodes on: a slow batch's finished rows reach generate's commit clock without
+    waiting for its longest row. Stops nothing itself."""
+
+    def __init__(self, width: int, stops: set[int], release: Callable[[int, list[int]], None]):
+        self.width, self.stops, self.release, self.done = width, stops, release, set()
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        for row, token in enumerate(input_ids[:, -1].tolist()):  # transformers reads a flag per step too
+            if token in self.stops and row not in self.done:
+                self.done.add(row)
+                self.release(row, input_ids[row, self.width:].tolist())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _static_generate(model, prompts: list[list[int]], gen: GenerationConfig, release=None) -> list[list[int]]:
     """`_padded_generate` with a preallocated KV cache: a dynamic cache grows by concatenation, copying
     every layer's whole cache at each new token (quadratic in the answer length at large batches);
     a static one is written in place, and on a GPU transformers captures its decode step as a graph."""
@@ -121,10 +138,11 @@ def _static_generate(model, prompts: list[list[int]], gen: GenerationConfig) -> 
     if model.device.type != "cpu":
         width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
     static = gen.to_dict() | {"cache_implementation": "static"}
-    return _padded_generate(model, prompts, GenerationConfig(**static), width)
+    return _padded_generate(model, prompts, GenerationConfig(**static), release, width)
 
 
-def _padded_generate(model, prompts: list[list[int]], gen: GenerationConfig, width: int | None = None) -> list[list[int]]:
+def _padded_generate(model, prompts: list[list[int]], gen: GenerationConfig, release=None,
+                     width: int | None = None) -> list[list[int]]:
     device = next(model.parameters()).device
     width = width or max(map(len, prompts))
     input_ids = torch.full((len(prompts), width), gen.pad_token_id, dtype=torch.long)
@@ -132,7 +150,11 @@ def _padded_generate(model, prompts: list[list[int]], gen: GenerationConfig, wid
     for row, ids in enumerate(prompts):
         input_ids[row, width - len(ids) :] = torch.tensor(ids)
         attention_mask[row, width - len(ids) :] = 1
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=gen)
+    stopping = None
+    if release is not None and gen.eos_token_id:
+        stopping = StoppingCriteriaList([ReleaseFinished(width, set(gen.eos_token_id), release)])
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=gen,
+                         stopping_criteria=stopping)
     return out[:, width:].tolist()
 
 
@@ -154,7 +176,7 @@ def _cpu_cache_config(model, prompts: list[list[int]], gen: GenerationConfig):
     return ContinuousBatchingConfig(page_size=CPU_PAGE, num_blocks=pages + 1)
 
 
-def _continuous_generate(model, prompts: list[list[int]], gen: GenerationConfig) -> list[list[int]]:
+def _continuous_generate(model, prompts: list[list[int]], gen: GenerationConfig, release=None) -> list[list[int]]:
     results = list(model.generate_batch(prompts, generation_config=gen, progress_bar=False,
                                         continuous_batching_config=_cpu_cache_config(model, prompts, gen)).values())
     # generate_batch logs failed or lost requests instead of raising: a missing answer must not
@@ -191,15 +213,17 @@ def graphed_generate(model, prompts: list[list[int]], params: GenParams, stops: 
 
 @torch.no_grad()
 def generate_ids(model, prompts: list[list[int]], params: GenParams, stops: set[int], pad_id: int,
-                 engine: str = "padded") -> list[tuple[list[int], bool]]:
-    """Per token-id prompt: (new token ids cut after the first stop token, whether one ended them)."""
+                 engine: str = "padded", release: Callable[[int, list[int]], None] | None = None
+                 ) -> list[tuple[list[int], bool]]:
+    """Per token-id prompt: (new token ids cut after the first stop token, whether one ended them).
+    `release(row, ids)`: each row that stops, as soon as it does (padded and static engines)."""
     if params.temperature > 0 and params.seed is not None:
         torch.manual_seed(params.seed)
     if engine == "graphed":
         return graphed_generate(model, prompts, params, stops, pad_id)
     run = {"padded": _padded_generate, "static": _static_generate, "continuous": _continuous_generate}[engine]
     with _plain_distribution(model):
-        answers = run(model, prompts, _generation_config(params, stops, pad_id))
+        answers = run(model, prompts, _generation_config(params, stops, pad_id), release)
     return [_cut_at_stop(ids, stops) for ids in answers]
 
 
@@ -212,12 +236,15 @@ def completion(tokenizer, prompt: list[int], new: list[int], stopped: bool) -> C
     )
 
 
-def generate_batch(model, tokenizer, prompts: list[list[int]], params: GenParams, engine: str = "padded") -> list[Completion]:
-    """Answer token-id prompts in one `generate` (padded) or `generate_batch` (continuous) call."""
+def generate_batch(model, tokenizer, prompts: list[list[int]], params: GenParams, engine: str = "padded",
+                   release: Callable[[int, Completion], None] | None = None) -> list[Completion]:
+    """Answer token-id prompts in one `generate` (padded) or `generate_batch` (continuous) call;
+    `release(row, completion)` for each row as soon as it stops (see generate_ids)."""
     stops = stop_ids(model, tokenizer)
     pad_id = pad_token_id(tokenizer, stops)
-    return [completion(tokenizer, prompt, new, stopped)
-            for (new, stopped), prompt in zip(generate_ids(model, prompts, params, stops, pad_id, engine), prompts)]
+    early = release and (lambda row, ids: release(row, completion(tokenizer, prompts[row], *_cut_at_stop(ids, stops))))
+    return [completion(tokenizer, prompt, new, stopped) for (new, stopped), prompt
+            in zip(generate_ids(model, prompts, params, stops, pad_id, engine, early), prompts)]
 
 
 def _resolve(future: asyncio.Future, result) -> None:
@@ -305,10 +332,15 @@ class LocalBackend:
             while self._queue:
                 batch = self._take_batch()
                 prompts = [r.prompt for r in batch]
+                loop = asyncio.get_running_loop()
+
+                def release(row: int, result: Completion, batch=batch, loop=loop) -> None:
+                    loop.call_soon_threadsafe(_resolve, batch[row].future, result)
+
                 try:
                     # A thread keeps the event loop (HTTP server, writer) responsive during generate.
-                    results = await asyncio.get_running_loop().run_in_executor(
-                        self._model_thread, self._generate_fitting, prompts, batch[0].params)
+                    results = await loop.run_in_executor(
+                        self._model_thread, self._generate_fitting, prompts, batch[0].params, release)
                 except Exception as err:  # noqa: BLE001 -- a bug or OOM must reach the callers, not kill the worker
                     for r in batch:
                         _fail(r.future, err)
@@ -377,11 +409,11 @@ class LocalBackend:
             loop.call_soon_threadsafe(_fail, r.future, err)
         inflight.clear()
 
-    def _generate_fitting(self, prompts: list[list[int]], params: GenParams) -> list[Completion]:
+    def _generate_fitting(self, prompts: list[list[int]], params: GenParams, release) -> list[Completion]:
         """generate_batch, halving the batch on CUDA out-of-memory (and keeping the smaller size for
         later batches): the size that fits depends on the longest prompts, which no one knows ahead."""
         try:
-            return generate_batch(self.model, self.tokenizer, prompts, params, self.engine)
+            return generate_batch(self.model, self.tokenizer, prompts, params, self.engine, release)
         except torch.OutOfMemoryError:
             if len(prompts) == 1:
                 raise
@@ -392,7 +424,8 @@ class LocalBackend:
             self.batch_size = half
             log.warning("out of GPU memory generating %d prompts at once: generation batch size now %d",
                         len(prompts), half)
-        return self._generate_fitting(prompts[:half], params) + self._generate_fitting(prompts[half:], params)
+        return (self._generate_fitting(prompts[:half], params, release)
+                + self._generate_fitting(prompts[half:], params, lambda row, c: release(half + row, c)))
 
     async def aclose(self) -> None:
         if self._worker is not None:

@@ -11,7 +11,7 @@ import torch
 from dflash_train.generate.backends import GenParams
 from dflash_train.generate.job import generate
 from dflash_train.generate.config import LocalConfig, build_generate_config
-from dflash_train.generate.local_backend import LocalBackend, encode_prompt, generate_ids, stop_ids
+from dflash_train.generate.local_backend import LocalBackend, ReleaseFinished, encode_prompt, generate_ids, stop_ids
 from tests.generate.conftest import read_rows, write_jsonl
 
 PROMPTS = [
@@ -62,6 +62,39 @@ def test_static_continuous_and_graphed_engines_answer_exactly_as_the_padded_gene
     assert graphed == padded
     assert padded[0][1] and len(padded[0][0]) <= 6
     assert any(not stopped and len(ids) == 20 for ids, stopped in padded)  # both endings covered
+
+
+@pytest.mark.parametrize("engine", ["padded", "static"])
+def test_a_row_that_stops_is_released_at_once_while_its_batch_decodes_on(tiny_target, engine):
+    """What lets generate's commit clock keep a long batch's finished rows: each stopped row is handed
+    on the step it stops, with the answer the whole batch then returns for it."""
+    backend = LocalBackend.load(str(tiny_target), LocalConfig(device="cpu"))
+    model, tokenizer = backend.model, backend.tokenizer
+    prompts = [encode_prompt(tokenizer, m, None) for m in PROMPTS]
+    params = GenParams(temperature=0.0, top_p=1.0, max_tokens=20)
+    stops = stop_ids(model, tokenizer)
+    free = generate_ids(model, prompts, params, stops, pad_id=0)
+    stops.add(free[0][0][5])  # the first row stops at its sixth token, others run on
+    steps, released = [0], {}
+
+    def release(row, ids):
+        released[row] = (list(ids), steps[0])
+
+    original = ReleaseFinished.__call__
+
+    def counting(self, input_ids, scores, **kwargs):
+        steps[0] = input_ids.shape[1] - self.width
+        return original(self, input_ids, scores, **kwargs)
+
+    ReleaseFinished.__call__ = counting
+    try:
+        answers = generate_ids(model, prompts, params, stops, pad_id=0, engine=engine, release=release)
+    finally:
+        ReleaseFinished.__call__ = original
+    assert released and set(released) == {row for row, (_, stopped) in enumerate(answers) if stopped}
+    for row, (ids, at_step) in released.items():
+        assert ids == answers[row][0] and at_step == len(ids)  # the answer, on the step it ended
+    assert max(len(ids) for ids, _ in answers) > min(at for _, at in released.values())  # the batch went on
 
 
 def test_answers_come_from_the_plain_distribution_not_the_models_generation_settings(tiny_target):
