@@ -31,7 +31,9 @@ def echo_answer(messages: list[dict]) -> str:
 
 
 class EchoResponder:
-    """Answers instantly with `echo_answer`; word counts stand in for tokens."""
+    """Answers instantly with `echo_answer`; word counts stand in for tokens. Asked to think
+    (`enable_thinking: true`), it also returns a thinking text apart, as a server with a reasoning
+    parser does (`reasoning_content`)."""
 
     name = "echo"
 
@@ -43,6 +45,7 @@ class EchoResponder:
             prompt_tokens=sum(len(m["content"].split()) for m in messages),
             completion_tokens=min(len(words), params.max_tokens),
             finish_reason="length" if cut else "stop",
+            reasoning=f"The user wrote {len(messages[-1]['content'].split())} words." if params.thinking else None,
         )
 
 

@@ -33,7 +33,7 @@ def cmd_train(args) -> int:
         from dflash_train.eval.report import periodic_eval_for
         from dflash_train.train.loop import train
 
-        summary = train(cfg, resume=args.resume, periodic_eval=periodic_eval_for(cfg.eval))
+        summary = train(cfg, resume=args.resume, periodic_eval=periodic_eval_for(cfg))
     print(json.dumps(summary["last"], indent=2))
     if (signal_name := summary["stopped"]) in EXIT_STATUS:
         print(f"{signal_name}: stopped at step {summary['steps']} of {summary['total_steps']}, saved in "

@@ -13,12 +13,15 @@ torch.set_num_threads(1)
 TESTS = Path(__file__).resolve().parent
 # The embedded SmolLM2 is converted from GGUF once (~25 s): keep it in the checkout (git-ignored).
 os.environ.setdefault("DFLASH_TRAIN_CACHE", str(TESTS.parent / ".cache" / "dflash-train"))
+REPO = TESTS.parent
 for path in (TESTS, TESTS.parent):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
 
 import json  # noqa: E402
+import subprocess  # noqa: E402
+import urllib.request  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -91,3 +94,37 @@ def make_run_config(tmp_path):
         return build_config(tree, overrides=list(overrides))
 
     return make
+
+
+class Server:
+    def __init__(self, *args: str):
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "bench" / "chat_server.py"), "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        )
+        line = self.proc.stdout.readline()
+        assert line.startswith("READY "), f"server did not start: {line!r}"
+        self.url = line.split()[1]
+
+    def stats(self) -> dict:
+        with urllib.request.urlopen(self.url + "/stats") as resp:
+            return json.load(resp)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def start_server():
+    """start_server(*args) -> Server running `python bench/chat_server.py --port 0 *args`."""
+    servers: list[Server] = []
+
+    def start(*args: str) -> Server:
+        servers.append(Server(*args))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()

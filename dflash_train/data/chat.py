@@ -2,8 +2,9 @@
 
 The loss mask covers assistant tokens only. Spans are found by rendering prefixes of the
 conversation: the tokens between "everything before turn i + the generation prompt" and
-"everything through turn i" are turn i's answer. This works for any template that renders
-prefixes as prefixes (checked, with a clear error when a template does not).
+"everything through turn i" are turn i's answer, as the target wrote it (its thinking included, for
+a target that thinks). A template that renders an earlier turn otherwise once later turns follow
+(Qwen3 drops the thinking of past turns) gets that turn as a row of its own.
 
 A target without a chat template (a base model) is given `PLAIN_TEXT` when it loads: turns as plain
 text after its BOS, a blank line between them, a prompt continued where it ends. `{"text": ...}`
@@ -12,7 +13,7 @@ rows are a corpus for any target: every token is learned, no template.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
 
@@ -41,6 +42,10 @@ def text_format(tokenizer) -> str:
 class TokenizedConversation:
     input_ids: list[int]
     loss_mask: list[int]
+    turns: list[TokenizedConversation] = field(default_factory=list)
+    """Assistant turns the template renders otherwise once later turns follow (Qwen3 drops an earlier
+    turn's thinking): each is its own row, the conversation up to it as the target saw it then, the
+    loss on that turn alone. Empty for most templates."""
 
 
 def _render(tokenizer, messages, add_generation_prompt: bool, kwargs: dict, where: str) -> str:
@@ -79,24 +84,39 @@ def _render_all(tokenizer, messages: list[dict], kwargs: dict, where: str) -> _R
         # An opening assistant turn (a greeting in ShareGPT) answers nothing: context, not a target.
         for i, message in enumerate(messages) if message["role"] == "assistant" and i > 0
     ]
-    return _Renders(where, _render(tokenizer, messages, False, kwargs, where), answers)
+    full = _render(tokenizer, messages, False, kwargs, where)
+    for i, _, through in answers:
+        thinking = messages[i].get("reasoning_content")
+        if thinking and thinking.strip() not in (through or full):
+            raise DataError(f"{where}: the chat template does not render the thinking (reasoning_content) of "
+                            f"assistant turn {i}: the target wrote it, so training without it would teach another "
+                            "text; use the target's own template, or rows without reasoning_content")
+    return _Renders(where, full, answers)
 
 
 def _answer_mask(tokenizer, renders: _Renders, encoded: dict[str, list[int]], max_length: int) -> TokenizedConversation:
+    """Each answer's tokens are those between its prompt (`before`: the conversation up to it and the
+    generation prompt) and the conversation through it (`through`), both as the target saw them when it
+    wrote that answer. Where the whole conversation renders an answer that way, it is learned there;
+    an answer the template renders otherwise once later turns follow becomes a row of its own."""
     full = encoded[renders.full]
     loss_mask = [0] * len(full)
+    turns = []
     for i, before_text, through_text in renders.answers:
         before = encoded[before_text]
         through = full if through_text is None else encoded[through_text]
-        if full[: len(before)] != before or full[: len(through)] != through:
+        if through[: len(before)] != before:
             raise DataError(
-                f"{renders.where}: the chat template does not render conversation prefixes as prefixes "
-                f"(assistant turn {i}); cannot locate the answer tokens"
+                f"{renders.where}: the chat template does not render assistant turn {i} after its own prompt "
+                "(the generation prompt is not a prefix of the turn); cannot locate the answer tokens"
             )
-        end = _trailing_whitespace(tokenizer, full, len(before), len(through))
-        for p in range(len(before), end):
-            loss_mask[p] = 1
-    return TokenizedConversation(input_ids=full[:max_length], loss_mask=loss_mask[:max_length])
+        end = _trailing_whitespace(tokenizer, through, len(before), len(through))
+        if full[: len(through)] == through:
+            loss_mask[len(before):end] = [1] * (end - len(before))
+        else:
+            mask = [0] * len(before) + [1] * (end - len(before)) + [0] * (len(through) - end)
+            turns.append(TokenizedConversation(input_ids=through[:max_length], loss_mask=mask[:max_length]))
+    return TokenizedConversation(input_ids=full[:max_length], loss_mask=loss_mask[:max_length], turns=turns)
 
 
 def render_conversations(tokenizer, conversations: list[tuple[list[dict], str]], template_kwargs: dict | None = None

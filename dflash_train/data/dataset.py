@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from dflash_train.atomic import write_atomic, write_json_atomic
 from dflash_train.data.chat import encode_renders, render_conversations, tokenize_text
+from dflash_train.data.generation_mode import template_kwargs_for
 from dflash_train.data.formats import (
     Conversation, DataError, RowStats, expand_paths, iter_rows, iter_unparsed_rows, normalise_messages, read_row,
 )
@@ -115,11 +116,18 @@ def _render_rows(tokenizer, items: list, template_kwargs) -> list:
 
 
 def _encode_rows(tokenizer, items: list, renders: list, max_length: int) -> list:
-    """Corpus rows one by one; conversations in one batch (chat.encode_renders); unread rows as they are."""
+    """Corpus rows one by one; conversations in one batch (chat.encode_renders); unread rows as they are.
+    A conversation whose template rewrites earlier turns gives a row per such turn after its own."""
     chats = iter(encode_renders(tokenizer, renders, max_length))
-    return [item if isinstance(item, _Unread) else _checked(
-        item, tokenize_text(tokenizer, item.text, max_length) if item.text is not None else next(chats), max_length)
-        for item in items]
+    rows = []
+    for item in items:
+        if isinstance(item, _Unread):
+            rows.append(item)
+            continue
+        tok = tokenize_text(tokenizer, item.text, max_length) if item.text is not None else next(chats)
+        rows.append(_checked(item, tok, max_length))
+        rows += [_checked(item, turn, max_length) for turn in getattr(tok, "turns", ())]
+    return rows
 
 
 def _pipelined(tokenizer, chunks: list[list], max_length: int, template_kwargs) -> Iterator:
@@ -212,6 +220,7 @@ def tokenize_files(
     (the prompt, the whole conversation): in process, chunk k encodes on the tokenizer's threads
     while chunk k+1 parses and renders; in a pool (`tokenize_workers`), each worker parses, renders
     and encodes whole chunks, so all of that runs on every core."""
+    template_kwargs = template_kwargs_for(files, template_kwargs)  # `generate` folders: their thinking mode
     ds, rows, unreadable = TokenizedDataset(), [], None
     try:
         for path in expand_paths(files):

@@ -37,7 +37,8 @@ class Conversation:
     """file:line of the row."""
     id: str
     messages: list[dict]
-    """[{"role": system|user|assistant, "content": str}, ...]; empty for a text row"""
+    """[{"role": system|user|assistant, "content": str}, ...], an assistant turn's thinking as
+    "reasoning_content"; empty for a text row"""
     text: str | None = None
     """A `{"text": ...}` row: plain text, learned whole, never rendered through a chat template."""
 
@@ -79,6 +80,12 @@ def _text(content, where: str) -> str:
     raise DataError(f"{where}: content must be a string, got {type(content).__name__}")
 
 
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+"""Where an assistant turn's thinking is kept apart from its answer: SGLang's and vLLM's reasoning
+parsers (`reasoning_content`; newer vLLM `reasoning`), gpt-oss templates (`thinking`). Chat templates
+read it as `reasoning_content`."""
+
+
 def normalise_messages(row: dict, where: str) -> list[dict]:
     if not isinstance(row, dict):
         raise DataError(f"{where}: row must be a JSON object, got {type(row).__name__}")
@@ -101,6 +108,12 @@ def normalise_messages(row: dict, where: str) -> list[dict]:
             raise DataError(f"{at}: unknown role {raw_role!r} (known: {sorted(set(ROLE_ALIASES))})")
         content = turn.get(text_key, turn.get("content"))
         messages.append({"role": role, "content": _text(content, at)})
+        reasoning = next((turn[k] for k in REASONING_KEYS if turn.get(k) is not None), None)
+        if reasoning is not None:
+            if role != "assistant" or not isinstance(reasoning, str):
+                raise DataError(f"{at}: reasoning text belongs to an assistant turn, as a string")
+            if reasoning.strip():
+                messages[-1]["reasoning_content"] = reasoning
     return messages
 
 

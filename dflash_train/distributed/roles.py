@@ -270,7 +270,7 @@ def run_drafter(cfg: RunConfig, target: Target, dataset: TokenizedDataset | None
     signal that ended it early, else None."""
     check_lead_rank_evals(cfg, layout)
     leader = rank == layout.group_ranks(group_index)[0]
-    periodic_eval = periodic_eval_for(cfg.eval) if leader else None
+    periodic_eval = periodic_eval_for(cfg) if leader else None
     parts = build(cfg, target, dataset)
     replica = Replica(LinkSource(cfg, parts, layout, link, rank, group_index, feeder), GroupReduction(group),
                       devices=layout.world_size, leader=leader,

@@ -35,6 +35,9 @@ class DecodeSettings(Section):
     different lengths (a round costs the block alone); none = each round re-runs every row's whole
     sequence; auto = ragged where the target supports it (eager or SDPA attention; full or
     sliding-window layers), else none."""
+    thinking: bool | None = None
+    """The chat template's `enable_thinking` for the prompts: the mode the target is served in. With
+    -c, default the run's (as its training data was rendered); else the template's default."""
     speed_prompts: int = Field(8, ge=0)
     """First turns decoded one at a time, with caches, for the speedup (0: no speed figures)."""
     speed_engine: Literal["auto", "static", "eager"] = "auto"
@@ -106,6 +109,10 @@ def build_eval_config(run: RunConfig | None, overrides: Iterable[Override] | Map
                 "num_prompts": run.eval.num_prompts, "decode": {"max_new_tokens": run.eval.max_new_tokens}}
         if run.eval.prompts:
             tree["prompts"] = run.eval.prompts
+        from dflash_train.data.generation_mode import served_thinking
+
+        if (thinking := served_thinking(run.data)) is not None:
+            tree["decode"]["thinking"] = thinking
         from dflash_train.checkpoint.local import latest_checkpoint  # torch: only with a run config
 
         newest = latest_checkpoint(run.run_dir)

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash_train.atomic import write_atomic
-from dflash_train.config import EvalConfig
+from dflash_train.config import EvalConfig, RunConfig
 from dflash_train.disk import require_writable
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.export import load_drafter
@@ -30,6 +30,7 @@ from dflash_train.generate.backends import GenParams
 from dflash_train.generate.local_backend import generate_ids, pad_token_id
 from dflash_train.eval.batched import batched_speculative
 from dflash_train.eval.config import DecodeSettings, EvalJobConfig, prompt_sets
+from dflash_train.data.generation_mode import served_thinking
 from dflash_train.data.prompts import Prompt, load_prompts
 from dflash_train.eval.ragged_cache import RaggedCache
 from dflash_train.eval.served_speed import first_difference, pick_speed_engine, served_speed
@@ -51,8 +52,11 @@ def stop_token_ids(target: Target) -> list[int]:
     return sorted(set(eos if isinstance(eos, list) else [eos]) - {None})  # none at all: decode to the budget
 
 
-def encode(target: Target, messages: list[dict]) -> torch.Tensor:
-    text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def encode(target: Target, messages: list[dict], thinking: bool | None = None) -> torch.Tensor:
+    """The prompt as the target is served it: its chat template, in thinking mode `thinking` (None:
+    the template's default)."""
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     ids = target.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
     return ids.to(target.device)
 
@@ -72,6 +76,7 @@ def _warm_up(target: Target, drafter: DFlashDraftModel, ids: torch.Tensor, block
 def decode_turns(
     target: Target, drafter: DFlashDraftModel, prompts: list[Prompt], max_new_tokens: int, temperature: float,
     block_size: int, generator: torch.Generator, batch_size: int, cached: bool | None = None,
+    thinking: bool | None = None,
 ) -> dict:
     """Acceptance over every turn of `prompts`, `batch_size` rows at a time (batched_speculative);
     turn t of every prompt is asked after its answers to turns < t. At temperature 0 each answer is
@@ -85,7 +90,7 @@ def decode_turns(
     lengths, position_accepts = [], [0] * (block_size - 1)
     for t in range(max(len(p.turns) for p in prompts)):
         asked = [i for i, p in enumerate(prompts) if len(p.turns) > t]
-        ids = [encode(target, prompts[i].messages(answers[i]))[0].tolist() for i in asked]
+        ids = [encode(target, prompts[i].messages(answers[i]), thinking)[0].tolist() for i in asked]
         specs = batched_speculative(target, drafter, ids, max_new_tokens, stop_ids, temperature, block_size,
                                     generator, batch_size, cached)
         references = [None] * len(ids)
@@ -118,7 +123,7 @@ def measure_speed(target: Target, drafter: DFlashDraftModel, prompts: list[Promp
     pick_speed_engine."""
     max_new_tokens, temperature = settings.max_new_tokens, settings.temperature
     stop_ids = stop_token_ids(target)
-    ids = [encode(target, p.messages([])) for p in prompts]
+    ids = [encode(target, p.messages([]), settings.thinking) for p in prompts]
     engine, why_not_static = pick_speed_engine(settings.speed_engine, target, temperature)
     if engine == "static":
         served = served_speed(target, drafter, [i[0].tolist() for i in ids], max_new_tokens, stop_ids, 1, block_size)
@@ -189,25 +194,28 @@ def evaluate(target: Target, drafter: DFlashDraftModel, prompts: list[Prompt],
         log.info("acceptance decoding without the ragged cache: %s", why_not)
     t0 = synced_time(target.device)
     decoded = decode_turns(target, drafter, prompts, s.max_new_tokens, s.temperature, block_size, generator,
-                           s.batch_size, cached)
+                           s.batch_size, cached, s.thinking)
     acceptance = {"acceptance_cache": "ragged" if cached else "none", "ragged_unavailable": why_not,
                   "acceptance_seconds": round(synced_time(target.device) - t0, 2)}
     speed = {"speed_prompts": 0, "spec_tokens_per_s": None, "target_tokens_per_s": None, "speedup": None}
     if s.speed_prompts:
         speed = measure_speed(target, drafter, prompts[: s.speed_prompts], s, block_size, generator)
     return {"target": target.name, "device": str(target.device), "target_dtype": str(target.embed_weight.dtype),
-            "target_fp8": target.fp8, **acceptance, **summarize(decoded, speed, block_size, s.max_new_tokens, s.temperature)}
+            "target_fp8": target.fp8, "thinking": s.thinking, **acceptance, **summarize(decoded, speed, block_size, s.max_new_tokens, s.temperature)}
 
 
-def periodic_evaluator(prompts: str | list[Prompt], num_prompts: int | None, max_new_tokens: int):
+def periodic_evaluator(prompts: str | list[Prompt], num_prompts: int | None, max_new_tokens: int,
+                       thinking: bool | None = None):
     """For training: a function of the target and the drafter being trained giving real tau on
-    held-out prompts (loaded once; a set name, a JSONL path, or the prompts themselves)."""
+    held-out prompts (loaded once; a set name, a JSONL path, or the prompts themselves), asked in
+    thinking mode `thinking`."""
     held_out = load_prompts(prompts, num_prompts) if isinstance(prompts, str) else prompts[:num_prompts]
 
     def run(target: Target, drafter: DFlashDraftModel) -> dict:
         # A few rows at a time: the run's target, drafter and optimizer stay resident meanwhile.
         report = evaluate(target, drafter, held_out,
-                          DecodeSettings(max_new_tokens=max_new_tokens, batch_size=8, speed_prompts=0))
+                          DecodeSettings(max_new_tokens=max_new_tokens, batch_size=8, speed_prompts=0,
+                                         thinking=thinking))
         keep = ("tau", "num_rounds", "position_acceptance", "lossless")
         return {k: report[k] for k in keep}
 
@@ -221,12 +229,13 @@ def check_periodic_eval(ec: EvalConfig) -> bool:
     return bool(ec.every)
 
 
-def periodic_eval_for(ec: EvalConfig):
+def periodic_eval_for(cfg: RunConfig):
     """The evaluator for `eval.every` during training (`dflash-train train` and the lead rank of a
-    colocated `launch`), or None when it is off."""
-    if not check_periodic_eval(ec):
+    colocated `launch`), in the thinking mode the run's data was rendered in; None when it is off."""
+    if not check_periodic_eval(cfg.eval):
         return None
-    return periodic_evaluator(ec.prompts, ec.num_prompts, ec.max_new_tokens)
+    return periodic_evaluator(cfg.eval.prompts, cfg.eval.num_prompts, cfg.eval.max_new_tokens,
+                              served_thinking(cfg.data))
 
 
 def format_table(report: dict) -> str:

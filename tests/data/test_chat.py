@@ -94,7 +94,7 @@ def test_template_that_does_not_render_prefixes_is_a_clear_error():
         "{% endfor %}{% if add_generation_prompt %}>{% endif %}"
     )
     tok = tiny_tokenizer(odd)
-    with pytest.raises(DataError, match="row 7.*prefixes"):
+    with pytest.raises(DataError, match="row 7: .* turn 2 after its own prompt"):
         tokenize_conversation(tok, MULTI_TURN, max_length=4096, where="row 7")
 
 

@@ -8,10 +8,6 @@ tokenizer of tests/tiny.py and a ChatML template that knows `enable_thinking`, s
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import urllib.request
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -52,40 +48,6 @@ def build_tiny_target(path: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory) -> Path:
     return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
-
-
-class Server:
-    def __init__(self, *args: str):
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "bench" / "chat_server.py"), "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-        )
-        line = self.proc.stdout.readline()
-        assert line.startswith("READY "), f"server did not start: {line!r}"
-        self.url = line.split()[1]
-
-    def stats(self) -> dict:
-        with urllib.request.urlopen(self.url + "/stats") as resp:
-            return json.load(resp)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
-@pytest.fixture
-def start_server():
-    """start_server(*args) -> Server running `python bench/chat_server.py --port 0 *args`."""
-    servers: list[Server] = []
-
-    def start(*args: str) -> Server:
-        servers.append(Server(*args))
-        return servers[-1]
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
