@@ -22,7 +22,7 @@ from dflash_train.atomic import new_temp_dir, read_json, swap_dir
 from dflash_train.checks.manifest import MANIFEST_NAME
 from dflash_train.config import DFLASH2_FIELDS
 from dflash_train.checkpoint.integrity import require_intact
-from dflash_train.checkpoint.local import read_checkpoint_file
+from dflash_train.checkpoint.local import latest_checkpoint, read_checkpoint_file
 from dflash_train.disk import require_writable, writes_to
 from dflash_train.draft.dflash2 import drafter_for
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
@@ -117,9 +117,22 @@ def _existing_mask_token(folder: str | Path) -> str | None:
     return (config.get("dflash_config") or {}).get("mask_token")
 
 
-def read_drafter_config(path: str | Path) -> DraftModelConfig:
-    """The DraftModelConfig of a training checkpoint dir or an export dir, its weights left unread."""
+def drafter_folder(path: str | Path) -> Path:
+    """`path`, or for a run directory its newest checkpoint: `export runs/a out/a` as the README writes it."""
     path = Path(path)
+    if not (path / WEIGHTS).is_file() and (path / "checkpoints").is_dir():
+        newest = latest_checkpoint(path)
+        if newest is None:
+            raise FileNotFoundError(f"{path}: a run directory without a checkpoint")
+        log.info("%s: its newest checkpoint, %s", path, newest.name)
+        return newest
+    return path
+
+
+def read_drafter_config(path: str | Path) -> DraftModelConfig:
+    """The DraftModelConfig of a training checkpoint dir (or its run dir: the newest) or an export
+    dir, its weights left unread."""
+    path = drafter_folder(path)
     if not (path / WEIGHTS).is_file():
         raise FileNotFoundError(f"{path}: no {WEIGHTS} (expected a drafter checkpoint or export folder)")
     if (path / CHECKPOINT_CONFIG).is_file():
@@ -130,8 +143,8 @@ def read_drafter_config(path: str | Path) -> DraftModelConfig:
 
 
 def read_drafter_folder(path: str | Path) -> tuple[DraftModelConfig, dict[str, torch.Tensor]]:
-    """(config, state dict) of a training checkpoint dir or an export dir."""
-    path = Path(path)
+    """(config, state dict) of a training checkpoint dir (or its run dir: the newest) or an export dir."""
+    path = drafter_folder(path)
     if (path / CHECKPOINT_CONFIG).is_file() and (path / WEIGHTS).is_file():
         require_intact(path, [WEIGHTS, CHECKPOINT_CONFIG])  # only the files read here are hashed
     cfg = read_drafter_config(path)
@@ -217,6 +230,7 @@ def export_drafter(checkpoint_dir: str | Path, out_dir: str | Path, mask_token: 
     """
     out_dir = Path(out_dir)
     require_writable(out_dir.parent, f"the export {out_dir}")  # written beside it, then renamed
+    checkpoint_dir = drafter_folder(checkpoint_dir)
     cfg, state = read_drafter_folder(checkpoint_dir)
     check_state_dict(cfg, state, str(checkpoint_dir))
     warn_unservable(cfg, str(checkpoint_dir))
