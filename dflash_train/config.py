@@ -350,6 +350,15 @@ class DrafterSpec(Section):
         return self
 
 
+COMMON_KEYS = frozenset({
+    "run_dir", "device", "seed", "target.path", "target.dtype", "draft.family", "draft.num_layers",
+    "objective.block_size", "objective.loss", "data.train_files", "data.max_length", "data.token_budget",
+    "train.lr", "train.epochs", "train.max_steps", "train.time_budget_minutes", "train.compile",
+    "checkpoint.every", "checkpoint.remote", "tracking.backend", "eval.prompts", "eval.every",
+})
+"""The settings a run config's `--help` lists (`--help-all`: every one): what people set most."""
+
+
 class RunConfig(Section):
     run_dir: str = "runs/default"
     """Checkpoints, metrics, the config and the manifest of the run."""

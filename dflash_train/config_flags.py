@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import types
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
@@ -105,13 +105,17 @@ def _section_doc(model: type[BaseModel], section: str) -> str | None:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], *, short: bool = False,
-                     no_default: dict[str, str] | None = None) -> None:
+                     no_default: dict[str, str] | None = None, shown: Collection[str] | None = None) -> None:
     """One flag per field of `model` (see the module docstring), grouped by section in --help.
-    `no_default`: keys whose field default the command does not use, and what their help says instead."""
+    `no_default`: keys whose field default the command does not use, and what their help says instead.
+    `shown`: the keys --help lists (None: all); the others work alike and --help-all lists them."""
     groups: dict[str, Any] = {}
+    hidden = 0
     for key, info in config_fields(model):
         section, _, name = key.rpartition(".")
-        if section and section not in groups:
+        visible = shown is None or key in shown
+        hidden += not visible
+        if visible and section and section not in groups:
             groups[section] = parser.add_argument_group(f"{section} (config section)", _section_doc(model, section))
         declared = info.json_schema_extra.get("flag") if isinstance(info.json_schema_extra, dict) else None
         shorter = (declared or f"--{name.replace('_', '-')}") if short else None
@@ -120,8 +124,11 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], *,
         metavar = {} if "choices" in reader or reader.get("action") is argparse.BooleanOptionalAction else {
             "metavar": names[0].lstrip("-").rpartition(".")[2].replace("-", "_").upper()}
         groups.get(section, parser).add_argument(*names, dest=DEST + key, default=None,
-                                                 help=_help(info, (no_default or {}).get(key)),
-                                                 **reader, **metavar)
+                                                 help=_help(info, (no_default or {}).get(key)) if visible
+                                                 else argparse.SUPPRESS, **reader, **metavar)
+    if hidden:
+        more = f"{hidden} more settings, set less often: --help-all lists every one with its meaning and default."
+        parser.epilog = f"{parser.epilog}\n\n{more}" if parser.epilog else more
 
 
 def flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:

@@ -19,7 +19,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def _all_parsers() -> dict[str, argparse.ArgumentParser]:
     from dflash_train.distributed import launch
 
-    parser = build_parser()
+    parser = build_parser(show_all=True)
     parsers = {"dflash-train": parser, **_subparsers(parser)}
     # launch parses its own (torchrun-style) flags: capture its parser instead of parsing.
     captured = {}
@@ -31,7 +31,7 @@ def _all_parsers() -> dict[str, argparse.ArgumentParser]:
 
     argparse.ArgumentParser.parse_args = grab
     try:
-        launch.parse_args([])
+        launch.parse_args(["--help-all"])
     finally:
         argparse.ArgumentParser.parse_args = real_parse
     parsers["launch"] = captured["launch"]
@@ -130,3 +130,22 @@ def test_eval_help_says_the_target_is_required_without_a_run_config(tmp_path, ca
     assert "(default: the run config's; required without -c)" in text and "(default: smollm2)" not in text
     assert main(["eval", "--drafter", str(tmp_path)]) == 2
     assert "eval needs --target" in capsys.readouterr().err
+
+
+def test_help_lists_the_common_settings_and_help_all_every_one(capsys):
+    from dflash_train.config import COMMON_KEYS, RunConfig
+    from dflash_train.config_flags import config_fields, with_flag_overrides
+
+    assert COMMON_KEYS <= {key for key, _ in config_fields(RunConfig)}
+    for argv in (["train", "--help"], ["launch", "--help"], ["train", "--help-all"], ["launch", "--help-all"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = capsys.readouterr().out
+        assert "--train.lr" in text and "--data.train_files" in text and "--run_dir" in text
+        if argv[1] == "--help":
+            assert "--objective.gamma" not in text and "more settings, set less often: --help-all lists" in text
+            assert len(text.splitlines()) < 180
+        else:
+            assert "--objective.gamma" in text and "--help-all lists" not in text
+    args = with_flag_overrides(build_parser().parse_args(["train", "-c", "x.yaml", "--objective.gamma", "5"]))
+    assert args.overrides == [("objective.gamma", 5)]  # a setting --help leaves out is a flag all the same

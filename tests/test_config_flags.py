@@ -123,7 +123,7 @@ def test_every_setting_of_every_command_has_a_description_and_shows_its_default(
     from dflash_train.eval.config import EvalJobConfig
     from dflash_train.generate.config import GenerateConfig
 
-    commands = {name: p for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    commands = {name: p for a in build_parser(show_all=True)._actions if isinstance(a, argparse._SubParsersAction)
                 for name, p in a.choices.items()}
     for command, model in (("train", RunConfig), ("prepare", RunConfig), ("capture", RunConfig),
                            ("generate", GenerateConfig), ("eval", EvalJobConfig)):
