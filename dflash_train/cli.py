@@ -187,7 +187,9 @@ def cmd_eval(args) -> int:
 def cmd_export(args) -> int:
     from dflash_train.eval.export import export_drafter
 
-    print(export_drafter(args.checkpoint, args.out_dir, mask_token=args.mask_token, target=args.target))
+    if (args.out is None) == (args.out_dir is None):
+        raise UserError("export needs its output directory once: --out DIR")
+    print(export_drafter(args.checkpoint, args.out or args.out_dir, mask_token=args.mask_token, target=args.target))
     return 0
 
 
@@ -421,7 +423,10 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
     p.add_argument("run_dirs", nargs="+", help="run directories holding heldout.jsonl")
     p.add_argument("--out", default="curve.png", help="PNG file to write")
     p = add("export", cmd_export, "checkpoint -> folder SGLang, vLLM, llama.cpp and z-lab load")
-    _positionals(p, checkpoint="training checkpoint dir (runs/<name>/checkpoints/step_...)", out_dir="new export directory")
+    p.add_argument("checkpoint", help="training checkpoint dir (runs/<name>/checkpoints/step_...), or a run dir: its "
+                   "newest checkpoint")
+    p.add_argument("--out", help="new export directory")
+    p.add_argument("out_dir", nargs="?", help="the same, the older way (export CHECKPOINT DIR)")
     p.add_argument("--target", help="the target, for the mask token's text (default: the checkpoint's run's target)")
     p.add_argument("--mask-token", dest="mask_token", help="the mask token's text (default: looked up in the target's "
                    "tokenizer)")

@@ -5,7 +5,7 @@ and in `key=value` overrides (`--sampling.temperature 0.7`, `--train.lr 3e-4`), 
 docstring as its help and the field's default shown. Commands whose users type short flags
 (`generate`, `eval`) also get a short flag per field, `--field-name` (`--temperature`) unless the
 field declares its own, `Field(..., json_schema_extra={"flag": "--input"})`; for a top-level field it
-replaces the key's flag. Two fields claiming one flag fail when the parser is built. Values are read by the field's type: text as given for strings and choices,
+replaces the key's flag (`"older_flags"`: names it had before, still read). Two fields claiming one flag fail when the parser is built. Values are read by the field's type: text as given for strings and choices,
 `--x`/`--no-x` for booleans, one item per use for lists (repeatable), YAML for anything else; the
 loader then validates them like any override.
 
@@ -117,9 +117,10 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], *,
         hidden += not visible
         if visible and section and section not in groups:
             groups[section] = parser.add_argument_group(f"{section} (config section)", _section_doc(model, section))
-        declared = info.json_schema_extra.get("flag") if isinstance(info.json_schema_extra, dict) else None
-        shorter = (declared or f"--{name.replace('_', '-')}") if short else None
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        shorter = (extra.get("flag") or f"--{name.replace('_', '-')}") if short else None
         names = [shorter] if shorter and not section else [n for n in (shorter, f"--{key}") if n]
+        names += extra.get("older_flags", []) if short else []  # still read, after the flag's own name
         reader = _reader(info.annotation)
         metavar = {} if "choices" in reader or reader.get("action") is argparse.BooleanOptionalAction else {
             "metavar": names[0].lstrip("-").rpartition(".")[2].replace("-", "_").upper()}

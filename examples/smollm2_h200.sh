@@ -82,7 +82,7 @@ generate_train() {  # every training prompt file in one invocation: the model lo
 generate() {  # $1: output directory; then generate's flags: --input FILE (one or more), others
   local out=$1; shift
   "${DT[@]}" generate -c "$GEN_CONFIG" --model "$TARGET" \
-    --output "$out" --max-tokens "$ANSWER_TOKENS" --device "$DEVICE" --batch-size "$BATCH" \
+    --out "$out" --max-tokens "$ANSWER_TOKENS" --device "$DEVICE" --batch-size "$BATCH" \
     --concurrency $((2 * BATCH)) --engine "$ENGINE" $([ "$ENGINE" = graphed ] && echo --compile-step) "$@"
 }
 

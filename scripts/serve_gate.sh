@@ -20,7 +20,7 @@ step "serve-check of $ckpt"
     --max-new-tokens 128
 
 step "a broken export must fail the check"
-"$BIN/dflash-train" export "$ckpt" "$WORK/broken" >/dev/null
+"$BIN/dflash-train" export "$ckpt" --out "$WORK/broken" >/dev/null
 "$BIN/python" - "$WORK/broken/config.json" <<'PY'
 import json, sys
 path = sys.argv[1]

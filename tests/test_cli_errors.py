@@ -65,7 +65,7 @@ def test_hub_id_without_a_reachable_hub_fails_fast_in_one_line(tmp_path):
     env.update(PYTHONPATH=str(REPO), HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "dflash_train", "generate", "--input",
-                           str(_config(tmp_path, "x").parent / "train.jsonl"), "--output", str(tmp_path / "out"),
+                           str(_config(tmp_path, "x").parent / "train.jsonl"), "--out", str(tmp_path / "out"),
                            "--backend", "local", "--model", "org/name", "--device", "cpu"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and time.monotonic() - started < 30, done.stderr

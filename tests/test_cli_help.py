@@ -149,3 +149,13 @@ def test_help_lists_the_common_settings_and_help_all_every_one(capsys):
             assert "--objective.gamma" in text and "--help-all lists" not in text
     args = with_flag_overrides(build_parser().parse_args(["train", "-c", "x.yaml", "--objective.gamma", "5"]))
     assert args.overrides == [("objective.gamma", 5)]  # a setting --help leaves out is a flag all the same
+
+
+def test_every_command_names_its_output_out(tmp_path, capsys):
+    """One name for where a command writes: --out (generate's older --output and export's older
+    positional are still read)."""
+    commands = _subparsers(build_parser(show_all=True))
+    for name in ("generate", "export", "prepare", "capture", "prompts", "corpus", "curve", "eval", "serve-check"):
+        assert "--out" in {o for a in commands[name]._actions for o in a.option_strings}, name
+    assert main(["export", str(tmp_path / "nothing")]) == 2
+    assert "export needs its output directory once: --out DIR" in capsys.readouterr().err

@@ -159,7 +159,7 @@ def test_read_only_locations_fail_in_one_line_before_any_loading(tmp_path, read_
               "read-only file system")
     _one_line(capsys, main(["prepare", "-c", str(cfg), "--out", str(mnt / "prepared")]),
               f"{mnt}/prepared: cannot write the prepared dataset: read-only file system")
-    _one_line(capsys, main(["generate", "--input", str(tmp_path / "train.jsonl"), "--output", str(mnt / "answers"),
+    _one_line(capsys, main(["generate", "--input", str(tmp_path / "train.jsonl"), "--out", str(mnt / "answers"),
                             "--server-url", "http://127.0.0.1:9"]),
               f"{mnt}/answers: cannot write generate's output: read-only file system")
     _one_line(capsys, main(["export", str(tmp_path / "ckpt"), str(mnt / "export")]),

@@ -97,7 +97,7 @@ def test_the_whole_chain_works_on_every_family(family, tmp_path, capsys):
         out = tmp_path / f"gen-{engine}"
         if _stage(outcomes, family, f"generate {engine}", [
                 "generate", "--backend", "local", "--model", str(model_dir), "--input", str(prompts),
-                "--output", str(out), "--output-format", "jsonl", "--max-tokens", str(NEW_TOKENS),
+                "--out", str(out), "--output-format", "jsonl", "--max-tokens", str(NEW_TOKENS),
                 "--engine", engine, "--device", "cpu", "--batch-size", "4"], capsys):
             answers[engine] = _answers(out)
     assert all(a == answers["padded"] for a in answers.values()), family
@@ -129,7 +129,7 @@ def test_the_whole_chain_works_on_every_family(family, tmp_path, capsys):
 
     export = tmp_path / "export"
     checkpoint = next((run / "checkpoints").glob("step_*"))
-    _stage(outcomes, family, "export", ["export", str(checkpoint), str(export)], capsys)
+    _stage(outcomes, family, "export", ["export", str(checkpoint), "--out", str(export)], capsys)
 
     report_dir = tmp_path / "eval"
     _stage(outcomes, family, "eval", [
@@ -155,7 +155,7 @@ def test_dflash2_goes_through_the_chain(family, tmp_path, capsys):
                                for i, p in enumerate(PROMPTS)))
     outcomes: dict[str, str] = {}
     _stage(outcomes, family, "generate padded", [
-        "generate", "--backend", "local", "--model", str(model_dir), "--input", str(prompts), "--output",
+        "generate", "--backend", "local", "--model", str(model_dir), "--input", str(prompts), "--out",
         str(tmp_path / "gen-padded"), "--output-format", "jsonl", "--max-tokens", str(NEW_TOKENS), "--engine",
         "padded", "--device", "cpu", "--batch-size", "4"], capsys)
     config = _run_config(tmp_path, model_dir, tmp_path / "gen-padded")
@@ -167,7 +167,7 @@ def test_dflash2_goes_through_the_chain(family, tmp_path, capsys):
               if "loss" in json.loads(line)]
     assert sum(losses[-5:]) / 5 < 0.8 * losses[0], (family, losses[:5], losses[-5:])
     export = tmp_path / "export"
-    _stage(outcomes, family, "export", ["export", str(next((run / "checkpoints").glob("step_*"))), str(export)], capsys)
+    _stage(outcomes, family, "export", ["export", str(next((run / "checkpoints").glob("step_*"))), "--out", str(export)], capsys)
     assert json.loads((export / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
     report_dir = tmp_path / "eval"
     _stage(outcomes, family, "eval", [

@@ -38,12 +38,12 @@ def test_a_thinking_target_trains_and_evaluates_in_the_mode_it_is_served_in(tmp_
     mode = "--thinking" if thinking else "--no-thinking"
 
     local = ["generate", "--backend", "local", "--model", str(tmp_path / "model"), "--input", str(prompts),
-             "--output", str(tmp_path / "local"), "--max-tokens", "12", "--device", "cpu", "--no-progress", mode]
+             "--out", str(tmp_path / "local"), "--max-tokens", "12", "--device", "cpu", "--no-progress", mode]
     assert main(local) == 0, capsys.readouterr().err[-2000:]
     assert json.loads((tmp_path / "local" / "meta.json").read_text())["settings"]["sampling"]["thinking"] is thinking
 
     server = start_server("--echo")  # answers apart from its thinking, as SGLang's and vLLM's reasoning parsers
-    served = ["generate", "--input", str(prompts), "--output", str(tmp_path / "served"), "--no-progress", mode,
+    served = ["generate", "--input", str(prompts), "--out", str(tmp_path / "served"), "--no-progress", mode,
               f"http.server_urls=[{server.url}]"]
     assert main(served) == 0, capsys.readouterr().err[-2000:]
     rows = read_rows(tmp_path / "served")

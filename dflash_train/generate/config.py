@@ -79,7 +79,7 @@ class GenerateConfig(Section):
     inputs: list[str] = Field(min_length=1, json_schema_extra={"flag": "--input"})
     """JSONL or Parquet conversations or prompts (OpenAI `messages` or ShareGPT `conversations`), one
     per --input."""
-    output_dir: str = Field(json_schema_extra={"flag": "--output"})
+    output_dir: str = Field(json_schema_extra={"flag": "--out", "older_flags": ["--output"]})
     """Output directory (shards, meta.json, summary.json); rerun the same command to resume."""
     output_format: Literal["parquet", "jsonl"] = "parquet"
     """Shard file format."""

@@ -95,7 +95,7 @@ def test_sigterm_commits_the_finished_rows_and_the_same_command_finishes_every_r
 
     server = start_server("--echo", "--stall-every", "1", "--stall-s", "0.1")
     inputs = write_jsonl(tmp_path / "in.jsonl", [conversation(i) for i in range(60)])
-    argv = [sys.executable, "-m", "dflash_train", "generate", "--input", str(inputs), "--output", str(tmp_path / "out"),
+    argv = [sys.executable, "-m", "dflash_train", "generate", "--input", str(inputs), "--out", str(tmp_path / "out"),
             "--no-progress", "--commit-interval", "1000", "concurrency=2", f"http.server_urls=[{server.url}]"]
     env = os.environ | {"PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)

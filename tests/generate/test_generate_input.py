@@ -70,7 +70,7 @@ def test_skip_invalid_with_no_valid_row_fails_as_prepare_does(tmp_path, start_se
 
     server = start_server("--echo")
     inputs = write_jsonl(tmp_path / "bad.jsonl", BAD_LINES[1:7])
-    argv = ["generate", "--input", str(inputs), "--output", str(tmp_path / "out"), "--skip-invalid", "--no-progress",
+    argv = ["generate", "--input", str(inputs), "--out", str(tmp_path / "out"), "--skip-invalid", "--no-progress",
             "http.server_urls=[" + server.url + "]"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -214,7 +214,7 @@ def test_a_stop_on_a_bad_row_says_how_to_go_on(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(job, "make_backend", lambda cfg: Echo())
     inputs = write_jsonl(tmp_path / "bad.jsonl", [GOOD, "{not json", GOOD])
-    argv = ["generate", "--input", str(inputs), "--output", str(tmp_path / "out"), "--server-url", "http://x:1"]
+    argv = ["generate", "--input", str(inputs), "--out", str(tmp_path / "out"), "--server-url", "http://x:1"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "the same command resumes" not in err

@@ -32,7 +32,7 @@ def test_progress_total_counts_rows_not_blank_lines(tmp_path):
 
 def test_failed_generate_says_what_is_kept_and_how_to_resume(tmp_path, tiny_target, capsys):
     inputs = write_jsonl(tmp_path / "in.jsonl", [PROMPT, PROMPT, "{not json"])
-    argv = ["generate", "--input", str(inputs), "--output", str(tmp_path / "out"), "--backend", "local",
+    argv = ["generate", "--input", str(inputs), "--out", str(tmp_path / "out"), "--backend", "local",
             "--model", str(tiny_target), "--max-tokens", "2", "--device", "cpu", "--output-format", "jsonl"]
     assert main(argv) == 2
     err = capsys.readouterr().err

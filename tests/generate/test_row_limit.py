@@ -56,7 +56,7 @@ def test_huge_parquet_row_is_an_error_naming_the_row(tmp_path):
 def test_generate_cli_stops_on_a_huge_line_with_one_line_exit_2(tmp_path, tiny_target, capsys):
     path = _huge_line_file(tmp_path / "big.jsonl")
     started = time.monotonic()
-    code = main(["generate", "--input", str(path), "--output", str(tmp_path / "out"), "--backend", "local",
+    code = main(["generate", "--input", str(path), "--out", str(tmp_path / "out"), "--backend", "local",
                  "--model", str(tiny_target), "--max-tokens", "2", "--device", "cpu"])
     err = capsys.readouterr().err
     assert code == 2 and time.monotonic() - started < 30
