@@ -20,6 +20,7 @@ from dataclasses import replace
 from dflash_train.config import COMMON_KEYS, RunConfig, load_config
 from dflash_train.config_flags import HelpFormatter, add_config_flags, with_flag_overrides
 from dflash_train.distributed.layout import Plan, build_layout, drafter_runs, plan_split
+from dflash_train.distributed.options import add_rank_options, rank_argv
 from dflash_train.run_lock import RunLock, held_for_workers
 
 
@@ -37,11 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index among --nnodes")
     p.add_argument("--rdzv-endpoint", help="host:port of the rendezvous (multi-node)")
     p.add_argument("--rdzv-id", default="dflash-train", help="job id, the same on every node")
-    p.add_argument("--resume", help="'auto' or a checkpoint dir; default: start fresh")
-    p.add_argument("--max-in-flight", type=int, default=4,
-                   help="unfinished point-to-point sends per rank before it waits for the oldest")
-    p.add_argument("--heartbeat-timeout", type=float, default=30.0,
-                   help="seconds without a peer's heartbeat before the run is stopped")
+    add_rank_options(p)
     p.add_argument("--measure-steps", type=int, default=3, help="timed steps per role for --target-gpus auto")
     p.add_argument("--gpu-memory-gib", type=float,
                    help="memory of one GPU for the plan's check (default: this node's first GPU; none on CPU)")
@@ -70,10 +67,7 @@ def torchrun_command(args: argparse.Namespace, split: list[str]) -> list[str]:
             raise ValueError("--nnodes > 1 needs --rdzv-endpoint host:port (the same on every node)")
         cmd += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id]
-    cmd += ["-m", "dflash_train.distributed.run", "-c", args.config, *split,
-            "--max-in-flight", str(args.max_in_flight), "--heartbeat-timeout", str(args.heartbeat_timeout)]
-    if args.resume:
-        cmd += ["--resume", args.resume]
+    cmd += ["-m", "dflash_train.distributed.run", "-c", args.config, *split, *rank_argv(args)]
     return cmd + list(args.overrides)
 
 

@@ -32,6 +32,7 @@ from dflash_train.checkpoint import local as ckpt
 from dflash_train.checkpoint.storage import newest_common_intact
 from dflash_train.run_lock import RunLock
 from dflash_train.distributed.layout import Layout, build_layout, drafter_runs
+from dflash_train.distributed.options import add_rank_options
 from dflash_train.train.shapes import bucket_shapes, stream_layer_ids
 from dflash_train.train.stop_signals import EXIT_STATUS, StopSignals
 from dflash_train.distributed.roles import (Link, TargetFeeder, agree_on_start, check_lead_rank_evals,
@@ -148,9 +149,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     split.add_argument("--target-ranks", type=int, help="ranks 0..T-1 run the target; the rest the drafters")
     split.add_argument("--colocated", action="store_true", help="every rank runs target and drafter")
     p.add_argument("--drafter-ranks", help="ranks per drafter group, e.g. 2,1 (default: an even split)")
-    p.add_argument("--resume", help="'auto' (newest step every drafter group has) or a checkpoint dir")
-    p.add_argument("--max-in-flight", type=int, default=4, help="unfinished sends per target rank")
-    p.add_argument("--heartbeat-timeout", type=float, default=30.0, help="seconds without a heartbeat = failed")
+    add_rank_options(p)
     return p.parse_args(argv)
 
 
