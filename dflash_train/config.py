@@ -36,18 +36,14 @@ class TargetConfig(Section):
     group's first rank sends the features); 1 = each target rank holds the whole target, as `train` needs."""
     fp8: Literal["off", "rowwise", "tensorwise"] = "off"
     """The decoder's matmuls in FP8 (torchao, the `fp8` extra; GPUs of compute capability >= 8.9): weights
-    and activations scaled per row (bfloat16 targets) or per tensor; embeddings and LM head stay. With
-    `compile`, tensorwise ran the Qwen3-8B shape's target forward 1.52x bf16's, and its drafter lost no
-    acceptance against the bf16 target at equal steps on SmolLM2, alone or with `draft.fp8` and
-    `train.fp8_lm_head` (docs/benchmarks/quality.md). For large targets; off by default (the drafter
-    then learns the bf16 target's features)."""
+    and activations scaled per row (bfloat16 targets) or per tensor; embeddings and LM head stay. For
+    large targets, with `compile`; off by default, so the drafter learns the bf16 target's features
+    (speed: docs/benchmarks/throughput.md#fp8, acceptance: docs/benchmarks/quality.md)."""
     compile: bool = False
-    """Training's target forward through torch.compile, each decoder layer's forward (norms, rotary
-    embedding and activation fuse; `bench/throughput.py --compile-target` measures it): a graph for
-    the first shape, then one symbolic in rows and length and one for a single row; with
-    `data.length_bucket` the warm-up makes them all. The features' forward only: evaluation during
-    training runs the layers uncompiled, and `eval` refuses the key. Not with
-    target.tensor_parallel > 1."""
+    """Training's target forward through torch.compile, one decoder layer's forward at a time (the
+    feature hooks stay outside the graph), every bucket shape compiled in the warm-up. Off by default:
+    its compile adds to the start and its end-to-end gain is not measured at scale
+    (`bench/throughput.py --compile-target`). Not with target.tensor_parallel > 1; `eval` refuses it."""
 
 
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -77,9 +73,8 @@ class DraftConfig(Section):
     fp8: Literal["off", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = "off"
     """Train the drafter's linear layers with FP8 matmuls (torchao float8 training, the `fp8` extra; GPUs
     of compute capability >= 8.9), by torchao's recipe names. For targets of ~8B and up, with
-    train.fp8_lm_head: 1.12x end to end at the Qwen3-8B shape, no acceptance lost at equal steps on
-    SmolLM2; off by default, as small drafters run slower with it (docs/benchmarks/throughput.md#fp8,
-    quality.md)."""
+    train.fp8_lm_head; off by default, as small drafters run slower with it
+    (docs/benchmarks/throughput.md#fp8)."""
 
     family: Literal["dflash", "dflash2"] = "dflash"
     """dflash: the drafter as published in February 2026; dflash2: plus a two-tap grouped convolution
@@ -125,12 +120,12 @@ class DataConfig(Section):
     skip_invalid: bool = False
     """Skip malformed rows (counted in the run summary) instead of failing on the first one."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Extra arguments of the tokenizer's chat template, e.g. {enable_thinking: false}."""
+    """Extra arguments of the tokenizer's chat template, e.g. {enable_thinking: false}; the rows of a
+    `generate` folder are rendered in the thinking mode they were generated in."""
     tokenize_workers: int = Field(0, ge=0)
     """Processes that tokenise conversation files of 10,000 rows or more (fewer: in process). 0: one
-    forked process per core when forking is safe (no other thread, no CUDA context: the `prepare`
-    command), else in process; 1: in process, each chunk encoded on the fast tokenizer's threads;
-    N: a pool of N, spawned when forking is not safe. Measured: docs/benchmarks/throughput.md."""
+    forked process per core where forking is safe (`prepare`), else in process; 1: in process; N: a
+    pool of N, spawned where forking is not safe (docs/benchmarks/throughput.md)."""
     cache_features: bool = False
     """Keep the target's features after the first epoch, so later epochs skip the target: in device
     memory up to a reserve for the step, then in page-locked host memory up to a host reserve (rows
@@ -184,8 +179,8 @@ class ObjectiveConfig(Section):
     feature_noise: float = Field(0.0, ge=0)
     """Gaussian noise on the target features while training: per token and target layer, of std
     feature_noise x that layer's feature RMS for the token (EAGLE trains on noisy features: a guard
-    against the drafter memorising its answers). 0: none. Held-out probes and evaluation read clean
-    features. Its effect on held-out tau is not measured here yet."""
+    against memorising the answers). 0, the default: none, as its effect on acceptance is not
+    measured. Held-out probes and evaluation read clean features."""
     ce_chunk_size: int | None = Field(None, ge=16)
     """Query tokens per LM-head chunk (bounds the logits materialised); default: by the target's
     vocabulary, 4096 rows up to 151,936 tokens and fewer above (draft/loss.py `loss_chunk_rows`)."""
@@ -239,9 +234,8 @@ class TrainConfig(Section):
     compile: bool = False
     """torch.compile the draft layers (GPU)."""
     compile_loss: bool = False
-    """torch.compile the loss chunks too (GPU): the SmolLM2 recipe's real runs and the Qwen3-8B config
-    use it (+11% drafter step at that shape, docs/benchmarks/throughput.md); opt-in, as its compile
-    adds to the warm-up."""
+    """torch.compile the loss chunks too (GPU); opt-in, as its compile adds to the warm-up
+    (docs/benchmarks/throughput.md)."""
     cuda_graphs: bool = False
     """Replay each bucket shape's drafter step as one CUDA graph (`train/step_graph.py`): single-process
     `train` on CUDA with data.length_bucket, grad_accum 1 and the chunked loss."""
@@ -251,8 +245,8 @@ class TrainConfig(Section):
     fp8_lm_head: bool = False
     """The loss's two matmuls through the target's frozen LM head (logits, and the hidden states'
     gradient) in FP8 with per-row scales (`draft/fp8_head.py`; CUDA, compute capability >= 8.9, the
-    chunked loss). The head is ~40% of an 8B drafter step: +4% end to end alone, 1.12x with draft.fp8;
-    off by default (docs/benchmarks/throughput.md#fp8)."""
+    chunked loss). For large targets, where the head is a large share of the step; off by default
+    (docs/benchmarks/throughput.md#fp8)."""
     compile_warmup_steps: int = Field(10, ge=1)
     """Steps allowed to (re)compile; any recompile after them is warned about with its reason."""
     profile_at_step: int | None = Field(None, ge=1)
