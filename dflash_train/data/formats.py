@@ -162,15 +162,19 @@ def _lines(f) -> Iterator[tuple[int, bytes | None]]:
         yield lineno, raw
 
 
-def _jsonl_lines(path: Path) -> Iterator[tuple[str, bytes | DataError]]:
-    """The non-blank lines of a JSONL file, unparsed (parse_line parses one)."""
+BLANK = "blank line"
+"""What a JSONL file's blank line is read as: no row, but counted where rows are (training data)."""
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[str, bytes | DataError | str]]:
+    """The lines of a JSONL file, unparsed (parse_line parses one); a blank one as BLANK."""
     with path.open("rb") as f:
         for lineno, raw in _lines(f):
             where = f"{path}:{lineno}"
             if raw is None:
                 yield where, _too_long(where, f"longer than {MAX_ROW_BYTES} bytes")
-            elif raw.strip():
-                yield where, raw
+            else:
+                yield where, raw if raw.strip() else BLANK
 
 
 def parse_line(where: str, raw: bytes) -> object:
@@ -239,12 +243,14 @@ def _row_bytes(batch) -> list[int]:
 def iter_rows(path: str | Path) -> Iterator[tuple[str, object]]:
     """(location, parsed row or DataError) for every row of a JSONL or Parquet file."""
     rows = iter_unparsed_rows(path)
-    return ((where, parse_line(where, row) if isinstance(row, bytes) else row) for where, row in rows)
+    return ((where, parse_line(where, row) if isinstance(row, bytes) else row) for where, row in rows
+            if row is not BLANK)
 
 
 def iter_unparsed_rows(path: str | Path) -> Iterator[tuple[str, object]]:
     """iter_rows with JSONL lines left as bytes: JSON parsing is most of the cost of reading, and
-    `tokenize_files` spreads it over its worker processes (read_row parses)."""
+    `tokenize_files` spreads it over its worker processes (read_row parses). Blank lines come as
+    BLANK, so that the training data counts them."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
@@ -274,6 +280,8 @@ def read_row(where: str, row) -> Conversation | DataError | str:
     """One row of iter_unparsed_rows -> its Conversation, the DataError that makes it unusable, or
     the reason a row that regeneration marked failed is skipped (it is accounted there: counted,
     never trained on)."""
+    if row is BLANK:
+        return BLANK
     if isinstance(row, bytes):
         row = parse_line(where, row)
     if isinstance(row, dict) and row.get("status", "ok") != "ok":

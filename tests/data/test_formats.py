@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_train.data.dataset import tokenize_files
-from dflash_train.data.formats import Conversation, DataError, expand_paths, iter_rows, iter_unparsed_rows, read_row
+from dflash_train.data.formats import BLANK, Conversation, DataError, expand_paths, iter_rows, iter_unparsed_rows, read_row
 from tiny import tiny_tokenizer
 
 GOOD_OPENAI = {
@@ -76,12 +76,19 @@ BAD_ROWS = [
 @pytest.mark.parametrize("name,row,message", BAD_ROWS, ids=[r[0] for r in BAD_ROWS])
 def test_bad_row_error_names_file_and_line(tmp_path, name, row, message):
     path = write_lines(tmp_path / "d.jsonl", [GOOD_OPENAI, "", GOOD_SHAREGPT, row, GOOD_OPENAI])
-    rows = read(path)  # the blank line is no row
-    assert [type(r) for r in rows] == [Conversation, Conversation, DataError, Conversation]
-    assert f"{path}:4" in str(rows[2])
-    assert message in str(rows[2])
+    rows = read(path)  # the blank line is no row, but it is counted where rows are
+    assert [type(r) for r in rows] == [Conversation, str, Conversation, DataError, Conversation] and rows[1] == BLANK
+    assert f"{path}:4" in str(rows[3])
+    assert message in str(rows[3])
     with pytest.raises(DataError, match=f"{path}:4"):
         tokenize_files([path], tiny_tokenizer(), 256, skip_invalid=False)
+
+
+def test_blank_lines_are_counted_in_the_training_data_and_never_reach_generate(tmp_path):
+    path = write_lines(tmp_path / "d.jsonl", [GOOD_OPENAI, "", "   ", GOOD_SHAREGPT])
+    got = tokenize_files([path], tiny_tokenizer(), 256, skip_invalid=False)
+    assert got.stats.to_dict() == {"rows": 4, "ok": 2, "skipped": {BLANK: 2}}
+    assert [where for where, _ in iter_rows(path)] == [f"{path}:1", f"{path}:4"]
 
 
 def test_skip_invalid_counts_every_row(tmp_path):

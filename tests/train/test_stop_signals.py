@@ -17,7 +17,7 @@ from dflash_train.train.stop_signals import EXIT_STATUS, StopSignals
 from dist_runs import reference_losses, write_assets, write_config
 from tiny import tiny_target
 
-STEPS = 40
+STEPS = 120
 
 
 @pytest.fixture(scope="module")
