@@ -20,7 +20,7 @@ from dflash_train.eval.export import load_drafter
 from dflash_train.data.prompts import load_prompts
 from dflash_train.eval.replay import accepted_prefixes
 from dflash_train.eval.report import encode, stop_token_ids
-from dflash_train.eval.spec_decode import speculative_generate
+from dflash_train.decode.spec_decode import speculative_generate
 from dflash_train.targets.model import load_target
 
 

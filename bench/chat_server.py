@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from dflash_train.generate.backends import Completion, GenParams
+from dflash_train.decode.sampling import GenParams
+from dflash_train.generate.backends import Completion
 
 
 def echo_answer(messages: list[dict]) -> str:

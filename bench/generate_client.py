@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_train.generate.backends import GenParams
+from dflash_train.decode.sampling import GenParams
 from dflash_train.generate.job import generate
 from dflash_train.generate.config import HttpConfig, build_generate_config
 from dflash_train.generate.http_backend import HttpBackend

@@ -22,8 +22,8 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash_train.generate.backends import GenParams
-from dflash_train.generate.local_backend import generate_ids, graphed_generate
+from dflash_train.decode.sampling import GenParams
+from dflash_train.decode.greedy import generate_ids, graphed_generate
 
 SHAPES = {
     # SmolLM2-135M-Instruct (the H200 example's target): 30 layers, 576 wide, 9 heads, 3 KV heads.

@@ -14,7 +14,7 @@ random-weight model of the target's shape, `--model smollm2-shape`, serves for b
 `--profile-prefill`, one prefill of the first prompts replayed after the job: its time, rate and
 kernels.
 Each job's GPU time is split into steps, prefills and idle gaps by the engine's own marks
-(generate/launch_timeline.py), over the whole job and its middle half. `--check N`: N prompts in
+(decode/launch_timeline.py), over the whole job and its middle half. `--check N`: N prompts in
 fp32, the engine's answers against transformers' padded `generate` (equal, token for token).
 `--flex-options JSON`: flex decoding's kernel options (e.g. '{"num_stages": 3, "num_warps": 4}'),
 inductor's own when not given. `--prefill packed|padded`: how prompts are prefilled (auto: packed
@@ -38,9 +38,10 @@ from pathlib import Path
 import torch
 
 from dflash_train.data.formats import iter_rows, normalise_messages
-from dflash_train.generate.backends import GenParams
-from dflash_train.generate.graphed_engine import GraphedEngine, Job
-from dflash_train.generate.local_backend import encode_prompt, generate_ids, pad_token_id, stop_ids
+from dflash_train.decode.sampling import GenParams
+from dflash_train.decode.graphed_engine import GraphedEngine, Job
+from dflash_train.decode.greedy import generate_ids, pad_token_id
+from dflash_train.generate.local_backend import encode_prompt, stop_ids
 from dflash_train.targets import flex_decode
 from throughput import sync, timed  # bench/: the same timing as the training benchmark
 

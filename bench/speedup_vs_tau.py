@@ -3,7 +3,7 @@
     python bench/speedup_vs_tau.py random=results/smollm2-h200/spec-speed/random_drafter.json \
         short=results/smollm2-h200/spec-speed/short_run_drafter.json \
         every=results/smollm2-h200/every-turn-32k/spec_speed.json --out speedup_vs_tau.png
-Both caches static, both models under CUDA graphs (`eval/static_decode.py`). Per batch size, a line
+Both caches static, both models under CUDA graphs (`decode/static_decode.py`). Per batch size, a line
 through the origin is fitted (least squares): speedup = tau x (target step) / (round time) when a
 round's cost does not depend on the drafter, so a new drafter's tau tells its speedup served this way.
 """

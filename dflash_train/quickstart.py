@@ -25,7 +25,7 @@ from dflash_train.generate.job import generate
 from dflash_train.generate.config import build_generate_config
 from dflash_train.data.prompts import Prompt, first_turns, load_prompts, sharegpt, split_prompt_files
 from dflash_train.eval.report import encode, stop_token_ids
-from dflash_train.eval.spec_decode import speculative_generate, target_greedy
+from dflash_train.decode.spec_decode import speculative_generate, target_greedy
 from dflash_train.targets.model import load_target, resolve_device
 from dflash_train.train.build import RunParts, build
 from dflash_train.train.heldout import score_heldout

@@ -26,15 +26,15 @@ from dflash_train.config import EvalConfig, RunConfig
 from dflash_train.disk import require_writable
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.export import load_drafter
-from dflash_train.generate.backends import GenParams
-from dflash_train.generate.local_backend import generate_ids, pad_token_id
-from dflash_train.eval.batched import batched_speculative
+from dflash_train.decode.greedy import generate_ids, pad_token_id
+from dflash_train.decode.sampling import GenParams
+from dflash_train.decode.batched import batched_speculative
 from dflash_train.eval.config import DecodeSettings, EvalJobConfig, prompt_sets
 from dflash_train.data.generation_mode import served_thinking
 from dflash_train.data.prompts import Prompt, load_prompts
-from dflash_train.eval.ragged_cache import RaggedCache
+from dflash_train.decode.ragged_cache import RaggedCache
 from dflash_train.eval.served_speed import first_difference, pick_speed_engine, served_speed
-from dflash_train.eval.spec_decode import speculative_generate, target_greedy
+from dflash_train.decode.spec_decode import speculative_generate, target_greedy
 from dflash_train.targets.model import Target, load_target, resolve_device, synced_time
 
 log = logging.getLogger("dflash_train")

@@ -16,7 +16,7 @@ import logging
 import torch
 
 from dflash_train.draft.model import DFlashDraftModel
-from dflash_train.eval.static_decode import StaticDecoder, static_cache_problem
+from dflash_train.decode.static_decode import StaticDecoder, static_cache_problem
 from dflash_train.targets.model import Target
 
 log = logging.getLogger("dflash_train")

@@ -63,7 +63,7 @@ class LocalConfig(Section):
     engine: Literal["padded", "static", "continuous", "graphed"] = "padded"
     """padded: one left-padded `generate` per batch; static: the same on a preallocated KV cache, CUDA
     graphs on a GPU; continuous: transformers' continuous batching (sizes its cache from free memory);
-    graphed: ours (generate/graphed_engine.py), finished rows refilled, the decode step one CUDA graph,
+    graphed: ours (decode/graphed_engine.py), finished rows refilled, the decode step one CUDA graph,
     no top-p: the fastest on a GPU (history: docs/benchmarks/generate_local.md)."""
     compile_step: bool = False
     """graphed engine: torch.compile the decode step before capturing it; each cache growth compiles

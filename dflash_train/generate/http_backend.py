@@ -15,7 +15,8 @@ import random
 
 import aiohttp
 
-from dflash_train.generate.backends import Completion, GenerationError, GenParams
+from dflash_train.decode.sampling import GenParams
+from dflash_train.generate.backends import Completion, GenerationError
 from dflash_train.generate.config import HttpConfig
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}

@@ -28,7 +28,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from dflash_train.generate.backends import Backend, GenerationError, GenParams
+from dflash_train.decode.sampling import GenParams
+from dflash_train.generate.backends import Backend, GenerationError
 from dflash_train.data.formats import DataError, row_id, iter_rows, normalise_messages
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.atomic import write_json_atomic

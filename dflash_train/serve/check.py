@@ -1,7 +1,7 @@
 """`dflash-train serve-check`: does a serving engine run the drafter as our eval measures it?
 
 1. Our side: the target and drafter in float32 decode each prompt greedily with speculative decoding,
-   as `eval` measures acceptance (eval/batched.py), giving each answer and its rounds.
+   as `eval` measures acceptance (decode/batched.py), giving each answer and its rounds.
 2. The engine's side: the target and the drafter's export converted to GGUF with llama.cpp's own
    converter, then llama-server decodes the same token prompts greedily, once with the target alone
    and once with the drafter (`--spec-type draft-dflash`).
@@ -27,8 +27,8 @@ from dflash_train.data.prompts import Prompt, load_prompts
 from dflash_train.eval.export import CHECKPOINT_CONFIG, export_drafter, load_drafter, read_drafter_config
 from dflash_train.eval.report import encode, stop_token_ids
 from dflash_train.eval.served_speed import first_difference
-from dflash_train.eval.batched import batched_speculative
-from dflash_train.eval.spec_decode import SpecResult
+from dflash_train.decode.batched import batched_speculative
+from dflash_train.decode.spec_decode import SpecResult
 from dflash_train.serve.gguf import convert
 from dflash_train.serve.llama_cpp import LlamaCpp
 from dflash_train.serve.llama_server import Completion, LlamaServer

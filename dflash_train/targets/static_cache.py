@@ -1,7 +1,7 @@
 """A target's KV cache the way a serving engine keeps it: preallocated, written at per-row positions.
 
-Shared by the regeneration engine (generate/graphed_engine.py) and the speculative decoder
-(eval/static_decode.py). Rows are independent: each writes its K/V at the positions it is given, a
+Shared by the regeneration engine (decode/graphed_engine.py) and the speculative decoder
+(decode/static_decode.py). Rows are independent: each writes its K/V at the positions it is given, a
 query at position p sees the keys at positions <= p of its own row (in a sliding-window layer only
 those in (p - window, p]: every layer's cache is full length, windows are masks, windows.py), and
 nothing is ever cropped, so a stale K/V above a row's position is invisible and gets overwritten

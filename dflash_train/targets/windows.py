@@ -1,6 +1,6 @@
 """Sliding-window layers as masks over full-length caches, for the fast decode paths.
 
-The static caches (static_cache.py) and the ragged cache (eval/ragged_cache.py) keep every layer's
+The static caches (static_cache.py) and the ragged cache (decode/ragged_cache.py) keep every layer's
 K/V at full length, whatever its window, so one cache layout, one write and one gather serve every
 layer. A sliding layer's window is then only a mask: a query at position p sees the keys at
 positions in (p - w, p]. That is transformers' `sliding_window_overlay`, used here as it is, so the

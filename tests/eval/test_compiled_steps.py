@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from dflash_train.eval.static_decode import StaticDecoder
-from dflash_train.generate.graphed_engine import GraphedEngine, Job
+from dflash_train.decode.static_decode import StaticDecoder
+from dflash_train.decode.graphed_engine import GraphedEngine, Job
 
 from .tiny_models import tiny_drafter, tiny_target
 

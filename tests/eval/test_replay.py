@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from dflash_train.eval.replay import replay_rounds, replayed_rounds
-from dflash_train.eval.spec_decode import speculative_generate, target_greedy
+from dflash_train.decode.spec_decode import speculative_generate, target_greedy
 
-from .test_spec_decode import prompt
+from tests.decode.test_spec_decode import prompt
 from .tiny_models import tiny_drafter, tiny_target
 
 

@@ -4,7 +4,7 @@ import torch
 
 from dflash_train.eval.served_speed import NEAR_TIE_RELATIVE, answer_differences, first_difference, served_speed
 
-from .test_spec_decode import prompt
+from tests.decode.test_spec_decode import prompt
 
 
 def test_first_difference():

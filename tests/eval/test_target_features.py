@@ -11,12 +11,12 @@ from tiny import tiny_target
 
 from dflash_train.config import ConfigError, DraftConfig
 from dflash_train.eval.export import export_drafter, load_drafter
-from dflash_train.eval.spec_decode import speculative_generate
+from dflash_train.decode.spec_decode import speculative_generate
 from dflash_train.draft.model import target_layer_ids
 from dflash_train.checkpoint.local import latest_checkpoint
 from dflash_train.train.loop import Trainer
 
-from .test_spec_decode import prompt, reference_greedy
+from tests.decode.test_spec_decode import prompt, reference_greedy
 
 
 def test_count_apart_from_depth():

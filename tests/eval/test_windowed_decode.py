@@ -9,12 +9,12 @@ import torch
 from tiny import tiny_windowed
 
 from dflash_train.draft.model import DFlashDraftModel
-from dflash_train.eval.batched import batched_speculative
-from dflash_train.eval.ragged_cache import RaggedCache
-from dflash_train.eval.spec_decode import speculative_generate
-from dflash_train.eval.static_decode import StaticDecoder, static_cache_problem
+from dflash_train.decode.batched import batched_speculative
+from dflash_train.decode.ragged_cache import RaggedCache
+from dflash_train.decode.spec_decode import speculative_generate
+from dflash_train.decode.static_decode import StaticDecoder, static_cache_problem
 
-from .test_spec_decode import reference_greedy
+from tests.decode.test_spec_decode import reference_greedy
 from .tiny_models import tiny_drafter
 
 FAMILIES = ["mistral", "gemma3", "gpt_oss"]

@@ -148,7 +148,7 @@ def test_the_prefill_choice_reaches_the_graphed_engine(tiny_target):
     """`--prefill` is read: the engine the backend builds to answer prefills as asked; auto unless asked."""
     import asyncio
 
-    from dflash_train.generate.backends import GenParams
+    from dflash_train.decode.sampling import GenParams
     from dflash_train.generate.local_backend import LocalBackend
 
     for flag, packed in (([], True), (["--prefill", "padded"], False), (["--prefill", "packed"], True)):

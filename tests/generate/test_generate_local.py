@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
-from dflash_train.generate.backends import GenParams
+from dflash_train.decode.sampling import GenParams
 from dflash_train.generate.job import generate
 from dflash_train.generate.config import LocalConfig, build_generate_config
-from dflash_train.generate.local_backend import LocalBackend, ReleaseFinished, encode_prompt, generate_ids, stop_ids
+from dflash_train.decode.greedy import ReleaseFinished, generate_ids
+from dflash_train.generate.local_backend import LocalBackend, encode_prompt, stop_ids
 from tests.generate.conftest import read_rows, write_jsonl
 
 PROMPTS = [
@@ -227,7 +228,7 @@ def test_continuous_batching_on_cpu_reserves_pages_for_its_prompts_not_a_share_o
 
     from transformers import GenerationConfig
 
-    from dflash_train.generate.local_backend import CPU_PAGE, _cpu_cache_config
+    from dflash_train.decode.greedy import CPU_PAGE, _cpu_cache_config
 
     gen = GenerationConfig(max_new_tokens=20)
     prompts = [[1] * 10, [1] * (CPU_PAGE - 20), [1] * (CPU_PAGE - 19)]  # 1, 1 and 2 pages

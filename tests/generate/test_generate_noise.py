@@ -6,9 +6,9 @@ from __future__ import annotations
 import shlex
 
 from dflash_train.cli import main
-from dflash_train.generate.backends import GenParams
+from dflash_train.decode.sampling import GenParams
 from dflash_train.generate.job import count_rows
-from dflash_train.generate.local_backend import _generation_config
+from dflash_train.decode.greedy import _generation_config
 from tests.generate.conftest import write_jsonl
 
 PROMPT = {"messages": [{"role": "user", "content": "hi"}]}

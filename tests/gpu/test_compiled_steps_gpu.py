@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash_train.eval.static_decode import StaticDecoder
+from dflash_train.decode.static_decode import StaticDecoder
 from dflash_train.targets.model import Target
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))

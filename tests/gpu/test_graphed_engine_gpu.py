@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_train.generate.backends import GenParams
-from dflash_train.generate.graphed_engine import GraphedEngine, Job
-from dflash_train.generate.local_backend import generate_ids
+from dflash_train.decode.sampling import GenParams
+from dflash_train.decode.graphed_engine import GraphedEngine, Job
+from dflash_train.decode.greedy import generate_ids
 from dflash_train.targets.flex_decode import KV_BLOCK, decode_block_mask, flex_decode_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eval.tiny_models import tiny_target  # noqa: E402
-from generate.test_prefill import engine_cache, own_prefill  # noqa: E402
+from decode.test_prefill import engine_cache, own_prefill  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -65,7 +65,7 @@ def test_packed_prefills_in_bf16_through_flash_attention_equal_each_prompt_alone
     them, to bf16's precision (relative error of each tensor below 6%: 3.3% at most in bf16 on CPU),
     over prompts longer and shorter than a flash block; the K/V checked after both admissions, so
     the second shape's capture must leave the rows filled before it alone."""
-    from dflash_train.generate import packed_prefill
+    from dflash_train.decode import packed_prefill
     calls = []
     flash = packed_prefill.varlen_attn
     monkeypatch.setattr(packed_prefill, "varlen_attn", lambda *a, **k: calls.append(1) or flash(*a, **k))

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dflash_train.eval.served_speed import answer_differences
-from dflash_train.eval.spec_decode import speculative_generate, target_greedy
-from dflash_train.eval.static_decode import StaticDecoder
+from dflash_train.decode.spec_decode import speculative_generate, target_greedy
+from dflash_train.decode.static_decode import StaticDecoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eval.tiny_models import tiny_drafter, tiny_target  # noqa: E402

@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.draft.model import DFlashDraftModel
-from dflash_train.eval.batched import batched_speculative
+from dflash_train.decode.batched import batched_speculative
 from dflash_train.eval.report import stop_token_ids
-from dflash_train.eval.spec_decode import accept_sampled, speculative_generate, target_greedy
+from dflash_train.decode.spec_decode import accept_sampled, speculative_generate, target_greedy
 
-from .tiny_models import tiny_drafter, tiny_target
+from tests.eval.tiny_models import tiny_drafter, tiny_target
 
 
 def reference_greedy(model, input_ids, max_new_tokens, stop_ids=()):
@@ -218,7 +218,7 @@ def test_training_blocks_equal_the_blocks_drafted_at_inference(target):
     from dflash_train.draft.model import DraftKVCache
     from dflash_train.config import ObjectiveConfig
     from dflash_train.draft.objective import draft_hidden, make_task
-    from dflash_train.eval.spec_decode import draft_block
+    from dflash_train.decode.spec_decode import draft_block
 
     drafter = tiny_drafter(target, block_size=5)
     ids = prompt(30, target.vocab_size, seed=3)

@@ -8,11 +8,11 @@ from tiny import tiny_target as sdpa_target
 from dflash_train.draft.model import DFlashDraftModel
 from transformers import DynamicCache
 
-from dflash_train.eval.batched import _right_padded, batched_speculative
-from dflash_train.eval.ragged_cache import RaggedCache, RaggedDraftCache
-from dflash_train.eval.spec_decode import speculative_generate
+from dflash_train.decode.batched import _right_padded, batched_speculative
+from dflash_train.decode.ragged_cache import RaggedCache, RaggedDraftCache
+from dflash_train.decode.spec_decode import speculative_generate
 
-from .tiny_models import tiny_drafter, tiny_target
+from tests.eval.tiny_models import tiny_drafter, tiny_target
 
 
 def agreeing_target(eager: bool):

@@ -8,8 +8,8 @@ Compiled, the step's attention reads each row's cache only up to the row's posit
 (targets/flex_decode.py); otherwise packed SDPA reads the whole cache under a mask.
 A finished row is refilled with a waiting prompt: the new prompts are prefilled through forwards
 of fixed shapes captured as CUDA graphs, packed into one row of tokens that writes their K/V
-straight into the free rows (generate/packed_prefill.py), or, for models with sliding windows,
-sinks or soft-capping, grouped by width and left-padded (generate/prefill.py), their K/V copied
+straight into the free rows (decode/packed_prefill.py), or, for models with sliding windows,
+sinks or soft-capping, grouped by width and left-padded (decode/prefill.py), their K/V copied
 over (static_cache.py says why stale K/V in a reused row is harmless).
 
 The host never waits for the step it just launched: steps run in chunks of `chunk`, each chunk's
@@ -36,10 +36,10 @@ from functools import partial
 
 import torch
 
-from dflash_train.generate.backends import emit_tokens
-from dflash_train.generate.launch_timeline import LaunchTimeline
-from dflash_train.generate.packed_prefill import PackedPrefills, packed_prefill_problem
-from dflash_train.generate.prefill import Prefills, to_device
+from dflash_train.decode.sampling import emit_tokens
+from dflash_train.decode.launch_timeline import LaunchTimeline
+from dflash_train.decode.packed_prefill import PackedPrefills, packed_prefill_problem
+from dflash_train.decode.prefill import Prefills, to_device
 from dflash_train.targets.flex_decode import FLEX_DECODE, flex_decode_problem
 from dflash_train.targets.static_cache import (ALIGN, PACKED_GQA, PositionedCache, Steps, attention_as, forward_at,
                                                prepare_steps, static_cache_problem)

@@ -9,9 +9,9 @@ from collections import deque
 import pytest
 import torch
 
-from dflash_train.generate.backends import GenParams
+from dflash_train.decode.sampling import GenParams
 from dflash_train.generate.config import LocalConfig, build_generate_config
-from dflash_train.generate.graphed_engine import GraphedEngine, Job, sample
+from dflash_train.decode.graphed_engine import GraphedEngine, Job, sample
 from dflash_train.generate.local_backend import LocalBackend, encode_prompt
 from dflash_train.config import ConfigError
 from tests.generate.test_generate_local import PROMPTS
@@ -223,10 +223,10 @@ def test_a_growth_mid_job_frees_the_old_steps_graph(backend, monkeypatch):
     import gc
     import weakref
 
-    import dflash_train.generate.prefill as prefill
+    import dflash_train.decode.prefill as prefill
     import dflash_train.targets.static_cache as static_cache
     from dflash_train.targets.static_cache import PositionedLayer
-    from tests.generate.test_packed_prefill import capture_as_cuda_does
+    from tests.decode.test_packed_prefill import capture_as_cuda_does
 
     graphs = []
 

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from dflash_train.draft.model import DFlashDraftModel, DraftKVCache
-from dflash_train.generate.backends import emit_tokens
+from dflash_train.decode.sampling import emit_tokens
 from dflash_train.targets.model import Target, synced_time
 
 

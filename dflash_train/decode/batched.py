@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 
 from dflash_train.draft.model import DFlashDraftModel
-from dflash_train.eval.ragged_cache import RaggedCache, RaggedDraftCache
-from dflash_train.eval.spec_decode import SpecResult, accept_sampled, check_budget, propose, sample_tokens
-from dflash_train.generate.backends import emit_tokens
+from dflash_train.decode.ragged_cache import RaggedCache, RaggedDraftCache
+from dflash_train.decode.spec_decode import SpecResult, accept_sampled, check_budget, propose, sample_tokens
+from dflash_train.decode.sampling import emit_tokens
 from dflash_train.targets.model import Target
 
 

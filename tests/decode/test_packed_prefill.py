@@ -1,4 +1,4 @@
-"""Packed prefills (generate/packed_prefill.py) against a forward of each prompt alone: one row of
+"""Packed prefills (decode/packed_prefill.py) against a forward of each prompt alone: one row of
 tokens gives every prompt's last logits and writes its K/V at positions 0..len-1 of its own row
 of the engine's cache; rows not admitted keep what they held; the rounding tokens write only at
 the first row's last position (CPU: attention under the block-diagonal mask, forwards eager)."""
@@ -8,10 +8,10 @@ import torch
 from families import tiny_model
 from tiny import tiny_target, tiny_windowed
 
-from dflash_train.generate.graphed_engine import GraphedEngine, Job
-from dflash_train.generate.packed_prefill import (MIN_TOKENS, PACK_PROMPTS, PACK_TOKENS, PackedPrefills,
+from dflash_train.decode.graphed_engine import GraphedEngine, Job
+from dflash_train.decode.packed_prefill import (MIN_TOKENS, PACK_PROMPTS, PACK_TOKENS, PackedPrefills,
                                                   packed_attention, packed_size, Packing)
-from tests.generate.test_prefill import assert_prefilled, engine_cache
+from tests.decode.test_prefill import assert_prefilled, engine_cache
 
 
 def test_packed_sizes_take_four_steps_an_octave():
@@ -129,7 +129,7 @@ def test_an_engine_compiles_its_packed_prefills_in_its_build_and_answers_the_sam
 
 
 def test_a_packed_prefill_that_cannot_compile_runs_uncompiled(monkeypatch, caplog):
-    from dflash_train.generate import packed_prefill
+    from dflash_train.decode import packed_prefill
 
     def fails(*args):
         raise RuntimeError("no kernel for this")
@@ -168,7 +168,7 @@ def test_capturing_a_new_shape_leaves_the_rows_in_use_alone(monkeypatch):
     """A shape is captured when an admission first needs it, while other rows decode: its capture's
     forwards must write nowhere but the admitted rows (and the dead slot). Replays give the same
     prefill as an eager forward."""
-    import dflash_train.generate.prefill as prefill
+    import dflash_train.decode.prefill as prefill
     monkeypatch.setattr(prefill, "capture_graph", capture_as_cuda_does)
     model = tiny_target(hidden=64).model
     cache = engine_cache(model, rows=4, length=512)

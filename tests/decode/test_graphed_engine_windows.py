@@ -6,8 +6,8 @@ import pytest
 import torch
 from tiny import tiny_windowed
 
-from dflash_train.generate.graphed_engine import GraphedEngine, Job
-from tests.generate.test_graphed_engine import plain_greedy, serve_all
+from dflash_train.decode.graphed_engine import GraphedEngine, Job
+from tests.decode.test_graphed_engine import plain_greedy, serve_all
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from dflash_train.draft.model import DFlashDraftModel
-from dflash_train.eval.spec_decode import speculative_generate
-from dflash_train.eval.static_decode import StaticDecoder, static_cache_problem
+from dflash_train.decode.spec_decode import speculative_generate
+from dflash_train.decode.static_decode import StaticDecoder, static_cache_problem
 
 from .test_spec_decode import ScriptedDrafter, prompt, reference_greedy
-from .tiny_models import tiny_drafter, tiny_target
+from tests.eval.tiny_models import tiny_drafter, tiny_target
 
 
 def prompts_of(lengths, vocab):

@@ -39,7 +39,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from dflash_train.checks import compile_cache
-from dflash_train.generate.prefill import capture_prefill, to_device
+from dflash_train.decode.prefill import capture_prefill, to_device
 from dflash_train.targets.static_cache import PositionedCache, PositionedLayer, attention_as, compiled
 from dflash_train.targets.windows import plain_causal_problem
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from dflash_train.device_clock import DeviceClock
 from dflash_train.draft.model import DFlashDraftModel
-from dflash_train.eval.spec_decode import DecodeResult, SpecResult, check_budget
-from dflash_train.generate.backends import emit_tokens
+from dflash_train.decode.spec_decode import DecodeResult, SpecResult, check_budget
+from dflash_train.decode.sampling import emit_tokens
 from dflash_train.targets.static_cache import ALIGN, PositionedCache, forward_at, prepare_steps, static_cache_problem, write_at
 from dflash_train.targets.model import Target, synced_time
 

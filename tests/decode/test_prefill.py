@@ -1,4 +1,4 @@
-"""Fixed-shape prefills (generate/prefill.py) against a forward of each prompt alone: the same last
+"""Fixed-shape prefills (decode/prefill.py) against a forward of each prompt alone: the same last
 logits and the same K/V at the prompt's positions of its row of the engine's cache, whatever the
 padding rows and the extra left padding of a wider shape; shapes are made once and reused (CPU:
 forwards run eagerly)."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 from tiny import tiny_target
 
-from dflash_train.generate.packed_prefill import PackedPrefills
-from dflash_train.generate.prefill import MIN_WIDTH, PREFILL_ROWS, Prefills, bucket
+from dflash_train.decode.packed_prefill import PackedPrefills
+from dflash_train.decode.prefill import MIN_WIDTH, PREFILL_ROWS, Prefills, bucket
 from dflash_train.targets.static_cache import ALIGN, PositionedCache, forward_at
 
 
@@ -72,7 +72,7 @@ def test_an_admission_splits_by_width_and_rows():
 def test_a_prefill_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog, kind):
     """A forward CUDA graphs cannot hold still prefills: logged once, every shape eager from then on
     (padded and packed prefills share the capture, prefill.capture_prefill)."""
-    import dflash_train.generate.prefill as prefill
+    import dflash_train.decode.prefill as prefill
 
     def refuse(*args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -93,7 +93,7 @@ def test_a_prefill_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog, kin
 
 def test_out_of_memory_in_a_capture_reaches_the_caller(monkeypatch):
     """Out of memory is the backend's to handle (it halves its rows), not a reason to give up graphs."""
-    import dflash_train.generate.prefill as prefill
+    import dflash_train.decode.prefill as prefill
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")

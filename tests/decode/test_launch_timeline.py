@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.generate.graphed_engine import GraphedEngine, Job
-from dflash_train.generate.launch_timeline import LaunchTimeline, Span
-from tests.generate.test_graphed_engine import backend, prompts_of, serve_all  # noqa: F401  (backend: a fixture)
+from dflash_train.decode.graphed_engine import GraphedEngine, Job
+from dflash_train.decode.launch_timeline import LaunchTimeline, Span
+from tests.decode.test_graphed_engine import backend, prompts_of, serve_all  # noqa: F401  (backend: a fixture)
 
 
 class ScriptedClock:
