@@ -11,7 +11,6 @@ import difflib
 import json
 import logging
 import shlex
-import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -24,7 +23,7 @@ from dflash_train.errors import UserError
 from dflash_train.eval.config import EvalJobConfig
 from dflash_train.generate.config import GenerateConfig
 from dflash_train.run_lock import RunLock
-from dflash_train.train.stop_signals import EXIT_STATUS, Terminated, raise_terminated
+from dflash_train.train.stop_signals import EXIT_STATUS, Terminated, end_like_ctrl_c_on_sigterm
 
 
 def cmd_train(args) -> int:
@@ -454,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )
-    signal.signal(signal.SIGTERM, raise_terminated)  # as Ctrl-C: every command's clean-up runs (train saves first)
+    end_like_ctrl_c_on_sigterm()  # every command's clean-up runs (train saves first)
     try:
         return args.func(args)
     except KeyboardInterrupt as err:

@@ -139,7 +139,8 @@ def test_ctrl_c_during_prepare_is_one_line(tmp_path, tiny_target_dir):
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     proc = subprocess.Popen([sys.executable, "-m", "dflash_train", "prepare", "-c", str(cfg), "--out",
                              str(tmp_path / "prepared"), "data.tokenize_workers=2"], stderr=subprocess.PIPE, text=True,
-                            env=os.environ | {"PYTHONPATH": str(REPO)}, start_new_session=True)
+                            env=os.environ | {"PYTHONPATH": str(REPO)}, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
     seen = []
     for line in proc.stderr:  # the pool is up: the worst moment, mid-chunk in every worker
         seen.append(line)

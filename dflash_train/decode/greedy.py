@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
@@ -143,13 +144,14 @@ def _continuous_generate(model, prompts: list[list[int]], gen: GenerationConfig,
     return [r.generated_tokens for r in results]
 
 
-def engine_problem(engine: str, model) -> str | None:
-    """Why `engine` cannot run `model` (said before any request is queued), or None."""
-    if engine == "graphed":
-        problem = static_cache_problem(model)
-        return problem and f"{problem} (use --engine padded or static)"
+def _graphed_problem(model) -> str | None:
+    problem = static_cache_problem(model)
+    return problem and f"{problem} (use --engine padded or static)"
+
+
+def _continuous_problem(model) -> str | None:
     config = model.config.get_text_config(decoder=True)
-    if engine == "continuous" and getattr(config, "kv_lora_rank", None):
+    if getattr(config, "kv_lora_rank", None):
         # transformers' paged cache holds keys and values of one head size; MLA's differ
         return "multi-head latent attention (kv_lora_rank) has no paged cache in transformers' continuous " \
                "batching (use --engine padded, static or graphed)"
@@ -157,12 +159,53 @@ def engine_problem(engine: str, model) -> str | None:
 
 
 def graphed_generate(model, prompts: list[list[int]], params: GenParams, stops: set[int], pad_id: int,
-                      rows: int | None = None) -> list[tuple[list[int], bool]]:
-    jobs = [Job(p, params.max_tokens, params.temperature) for p in prompts]
+                     release: Callable[[int, list[int]], None] | None = None, rows: int | None = None
+                     ) -> list[tuple[list[int], bool]]:
+    jobs = [Job(p, params.max_tokens, params.temperature, tag=i) for i, p in enumerate(prompts)]
     waiting = deque(jobs)
     engine = GraphedEngine(model, rows or len(prompts), stops, pad_id)
-    engine.serve(lambda n: [waiting.popleft() for _ in range(min(n, len(waiting)))], lambda job: None)
+
+    def give(job: Job) -> None:
+        if release is not None and job.stopped:
+            release(job.tag, list(job.tokens))
+
+    engine.serve(lambda n: [waiting.popleft() for _ in range(min(n, len(waiting)))], give)
     return [(job.tokens, job.stopped) for job in jobs]
+
+
+def _through_transformers(run):
+    """A transformers-driven engine (`run(model, prompts, generation_config, release)` -> new ids per
+    prompt) with the plain distribution and the answers cut after their first stop token."""
+    def decode(model, prompts, params, stops, pad_id, release=None):
+        with _plain_distribution(model):
+            answers = run(model, prompts, _generation_config(params, stops, pad_id), release)
+        return [cut_at_stop(ids, stops) for ids in answers]
+    return decode
+
+
+@dataclass(frozen=True)
+class GreedyEngine:
+    """One way to answer a batch of token-id prompts with the target alone."""
+
+    decode: Callable[..., list[tuple[list[int], bool]]]
+    """(model, prompts, params, stops, pad_id, release) -> per prompt (new ids cut after the first stop
+    token, whether one ended them); `release(row, ids)` as each row stops, where the engine can."""
+    problem: Callable[[object], str | None] = lambda model: None
+    """Why it cannot run `model` (said before any request is queued), or None."""
+
+
+ENGINES: dict[str, GreedyEngine] = {
+    "padded": GreedyEngine(_through_transformers(_padded_generate)),
+    "static": GreedyEngine(_through_transformers(_static_generate)),
+    "continuous": GreedyEngine(_through_transformers(_continuous_generate), _continuous_problem),
+    "graphed": GreedyEngine(graphed_generate, _graphed_problem),
+}
+"""The engines by the name `generate --engine` takes (GenerateConfig's `local.engine`)."""
+
+
+def engine_problem(engine: str, model) -> str | None:
+    """Why `engine` cannot run `model` (said before any request is queued), or None."""
+    return ENGINES[engine].problem(model)
 
 
 @torch.no_grad()
@@ -170,12 +213,7 @@ def generate_ids(model, prompts: list[list[int]], params: GenParams, stops: set[
                  engine: str = "padded", release: Callable[[int, list[int]], None] | None = None
                  ) -> list[tuple[list[int], bool]]:
     """Per token-id prompt: (new token ids cut after the first stop token, whether one ended them).
-    `release(row, ids)`: each row that stops, as soon as it does (padded and static engines)."""
+    `release(row, ids)`: each row that stops, as soon as it does (every engine but continuous)."""
     if params.temperature > 0 and params.seed is not None:
         torch.manual_seed(params.seed)
-    if engine == "graphed":
-        return graphed_generate(model, prompts, params, stops, pad_id)
-    run = {"padded": _padded_generate, "static": _static_generate, "continuous": _continuous_generate}[engine]
-    with _plain_distribution(model):
-        answers = run(model, prompts, _generation_config(params, stops, pad_id), release)
-    return [cut_at_stop(ids, stops) for ids in answers]
+    return ENGINES[engine].decode(model, prompts, params, stops, pad_id, release)

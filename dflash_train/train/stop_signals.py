@@ -33,6 +33,12 @@ def raise_terminated(signum, frame) -> None:
     raise Terminated
 
 
+def end_like_ctrl_c_on_sigterm() -> None:
+    """SIGTERM raises Terminated in the main thread (unless the process was started ignoring it)."""
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, raise_terminated)
+
+
 def interrupt(name: str) -> KeyboardInterrupt:
     """The exception a command raises to stop as if signal `name` had reached it there."""
     return Terminated() if name == "SIGTERM" else KeyboardInterrupt()
@@ -56,7 +62,9 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+            # A signal the process was started ignoring (a background job's SIGINT) stays ignored.
+            self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS
+                              if signal.getsignal(s) is not signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc) -> None:

@@ -98,6 +98,25 @@ def test_a_row_that_stops_is_released_at_once_while_its_batch_decodes_on(tiny_ta
     assert max(len(ids) for ids, _ in answers) > min(at for _, at in released.values())  # the batch went on
 
 
+def test_every_engine_generate_offers_is_in_the_registry_and_graphed_releases_rows_too(tiny_target):
+    from typing import get_args
+
+    from dflash_train.decode.greedy import ENGINES
+
+    assert set(ENGINES) == set(get_args(LocalConfig.model_fields["engine"].annotation))
+    backend = LocalBackend.load(str(tiny_target), LocalConfig(device="cpu"))
+    model, tokenizer = backend.model, backend.tokenizer
+    prompts = [encode_prompt(tokenizer, m, None) for m in PROMPTS]
+    params = GenParams(temperature=0.0, top_p=1.0, max_tokens=20)
+    stops = stop_ids(model, tokenizer)
+    stops.add(generate_ids(model, prompts, params, stops, pad_id=0)[0][0][5])
+    released = {}
+    answers = generate_ids(model, prompts, params, stops, pad_id=0, engine="graphed",
+                           release=lambda row, ids: released.setdefault(row, ids))
+    assert answers == generate_ids(model, prompts, params, stops, pad_id=0)
+    assert released == {row: ids for row, (ids, stopped) in enumerate(answers) if stopped} and released
+
+
 def test_answers_come_from_the_plain_distribution_not_the_models_generation_settings(tiny_target):
     """A checkpoint's generation_config may carry a repetition penalty or n-gram ban; the answers
     (and eval's lossless reference) must be the plain argmax that speculative decoding verifies."""

@@ -31,7 +31,7 @@ def test_a_signal_at_a_random_step_saves_it_and_the_resumed_run_matches(assets, 
     config = write_config(assets, tmp_path / "run", checkpoint={"every": 1000, "keep_last": 5},
                           train={"lr": 1e-3, "warmup_ratio": 0.0, "grad_accum": 2, "max_steps": STEPS, "log_every": 1})
     train = [sys.executable, "-m", "dflash_train", "train", "-c", str(config)]
-    proc = subprocess.Popen(train, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(train, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_on)
     at = random.randint(2, STEPS // 2)
     deadline = time.monotonic() + 120
     while len(read_metrics(tmp_path / "run")) < at and proc.poll() is None and time.monotonic() < deadline:
@@ -79,7 +79,31 @@ def test_a_second_signal_or_the_grace_period_ends_the_process_at_once(then):
         assert out.returncode == 75 and "not saved within checkpoint.grace_seconds (1 s)" in out.stderr
 
 
+def _ctrl_c_on():
+    """Ctrl-C as in a terminal: a process started in the background (CI) inherits SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_second_ctrl_c_raises_keyboard_interrupt_in_the_loop():
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _second_ctrl_c()
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_a_signal_the_process_ignores_stays_ignored():
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignals(60) as signals:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert signals.received is None
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def _second_ctrl_c():
     with StopSignals(60) as signals:
         os.kill(os.getpid(), signal.SIGINT)
         assert signals.received == "SIGINT" and 0 < signals.remaining() <= 60
