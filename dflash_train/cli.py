@@ -213,7 +213,7 @@ Train a DFlash speculative-decoding drafter for your own target model: the targe
 prompts, a small drafter learns to propose 16 tokens at once from the target's hidden states, and
 real speculative decoding measures how many the target accepts.
 
-First try:   dflash-train quickstart            (SmolLM2, CPU is enough, 8-15 minutes on 2 cores)
+First try:   dflash-train quickstart            (SmolLM2, CPU is enough, 3-15 minutes on 2 cores)
 
 Your own target, in this order:
   prompts    first user turns of a prompt set -> train / held-out prompt files
