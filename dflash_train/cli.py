@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dflash_train import __version__
 from dflash_train.config import COMMON_KEYS, ConfigError, RunConfig, load_config
-from dflash_train.config_flags import HelpFormatter, add_config_flags, with_flag_overrides
+from dflash_train.config_flags import HelpFormatter, add_config_flags, asks_help_all, with_flag_overrides
 from dflash_train.disk import as_disk_error, require_writable
 from dflash_train.errors import UserError
 from dflash_train.eval.config import EvalJobConfig
@@ -288,8 +288,6 @@ def _settings(p: argparse.ArgumentParser, model, what: str, example: str, requir
     """-c YAML file, `key=value` overrides and a flag for every field of `model`: one style for every command."""
     p.add_argument("-c", "--config", required=required, help=what)
     p.add_argument(dest, nargs="*", metavar="overrides", help=f"dotted overrides of the config, e.g. {example}")
-    if shown is not None:
-        p.add_argument("--help-all", action="store_true", help="every setting, with its meaning and default")
     add_config_flags(p, model, short=short, no_default=no_default, shown=shown)
     return p
 
@@ -440,9 +438,10 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    show_all = "--help-all" in argv and (len(argv) < 2 or argv[0] != "launch")  # launch reads its own
+    show_all, asked = asks_help_all(argv)
+    show_all = show_all and argv[0] != "launch"  # launch reads its own
     parser = build_parser(show_all)
-    args, extra = parser.parse_known_args([("--help" if a == "--help-all" else a) for a in argv] if show_all else argv)
+    args, extra = parser.parse_known_args(asked if show_all else argv)
     with_flag_overrides(args)  # the flags derived from config fields join the dotted overrides
     args.argv = argv  # for "rerun this command" hints
     if args.command == "launch":

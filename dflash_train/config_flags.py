@@ -111,6 +111,8 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], *,
     `shown`: the keys --help lists (None: all); the others work alike and --help-all lists them."""
     groups: dict[str, Any] = {}
     hidden = 0
+    if shown is not None:
+        parser.add_argument(HELP_ALL, action="store_true", help="every setting, with its meaning and default")
     for key, info in config_fields(model):
         section, _, name = key.rpartition(".")
         visible = shown is None or key in shown
@@ -130,6 +132,15 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], *,
     if hidden:
         more = f"{hidden} more settings, set less often: --help-all lists every one with its meaning and default."
         parser.epilog = f"{parser.epilog}\n\n{more}" if parser.epilog else more
+
+
+HELP_ALL = "--help-all"
+
+
+def asks_help_all(argv: list[str]) -> tuple[bool, list[str]]:
+    """(whether `argv` asks for --help-all, `argv` with it as --help): the parser is then built with
+    every setting shown (`add_config_flags(shown=None)`) and prints its plain help."""
+    return HELP_ALL in argv, [("--help" if a == HELP_ALL else a) for a in argv]
 
 
 def flag_overrides(args: argparse.Namespace) -> list[tuple[str, Any]]:

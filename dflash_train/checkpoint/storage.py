@@ -59,17 +59,21 @@ def newest_intact(run_dir: str | Path) -> Path | None:
     return None
 
 
+def newest_common_step(run_dirs: list[str | Path]) -> int | None:
+    """The newest checkpoint step that every drafter group's run dir has (a crash can fall between
+    two groups' saves of the same step); None when there is none. Listed, not verified."""
+    steps = [{step_of(p.name) for p in list_checkpoints(d)} for d in run_dirs]
+    common = set.intersection(*steps) if steps else set()
+    return max(common) if common else None
+
+
 def newest_common_intact(run_dirs: list[str | Path]) -> int | None:
     """newest_intact for several drafter groups' run dirs (distributed training): the newest step
     that every one of them holds intact, damaged ones moved aside; None when there is none."""
-    while True:
-        steps = [{step_of(p.name) for p in list_checkpoints(d)} for d in run_dirs]
-        common = set.intersection(*steps) if steps else set()
-        if not common:
-            return None
-        step = max(common)
-        if all(_usable(checkpoint_path(d, step)) for d in run_dirs):  # a damaged one leaves `common`
+    while (step := newest_common_step(run_dirs)) is not None:
+        if all(_usable(checkpoint_path(d, step)) for d in run_dirs):  # a damaged one leaves the common steps
             return step
+    return None
 
 
 def _usable(path: Path) -> bool:

@@ -57,9 +57,12 @@ def template_kwargs_for(paths, configured: dict | None) -> dict:
 
 def served_thinking(data_cfg) -> bool | None:
     """The thinking mode a run's target is served in, as its training data was rendered: the data's
-    `enable_thinking` (data.chat_template_kwargs, or the `generate` folders'); None: the template's
-    default. What `eval` renders its prompts with unless told otherwise."""
-    return template_kwargs_for(data_cfg.train_files, data_cfg.chat_template_kwargs).get(KEY)
+    `enable_thinking` (data.chat_template_kwargs, else the `generate` folders'; training refuses the
+    two when they differ); None: the template's default. What `eval` renders its prompts with unless
+    told otherwise."""
+    if KEY in data_cfg.chat_template_kwargs:
+        return data_cfg.chat_template_kwargs[KEY]
+    return generated_thinking(data_cfg.train_files)[0]
 
 
 def _name(thinking: bool | None) -> str:

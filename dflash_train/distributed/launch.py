@@ -18,7 +18,7 @@ import sys
 from dataclasses import replace
 
 from dflash_train.config import COMMON_KEYS, RunConfig, load_config
-from dflash_train.config_flags import HelpFormatter, add_config_flags, with_flag_overrides
+from dflash_train.config_flags import HelpFormatter, add_config_flags, asks_help_all, with_flag_overrides
 from dflash_train.distributed.layout import Plan, build_layout, drafter_runs, plan_split
 from dflash_train.distributed.options import add_rank_options, rank_argv
 from dflash_train.run_lock import RunLock, held_for_workers
@@ -44,12 +44,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="memory of one GPU for the plan's check (default: this node's first GPU; none on CPU)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the memory plan and the torchrun command instead of running it")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    show_all = "--help-all" in argv
-    if not show_all:
-        p.add_argument("--help-all", action="store_true", help="every setting, with its meaning and default")
+    show_all, argv = asks_help_all(list(sys.argv[1:] if argv is None else argv))
     add_config_flags(p, RunConfig, shown=None if show_all else COMMON_KEYS)  # as `train` takes them
-    args = with_flag_overrides(p.parse_args([("--help" if a == "--help-all" else a) for a in argv]))
+    args = with_flag_overrides(p.parse_args(argv))
     # The workers' command line carries the flags as `key=value` overrides: text as typed, the rest as
     # JSON (which the loader reads as YAML).
     args.overrides = [o if isinstance(o, str) else f"{o[0]}={o[1] if isinstance(o[1], str) else json.dumps(o[1])}"

@@ -29,7 +29,7 @@ from dflash_train.config import RunConfig, load_config
 from dflash_train.data.dataset import load_training_data
 from dflash_train.targets.model import compile_decoder, load_target, resolve_device, warm_up_compiled
 from dflash_train.checkpoint import local as ckpt
-from dflash_train.checkpoint.storage import newest_common_intact
+from dflash_train.checkpoint.storage import newest_common_intact, newest_common_step
 from dflash_train.run_lock import RunLock
 from dflash_train.distributed.layout import Layout, build_layout, drafter_runs
 from dflash_train.distributed.options import add_rank_options
@@ -128,16 +128,6 @@ class Watchdog:
 def _exit_failed(message: str) -> None:
     print(f"dflash-train: rank {dist.get_rank()}: exiting because {message}", file=sys.stderr, flush=True)
     os._exit(1)  # the main thread may be blocked inside a collective that would never return
-
-
-def resume_step(run_dirs: list[str]) -> int | None:
-    """The newest checkpoint step that every drafter group has (a crash can fall between two
-    groups' saves of the same step); None when there is none."""
-    common = None
-    for run_dir in run_dirs:
-        steps = {ckpt.step_of(p.name) for p in ckpt.list_checkpoints(run_dir)}
-        common = steps if common is None else common & steps
-    return max(common) if common else None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -243,7 +233,7 @@ def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, devi
         run_cfg = runs[group][1]
         path = args.resume
         if args.resume == "auto":
-            step = resume_step([c.run_dir for _, c in runs])
+            step = newest_common_step([c.run_dir for _, c in runs])
             path = step and ckpt.checkpoint_path(run_cfg.run_dir, step)
         elif args.resume and len(runs) > 1:
             raise ValueError("--resume PATH needs a single drafter; use --resume auto with several")

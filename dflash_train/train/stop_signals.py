@@ -82,7 +82,7 @@ class StopSignals:
             self.__exit__()
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            signal.raise_signal(signum)  # the default handler again: the process ends
+            signal.raise_signal(signum)  # the handler before: the CLI's Terminated, or the default end
         self.received = name
         self._deadline = time.monotonic() + self.grace_seconds
         log.warning("%s: finishing the step in flight, then saving a checkpoint (within %.0f s%s)", name,
