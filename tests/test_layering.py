@@ -1,7 +1,7 @@
 """The package's imports run one way, down the layers below; no module imports itself back.
 
 Every `import dflash_train...` counts, at module level or inside a function (a lazy import still
-ties the two modules together). A new folder or top-level module must be given its place in LAYERS.
+ties the two modules together), and so does every relative import (`from .x import y`). A new folder or top-level module must be given its place in LAYERS.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "dflash_train"
 
 LAYERS = [
-    {"__init__", "pinned_memory", "device_clock", "errors", "disk", "atomic", "run_lock", "package_data", "config", "config_loader",
-     "config_flags", "checks"},
+    {"__init__", "pinned_memory", "device_clock", "errors", "disk", "atomic", "run_lock", "package_data", "config",
+     "config_loader", "config_flags", "checks", "compiled_steps"},
     {"data"},
     {"targets"},
     {"draft"},
@@ -36,12 +36,24 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _absolute(node: ast.ImportFrom, path: Path) -> str:
+    """The module a `from ... import` names, relative imports resolved against the file's package."""
+    if node.level == 0:
+        return node.module
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        if isinstance(node, ast.ImportFrom):
+            module = _absolute(node, path)
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
     return {n for n in names if n == "dflash_train" or n.startswith("dflash_train.")}
@@ -101,6 +113,23 @@ def test_generate_and_eval_do_not_import_each_other():
     crossing = sorted(f"{a} -> {b}" for a, targets in _graph().items() for b in targets
                       if {_unit(a), _unit(b)} == {"generate", "eval"})
     assert not crossing, "generate and eval import each other:\n" + "\n".join(crossing)
+
+
+def test_relative_imports_count(tmp_path):
+    """`from ..eval import report` in generate/ names eval.report, as its absolute form would."""
+    module = tmp_path / "dflash_train" / "generate" / "job.py"
+    module.parent.mkdir(parents=True)
+    module.write_text("from ..eval import report\nfrom .shards import Shard\nfrom . import backends\n")
+    package = tmp_path / "dflash_train" / "generate" / "__init__.py"
+    package.write_text("from .job import run\n")
+    global PACKAGE
+    saved, PACKAGE = PACKAGE, tmp_path / "dflash_train"
+    try:
+        assert _imports(module) >= {"dflash_train.eval", "dflash_train.eval.report", "dflash_train.generate.shards",
+                                    "dflash_train.generate.backends"}
+        assert "dflash_train.generate.job" in _imports(package)
+    finally:
+        PACKAGE = saved
 
 
 def test_the_checks_find_what_they_guard_against():

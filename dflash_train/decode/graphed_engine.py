@@ -3,9 +3,9 @@
 `rows` answers are decoded together, one token per row and step. The step (the target's forward
 over [rows, 1] at per-row positions, then the next token of every row) has fixed shapes, so on a GPU
 it is captured once as a CUDA graph and replayed (compiled first when asked: `compile`); on CPU
-(tests) the same function runs eagerly, or compiled when asked (static_cache.prepare_steps).
+(tests) the same function runs eagerly, or compiled when asked (compiled_steps.prepare_steps).
 Compiled, the step's attention reads each row's cache only up to the row's position
-(targets/flex_decode.py); otherwise packed SDPA reads the whole cache under a mask.
+(decode/flex_decode.py); otherwise packed SDPA reads the whole cache under a mask.
 A finished row is refilled with a waiting prompt: the new prompts are prefilled through forwards
 of fixed shapes captured as CUDA graphs, packed into one row of tokens that writes their K/V
 straight into the free rows (decode/packed_prefill.py), or, for models with sliding windows,
@@ -40,9 +40,10 @@ from dflash_train.decode.sampling import emit_tokens
 from dflash_train.decode.launch_timeline import LaunchTimeline
 from dflash_train.decode.packed_prefill import PackedPrefills, packed_prefill_problem
 from dflash_train.decode.prefill import Prefills, to_device
-from dflash_train.targets.flex_decode import FLEX_DECODE, flex_decode_problem
-from dflash_train.targets.static_cache import (ALIGN, PACKED_GQA, PositionedCache, Steps, attention_as, forward_at,
-                                               prepare_steps, static_cache_problem)
+from dflash_train.decode.flex_decode import FLEX_DECODE, flex_decode_problem
+from dflash_train.compiled_steps import Steps, prepare_steps
+from dflash_train.decode.static_cache import (ALIGN, PACKED_GQA, PositionedCache, attention_as, forward_at,
+                                              static_cache_problem)
 
 log = logging.getLogger("dflash_train")
 

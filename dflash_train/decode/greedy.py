@@ -18,7 +18,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 from dflash_train.decode.graphed_engine import GraphedEngine, Job
 from dflash_train.decode.sampling import GenParams
-from dflash_train.targets.static_cache import static_cache_problem
+from dflash_train.decode.static_cache import static_cache_problem
 
 
 def pad_token_id(tokenizer, stops) -> int:

@@ -40,8 +40,9 @@ from transformers.cache_utils import Cache
 
 from dflash_train.checks import compile_cache
 from dflash_train.decode.prefill import capture_prefill, to_device
-from dflash_train.targets.static_cache import PositionedCache, PositionedLayer, attention_as, compiled
-from dflash_train.targets.windows import plain_causal_problem
+from dflash_train.compiled_steps import compiled
+from dflash_train.decode.static_cache import PositionedCache, PositionedLayer, attention_as
+from dflash_train.decode.windows import plain_causal_problem
 
 log = logging.getLogger("dflash_train")
 

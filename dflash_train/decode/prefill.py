@@ -24,7 +24,8 @@ from itertools import chain
 
 import torch
 
-from dflash_train.targets.static_cache import PositionedCache, capture_graph, forward_at
+from dflash_train.compiled_steps import capture_graph
+from dflash_train.decode.static_cache import PositionedCache, forward_at
 
 log = logging.getLogger("dflash_train")
 

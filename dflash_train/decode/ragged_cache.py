@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from dflash_train.targets.model import Target
-from dflash_train.targets.windows import layer_windows, window_masks, windows_problem
+from dflash_train.decode.windows import layer_windows, window_masks, windows_problem
 
 MASKABLE_ATTENTION = ("eager", "sdpa")
 """Attention implementations that apply a custom 4D additive mask as given."""

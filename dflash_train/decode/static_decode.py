@@ -15,7 +15,7 @@ a serving engine's machinery, so its tokens/s predict what SGLang or vLLM would 
     advance  acceptance (longest agreeing prefix + the target's token) and the next round's inputs
   and the target-only baseline is one step: one token per row. On a GPU each step is compiled
   (torch.compile: fused kernels), captured once as a CUDA graph over static buffers and replayed; on
-  CPU (tests) the same functions run eagerly, or compiled when asked (static_cache.prepare_steps).
+  CPU (tests) the same functions run eagerly, or compiled when asked (compiled_steps.prepare_steps).
 - Prefills (variable length: the prompts, and the drafter's pass over the prompt's features) run
   eagerly. The drafter's prompt pass also drafts round 1 and is timed as its drafter step.
 Greedy only: sampling keeps to `spec_decode`. Shape names: R rows, B block slots, L cache positions.
@@ -31,7 +31,8 @@ from dflash_train.device_clock import DeviceClock
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.decode.spec_decode import DecodeResult, SpecResult, check_budget
 from dflash_train.decode.sampling import emit_tokens
-from dflash_train.targets.static_cache import ALIGN, PositionedCache, forward_at, prepare_steps, static_cache_problem, write_at
+from dflash_train.compiled_steps import prepare_steps
+from dflash_train.decode.static_cache import ALIGN, PositionedCache, forward_at, static_cache_problem, write_at
 from dflash_train.targets.model import Target, synced_time
 
 class DraftStaticCache:

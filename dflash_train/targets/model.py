@@ -24,7 +24,7 @@ from dflash_train.data.chat import text_format
 from dflash_train.checks.fp8 import fp8_problem
 from dflash_train.targets.fp8 import quantize_decoder
 from dflash_train.targets.path import load_pretrained
-from dflash_train.targets.static_cache import raising_past_recompile_limit
+from dflash_train.compiled_steps import raising_past_recompile_limit
 from dflash_train.targets.tokenizer import load_tokenizer, resolve_target_path, tokenizer_fingerprint
 from dflash_train.targets.tensor_parallel import shard_decoder
 

@@ -29,7 +29,7 @@ import torch
 
 from dflash_train.config import ObjectiveConfig
 from dflash_train.draft.objective import task_from_keys, task_keys
-from dflash_train.targets.static_cache import capture_graph
+from dflash_train.compiled_steps import capture_graph
 from dflash_train.train.build import RunParts
 from dflash_train.train.shapes import synthetic_batch
 

@@ -201,7 +201,7 @@ def test_a_growing_cache_holds_one_old_layer_at_a_time(backend, prefill):
     caches would both sit in GPU memory at once."""
     import weakref
 
-    from dflash_train.targets.static_cache import PositionedLayer
+    from dflash_train.decode.static_cache import PositionedLayer
     engine = GraphedEngine(backend.model, rows=2, stops=set(), pad_id=0, prefill=prefill)
     engine._build(100)
     old = [weakref.ref(layer.keys) for layer in engine.cache.layers]
@@ -224,8 +224,8 @@ def test_a_growth_mid_job_frees_the_old_steps_graph(backend, monkeypatch):
     import weakref
 
     import dflash_train.decode.prefill as prefill
-    import dflash_train.targets.static_cache as static_cache
-    from dflash_train.targets.static_cache import PositionedLayer
+    import dflash_train.compiled_steps as compiled_steps
+    from dflash_train.decode.static_cache import PositionedLayer
     from tests.decode.test_packed_prefill import capture_as_cuda_does
 
     graphs = []
@@ -237,10 +237,10 @@ def test_a_growth_mid_job_frees_the_old_steps_graph(backend, monkeypatch):
         def replay(self):
             self.step()
 
-    def graphed(step, device):  # what static_cache.graphed returns: a captured graph's replay
+    def graphed(step, device):  # what compiled_steps.graphed returns: a captured graph's replay
         graphs.append(weakref.ref(graph := Graph(step)))
         return graph.replay
-    monkeypatch.setattr(static_cache, "graphed", graphed)
+    monkeypatch.setattr(compiled_steps, "graphed", graphed)
     monkeypatch.setattr(prefill, "capture_graph", capture_as_cuda_does)
     engine = GraphedEngine(backend.model, rows=2, stops=set(), pad_id=0, chunk=4, graphs=True)
     alive, allocate = [], PositionedLayer.lazy_initialization

@@ -157,7 +157,7 @@ class _Replay:
 
 
 def capture_as_cuda_does(forward, device, pool=None):
-    """static_cache.capture_graph's sequence without CUDA: two eager warm-ups, then the captured call."""
+    """compiled_steps.capture_graph's sequence without CUDA: two eager warm-ups, then the captured call."""
     for _ in range(2):
         forward()
     output = forward()

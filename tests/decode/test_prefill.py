@@ -9,7 +9,7 @@ from tiny import tiny_target
 
 from dflash_train.decode.packed_prefill import PackedPrefills
 from dflash_train.decode.prefill import MIN_WIDTH, PREFILL_ROWS, Prefills, bucket
-from dflash_train.targets.static_cache import ALIGN, PositionedCache, forward_at
+from dflash_train.decode.static_cache import ALIGN, PositionedCache, forward_at
 
 
 def engine_cache(model, rows: int, length: int) -> PositionedCache:

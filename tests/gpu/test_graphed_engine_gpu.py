@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from dflash_train.decode.sampling import GenParams
 from dflash_train.decode.graphed_engine import GraphedEngine, Job
 from dflash_train.decode.greedy import generate_ids
-from dflash_train.targets.flex_decode import KV_BLOCK, decode_block_mask, flex_decode_attention
+from dflash_train.decode.flex_decode import KV_BLOCK, decode_block_mask, flex_decode_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eval.tiny_models import tiny_target  # noqa: E402

@@ -12,7 +12,7 @@ from transformers import Gemma2Config, GptOssConfig
 from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
 
-from dflash_train.targets.static_cache import PACK_MAX_QUERIES, packed_gqa_attention, position_masks, static_cache_problem
+from dflash_train.decode.static_cache import PACK_MAX_QUERIES, packed_gqa_attention, position_masks, static_cache_problem
 
 
 def brute_force(query, key, value, bias, scale, softcap=None, sinks=None):

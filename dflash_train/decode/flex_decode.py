@@ -24,7 +24,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from dflash_train.targets.windows import plain_causal_problem
+from dflash_train.decode.windows import plain_causal_problem
 
 FLEX_DECODE = "dflash_flex_decode"
 KV_BLOCK = 64

@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
-from tests.targets.test_static_cache import brute_force
+from tests.decode.test_static_cache import brute_force
 from tiny import tiny_target, tiny_windowed
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers import GptOssConfig, GptOssForCausalLM
 
-from dflash_train.targets.flex_decode import KV_BLOCK, decode_block_mask, flex_decode_attention, flex_decode_problem
-from dflash_train.targets.static_cache import position_masks
+from dflash_train.decode.flex_decode import KV_BLOCK, decode_block_mask, flex_decode_attention, flex_decode_problem
+from dflash_train.decode.static_cache import position_masks
 
 
 @pytest.mark.parametrize("queries", [1, 3])
@@ -70,7 +70,7 @@ class _Switch:
 
 
 @pytest.mark.xfail(strict=True, reason="torch's dynamo (2.13) leaves an attribute set around a compiled "
-                   "flex_attention call as it was mid-function; static_cache._end_output_capture works "
+                   "flex_attention call as it was mid-function; compiled_steps._end_output_capture works "
                    "around it for transformers' output collector, and the kernels package's wrappers hit "
                    "it too (pyproject's transformers < 5.25). When this passes, both can go.")
 def test_a_compiled_flex_call_leaves_no_mid_function_state():
