@@ -42,7 +42,7 @@ from dflash_train.decode.sampling import GenParams
 from dflash_train.decode.graphed_engine import GraphedEngine, Job
 from dflash_train.decode.greedy import generate_ids, pad_token_id
 from dflash_train.generate.local_backend import encode_prompt, stop_ids
-from dflash_train.targets import flex_decode
+from dflash_train.decode import flex_decode
 from throughput import sync, timed  # bench/: the same timing as the training benchmark
 
 VARIANTS = {"sdpa": dict(compile=False, attention="sdpa"), "flex": dict(compile=True, attention="flex")}

@@ -17,10 +17,14 @@ both paths to the same tokens and acceptance lengths). Timing is not: speed come
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from dflash_train.draft.model import DFlashDraftModel
+from dflash_train.decode.engines import Engine
 from dflash_train.decode.ragged_cache import RaggedCache, RaggedDraftCache
+from dflash_train.decode.rounds import decode_rows
 from dflash_train.decode.spec_decode import SpecResult, accept_sampled, check_budget, propose, sample_tokens
 from dflash_train.decode.sampling import emit_tokens
 from dflash_train.targets.model import Target
@@ -70,65 +74,85 @@ def _accept(proposals, draft_logits, target_logits, temperature, generator) -> l
     return [accept_sampled(proposals[r], q[r], p[r], generator) for r in range(proposals.shape[0])]
 
 
-@torch.no_grad()
-def _decode_group(target, drafter, prompts, max_new_tokens, stop_ids, temperature, block_size, generator, cached):
-    layer_ids = drafter.config.target_layer_ids
-    device = target.device
-    results = [SpecResult(tokens=[], decode_seconds=0.0, block_size=block_size, position_accepts=[0] * (block_size - 1))
-               for _ in prompts]
-    # Prefill: the first token, and the prompt's features as the first context.
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    ragged = RaggedCache(target, layer_ids) if cached else None
-    ids = _right_padded(prompts, device)
-    hidden, context = ragged.prefill(ids, lengths) if ragged else target.hidden_and_features(ids, layer_ids)
-    first = sample_tokens(target.logits(hidden[torch.arange(len(prompts), device=device), lengths - 1]),
-                          temperature, generator).tolist()
-    seqs = [list(p) + [t] for p, t in zip(prompts, first)]  # committed; the last is the next block's slot 0
-    active = [i for i, t in enumerate(first) if not emit_tokens(results[i].tokens, [t], max_new_tokens, stop_ids)]
-    keep = torch.tensor(active, dtype=torch.long, device=device)
-    if ragged and active:
-        draft_cache = RaggedDraftCache(drafter.config.num_hidden_layers)
-        draft_cache.reindex(keep, ragged.advance(torch.zeros_like(lengths), keep))
-        new_context, new_positions = context[keep], torch.arange(ids.shape[1], device=device).expand(len(active), -1)
-    while active:
-        # Each row's block starts at its last committed token; the context holds the features of
-        # every position before it (the slot 0 and accepted proposals it verified included).
-        starts = torch.tensor([len(seqs[i]) - 1 for i in active], device=device)
+class BatchedSpeculative:
+    """`speculative_generate`'s decisions for a group of rows at once (a RoundDecoder:
+    decode/rounds.py); `cached`: the target through the ragged KV cache, else cache-free."""
+
+    def __init__(self, target: Target, drafter: DFlashDraftModel, max_new_tokens: int, stop_ids: set[int],
+                 temperature: float, block_size: int, generator, cached: bool):
+        self.target, self.drafter, self.device = target, drafter, target.device
+        self.max_new_tokens, self.stop_ids, self.temperature = max_new_tokens, stop_ids, temperature
+        self.block_size, self.generator, self.cached = block_size, generator, cached
+        self.layer_ids = drafter.config.target_layer_ids
+
+    def prefill(self, prompts: list[list[int]]) -> list[int]:
+        """The first token, and the prompt's features as the first context."""
+        device, b = self.device, self.block_size
+        self.results = [SpecResult(tokens=[], decode_seconds=0.0, block_size=b, position_accepts=[0] * (b - 1))
+                        for _ in prompts]
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        self.ragged = RaggedCache(self.target, self.layer_ids) if self.cached else None
+        ids = _right_padded(prompts, device)
+        hidden, self.context = (self.ragged.prefill(ids, lengths) if self.ragged
+                                else self.target.hidden_and_features(ids, self.layer_ids))
+        first = sample_tokens(self.target.logits(hidden[torch.arange(len(prompts), device=device), lengths - 1]),
+                              self.temperature, self.generator).tolist()
+        self.seqs = [list(p) + [t] for p, t in zip(prompts, first)]  # committed; the last is the next block's slot 0
+        self.active = [i for i, t in enumerate(first)
+                       if not emit_tokens(self.results[i].tokens, [t], self.max_new_tokens, self.stop_ids)]
+        self.keep = torch.tensor(self.active, dtype=torch.long, device=device)
+        if self.ragged and self.active:
+            self.draft_cache = RaggedDraftCache(self.drafter.config.num_hidden_layers)
+            self.draft_cache.reindex(self.keep, self.ragged.advance(torch.zeros_like(lengths), self.keep))
+            self.new_context = self.context[self.keep]
+            self.new_positions = torch.arange(ids.shape[1], device=device).expand(len(self.active), -1)
+        return [i for i in range(len(prompts)) if i not in self.active]
+
+    def decoding(self) -> bool:
+        return bool(self.active)
+
+    def step(self) -> list[int]:
+        """One round over the active rows. Each row's block starts at its last committed token; the
+        context holds the features of every position before it (the slot 0 and accepted proposals
+        it verified included)."""
+        device, b, active, ragged = self.device, self.block_size, self.active, self.ragged
+        starts = torch.tensor([len(self.seqs[i]) - 1 for i in active], device=device)
         if not ragged:
-            context = context[keep, : int(starts.max())]
-        last = torch.tensor([seqs[i][-1] for i in active], device=device)
+            self.context = self.context[self.keep, : int(starts.max())]
+        last = torch.tensor([self.seqs[i][-1] for i in active], device=device)
         if ragged:
-            hidden, block = _draft(drafter, target, new_context, new_positions, starts, last, block_size, draft_cache)
+            hidden, block = _draft(self.drafter, self.target, self.new_context, self.new_positions, starts, last, b,
+                                   self.draft_cache)
         else:
-            positions = torch.arange(context.shape[1], device=device).expand(len(active), -1)
-            hidden, block = _draft(drafter, target, context, positions, starts, last, block_size)
-        proposals, draft_logits = propose(drafter, target, hidden, block, temperature, generator)
+            positions = torch.arange(self.context.shape[1], device=device).expand(len(active), -1)
+            hidden, block = _draft(self.drafter, self.target, self.context, positions, starts, last, b)
+        proposals, draft_logits = propose(self.drafter, self.target, hidden, block, self.temperature, self.generator)
         drafted = proposals.tolist()
         if ragged:
             hidden, features = ragged.extend(torch.cat([last[:, None], proposals], dim=1))
-            target_logits = target.logits(hidden)
+            target_logits = self.target.logits(hidden)
         else:
-            target_logits, context = _verify(
-                target, [seqs[i] + drafted[r] for r, i in enumerate(active)], starts, block_size, layer_ids
+            target_logits, self.context = _verify(
+                self.target, [self.seqs[i] + drafted[r] for r, i in enumerate(active)], starts, b, self.layer_ids
             )
         still, kept = [], []
-        for r, (i, (n, token)) in enumerate(zip(active, _accept(proposals, draft_logits, target_logits,
-                                                                  temperature, generator))):
-            result = results[i]
+        decisions = _accept(proposals, draft_logits, target_logits, self.temperature, self.generator)
+        for r, (i, (n, token)) in enumerate(zip(active, decisions)):
+            result = self.results[i]
             result.acceptance_lengths.append(n + 1)
             for k in range(n):
                 result.position_accepts[k] += 1
-            seqs[i] += drafted[r][:n] + [token]
+            self.seqs[i] += drafted[r][:n] + [token]
             kept.append(n + 1)
-            if not emit_tokens(result.tokens, drafted[r][:n] + [token], max_new_tokens, stop_ids):
+            if not emit_tokens(result.tokens, drafted[r][:n] + [token], self.max_new_tokens, self.stop_ids):
                 still.append(r)
-        keep = torch.tensor(still, dtype=torch.long, device=device)
+        self.keep = torch.tensor(still, dtype=torch.long, device=device)
         if ragged and still:
-            draft_cache.reindex(keep, ragged.advance(torch.tensor(kept, device=device), keep))
-            new_context = features[keep]  # every slot of the block: the gather keeps the accepted ones
-            new_positions = (starts[:, None] + torch.arange(block_size, device=device))[keep]
-        active = [active[r] for r in still]
-    return results
+            self.draft_cache.reindex(self.keep, ragged.advance(torch.tensor(kept, device=device), self.keep))
+            self.new_context = features[self.keep]  # every slot of the block: the gather keeps the accepted ones
+            self.new_positions = (starts[:, None] + torch.arange(b, device=device))[self.keep]
+        self.active = [active[r] for r in still]
+        return [i for i in active if i not in self.active]
 
 
 def batched_speculative(
@@ -143,8 +167,8 @@ def batched_speculative(
     batch_size: int = 64,
     cached: bool | None = None,
 ) -> list[SpecResult]:
-    """`speculative_generate` for each token-id prompt, `batch_size` rows at a time (no timings:
-    decode_seconds stays 0). `cached`: through the target's ragged KV cache (default: when the
+    """`speculative_generate` for each token-id prompt, `batch_size` rows at a time (BatchedSpeculative;
+    no timings: decode_seconds stays 0). `cached`: through the target's ragged KV cache (default: when the
     target supports it, `RaggedCache.supports`), else cache-free."""
     check_budget(max_new_tokens)
     if not prompts or min(map(len, prompts)) < 1:
@@ -154,8 +178,22 @@ def batched_speculative(
         raise ValueError(f"batched_speculative(cached=True): {why_not}")
     cached = why_not is None if cached is None else cached
     block_size = block_size or drafter.config.block_size
-    results = []
-    for i in range(0, len(prompts), batch_size):
-        results += _decode_group(target, drafter, prompts[i : i + batch_size], max_new_tokens, set(stop_ids),
-                                 temperature, block_size, generator, cached)
-    return results
+    decoder = BatchedSpeculative(target, drafter, max_new_tokens, set(stop_ids), temperature, block_size, generator,
+                                 cached)
+    with torch.no_grad():
+        return [result for i in range(0, len(prompts), batch_size)
+                for result in decode_rows(decoder, prompts[i : i + batch_size])[0]]
+
+
+def _ragged_problem(target: Target, temperature: float) -> str | None:
+    return RaggedCache.supports(target)
+
+
+ACCEPTANCE_ENGINES: dict[str, Engine] = {
+    "ragged": Engine(partial(batched_speculative, cached=True), _ragged_problem),
+    "none": Engine(partial(batched_speculative, cached=False)),
+}
+"""How acceptance decoding runs the target (`decode.acceptance_cache`): `ragged`, through one KV cache
+for rows of different lengths; `none`, the rows' whole sequences each round. Each `run` is
+batched_speculative's signature without `cached`."""
+ACCEPTANCE_AUTO = ("ragged", "none")

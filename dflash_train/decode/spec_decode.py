@@ -1,6 +1,6 @@
 """DFlash speculative decoding, as a ladder of small functions (after gpt-fast).
 
-prefill -> draft_block -> verify_block -> accept_greedy / accept_sampled -> speculative_generate.
+draft_block -> propose -> accept_greedy / accept_sampled -> OneRowSpeculative's step -> speculative_generate.
 
 One round, with `start` = position of the last emitted token (the target has not run on it yet):
   block    = [last token, MASK x (B-1)] at positions start .. start+B-1
@@ -21,8 +21,9 @@ import torch
 from transformers import DynamicCache
 
 from dflash_train.draft.model import DFlashDraftModel, DraftKVCache
+from dflash_train.decode.rounds import decode_rows
 from dflash_train.decode.sampling import emit_tokens
-from dflash_train.targets.model import Target, synced_time
+from dflash_train.targets.model import Target
 
 
 @dataclass
@@ -68,20 +69,43 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generator) -> torch.
 # ----------------------------------------------------------------------------- target only
 
 
+class TargetGreedy:
+    """The target alone, one prompt, greedy, with transformers' dynamic cache: the reference, and
+    target-only tokens/s (a RoundDecoder: decode/rounds.py)."""
+
+    def __init__(self, target: Target, max_new_tokens: int, stop_ids=()):
+        check_budget(max_new_tokens)
+        self.target, self.device = target, target.device
+        self.max_new_tokens, self.stop_ids = max_new_tokens, set(stop_ids)
+
+    def prefill(self, prompts: list[list[int]]) -> list[int]:
+        (prompt,) = prompts  # one sequence at a time
+        self.cache = DynamicCache(config=self.target.model.config)
+        self.result = DecodeResult(tokens=[], decode_seconds=0.0)
+        self.results = [self.result]
+        ids = torch.tensor([prompt], device=self.device)
+        logits = self.target.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
+        return self._emit(logits[0, -1].argmax())
+
+    def step(self) -> list[int]:
+        logits = self.target.model(input_ids=self.token.view(1, 1), past_key_values=self.cache, use_cache=True).logits
+        return self._emit(logits[0, -1].argmax())
+
+    def decoding(self) -> bool:
+        return not self.done
+
+    def _emit(self, token: torch.Tensor) -> list[int]:
+        self.token = token
+        self.done = emit_tokens(self.result.tokens, [int(token)], self.max_new_tokens, self.stop_ids)
+        return [0] if self.done else []
+
+
 @torch.no_grad()
 def target_greedy(target: Target, input_ids: torch.Tensor, max_new_tokens: int, stop_ids=()) -> DecodeResult:
-    """Plain greedy decode with the target's KV cache: the reference, and target-only tokens/s."""
-    check_budget(max_new_tokens)
-    stop_ids = set(stop_ids)
-    cache = DynamicCache(config=target.model.config)
-    logits = target.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-    out: list[int] = []
-    token = logits[0, -1].argmax()
-    t0 = synced_time(target.device)
-    while not emit_tokens(out, [int(token)], max_new_tokens, stop_ids):
-        logits = target.model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True).logits
-        token = logits[0, -1].argmax()
-    return DecodeResult(tokens=out, decode_seconds=synced_time(target.device) - t0)
+    """Plain greedy decode of `input_ids` [1, P] (TargetGreedy)."""
+    (result,), seconds = decode_rows(TargetGreedy(target, max_new_tokens, stop_ids), input_ids.tolist())
+    result.decode_seconds = seconds
+    return result
 
 
 # ----------------------------------------------------------------------------- speculative
@@ -168,6 +192,67 @@ def accept_sampled(
     return n, int(torch.multinomial(probs, 1, generator=generator))
 
 
+class OneRowSpeculative:
+    """DFlash drafting and target verification of one prompt with transformers' dynamic cache (a
+    RoundDecoder: decode/rounds.py); lossless: at temperature 0 its tokens are `TargetGreedy`'s, above
+    it every token is a target sample (speculative sampling). `generator` lives on the target's device."""
+
+    def __init__(self, target: Target, drafter: DFlashDraftModel, max_new_tokens: int, stop_ids=(),
+                 temperature: float = 0.0, block_size: int | None = None, generator: torch.Generator | None = None):
+        check_budget(max_new_tokens)
+        self.target, self.drafter, self.device = target, drafter, target.device
+        self.max_new_tokens, self.stop_ids = max_new_tokens, set(stop_ids)
+        self.temperature, self.generator = temperature, generator
+        self.block_size = block_size or drafter.config.block_size
+        self.layer_ids = drafter.config.target_layer_ids
+
+    def prefill(self, prompts: list[list[int]]) -> list[int]:
+        (prompt,) = prompts  # one sequence at a time
+        self.cache = DynamicCache(config=self.target.model.config)
+        self.cache.activate_past_recording()  # a sliding layer keeps the block until `crop`, so it can drop rejections
+        ids = torch.tensor([prompt], device=self.device)
+        # keep=1: no [P, V] logits; the prompt's features are the drafter's first context
+        logits, self.context_new = _target_forward(self.target, ids, self.cache, self.layer_ids, keep=1)
+        self.result = SpecResult(tokens=[], decode_seconds=0.0, block_size=self.block_size,
+                                 position_accepts=[0] * (self.block_size - 1))
+        self.results = [self.result]
+        self.token = int(sample_tokens(logits[-1], self.temperature, self.generator))
+        self.done = emit_tokens(self.result.tokens, [self.token], self.max_new_tokens, self.stop_ids)
+        self.draft_cache = DraftKVCache(self.drafter.config.num_hidden_layers)
+        self.start = len(prompt)  # position of `token`, the block's slot 0
+        return [0] if self.done else []
+
+    def step(self) -> list[int]:
+        b, result = self.block_size, self.result
+        block = torch.full((b,), self.drafter.config.mask_token_id, dtype=torch.long, device=self.device)
+        block[0] = self.token
+        hidden = draft_block(self.drafter, self.target, block, self.start, self.context_new, self.draft_cache)
+        proposals, draft_logits = propose(self.drafter, self.target, hidden, block[None], self.temperature,
+                                          self.generator)
+        block[1:] = proposals[0]
+        target_logits, features = _target_forward(self.target, block[None], self.cache, self.layer_ids)
+        if self.temperature == 0:
+            n, self.token = accept_greedy(block[1:], target_logits)
+        else:
+            q = torch.softmax(draft_logits[0].float() / self.temperature, dim=-1)
+            p = torch.softmax(target_logits.float() / self.temperature, dim=-1)
+            n, self.token = accept_sampled(block[1:], q, p, self.generator)
+        result.acceptance_lengths.append(n + 1)
+        for k in range(n):
+            result.position_accepts[k] += 1
+        # Keep the target's cache and features for slot 0 and the n accepted proposals; `token`
+        # (bonus/correction) is the next block's slot 0 at position start + n + 1.
+        self.start += n + 1
+        self.cache.crop(-(b - n - 1))  # negative = tokens to drop (transformers >= 5.17)
+        self.context_new = features[:, : n + 1]
+        self.done = emit_tokens(result.tokens, block[1 : n + 1].tolist() + [self.token], self.max_new_tokens,
+                                self.stop_ids)
+        return [0] if self.done else []
+
+    def decoding(self) -> bool:
+        return not self.done
+
+
 @torch.no_grad()
 def speculative_generate(
     target: Target,
@@ -179,52 +264,9 @@ def speculative_generate(
     block_size: int | None = None,
     generator: torch.Generator | None = None,
 ) -> SpecResult:
-    """Decode `input_ids` [1, P] with DFlash drafting and target verification (lossless).
-
-    At temperature 0 the output equals `target_greedy` token for token; above it every token is a
-    target sample (speculative sampling). `generator` must live on the target's device.
-    """
+    """Decode `input_ids` [1, P] speculatively (OneRowSpeculative)."""
     assert input_ids.shape[0] == 1, "speculative decoding here is one sequence at a time"
-    check_budget(max_new_tokens)
-    cfg = drafter.config
-    block_size = block_size or cfg.block_size
-    layer_ids, stop_ids = cfg.target_layer_ids, set(stop_ids)
-    device = input_ids.device
-
-    target_cache = DynamicCache(config=target.model.config)
-    target_cache.activate_past_recording()  # a sliding layer keeps the block until `crop`, so it can drop rejections
-    logits, context_new = _target_forward(target, input_ids, target_cache, layer_ids, keep=1)  # no [P, V] logits
-    out: list[int] = []
-    result = SpecResult(tokens=out, decode_seconds=0.0, block_size=block_size, position_accepts=[0] * (block_size - 1))
-    token = int(sample_tokens(logits[-1], temperature, generator))
-    if emit_tokens(out, [token], max_new_tokens, stop_ids):
-        return result
-
-    draft_cache = DraftKVCache(cfg.num_hidden_layers)
-    start = input_ids.shape[1]  # position of `token`, the block's slot 0
-    t0 = synced_time(device)
-    while True:
-        block = torch.full((block_size,), cfg.mask_token_id, dtype=torch.long, device=device)
-        block[0] = token
-        hidden = draft_block(drafter, target, block, start, context_new, draft_cache)
-        proposals, draft_logits = propose(drafter, target, hidden, block[None], temperature, generator)
-        block[1:] = proposals[0]
-        target_logits, features = _target_forward(target, block[None], target_cache, layer_ids)
-        if temperature == 0:
-            n, token = accept_greedy(block[1:], target_logits)
-        else:
-            q = torch.softmax(draft_logits[0].float() / temperature, dim=-1)
-            p = torch.softmax(target_logits.float() / temperature, dim=-1)
-            n, token = accept_sampled(block[1:], q, p, generator)
-        result.acceptance_lengths.append(n + 1)
-        for k in range(n):
-            result.position_accepts[k] += 1
-        # Keep the target's cache and features for slot 0 and the n accepted proposals; `token`
-        # (bonus/correction) is the next block's slot 0 at position start + n + 1.
-        start += n + 1
-        target_cache.crop(-(block_size - n - 1))  # negative = tokens to drop (transformers >= 5.17)
-        context_new = features[:, : n + 1]
-        if emit_tokens(out, block[1 : n + 1].tolist() + [token], max_new_tokens, stop_ids):
-            break
-    result.decode_seconds = synced_time(device) - t0
+    decoder = OneRowSpeculative(target, drafter, max_new_tokens, stop_ids, temperature, block_size, generator)
+    (result,), seconds = decode_rows(decoder, input_ids.tolist())
+    result.decode_seconds = seconds
     return result

@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 import torch
 from dflash_train.device_clock import DeviceClock
 from dflash_train.draft.model import DFlashDraftModel
+from dflash_train.decode.rounds import decode_rows
 from dflash_train.decode.spec_decode import DecodeResult, SpecResult, check_budget
 from dflash_train.decode.sampling import emit_tokens
 from dflash_train.compiled_steps import prepare_steps
 from dflash_train.decode.static_cache import ALIGN, PositionedCache, forward_at, static_cache_problem, write_at
-from dflash_train.targets.model import Target, synced_time
+from dflash_train.targets.model import Target
 
 class DraftStaticCache:
     """DraftKVCache's interface over preallocated [R, kv_heads, L, D] buffers written at `positions`."""
@@ -184,64 +185,102 @@ class StaticDecoder:
     @torch.no_grad()
     def greedy(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=()) -> Decoded:
         """The target alone, one token per row and step: the baseline of `speculative`."""
-        first, _, _, lengths = self._start(prompts, max_new_tokens)
-        self.step_ids.copy_(first[:, None])
-        self.step_pos.copy_(lengths[:, None])
-        results = [DecodeResult(tokens=[], decode_seconds=0.0) for _ in prompts]
-        active = self._emit(results, first[: len(prompts), None].tolist(), max_new_tokens, set(stop_ids))
-        t0 = synced_time(self.target.device)
-        while active:
-            self.steps.run["target"]()
-            new = self.step_ids.tolist()
-            active = self._emit(results, [new[r] if r in active else [] for r in range(len(prompts))],
-                                max_new_tokens, set(stop_ids))
-        return self._done(Decoded(results), t0)
+        return self._decode(StaticGreedy(self, max_new_tokens, set(stop_ids)), prompts)
 
     @torch.no_grad()
     def speculative(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=()) -> Decoded:
         """Decisions of `speculative_generate` at temperature 0, for up to R prompts at once."""
-        b, stop_ids = self.block_size, set(stop_ids)
-        first, feats, positions, lengths = self._start(prompts, max_new_tokens, self.layer_ids)
-        self.block_pos.copy_(lengths[:, None] + self.offsets)
-        self.draft_ids.fill_(self.drafter.config.mask_token_id)
-        self.draft_ids[:, 0] = first
-        results = [SpecResult(tokens=[], decode_seconds=0.0, block_size=b, position_accepts=[0] * (b - 1))
-                   for _ in prompts]
-        out = Decoded(results)
-        active = self._emit(results, first[: len(prompts), None].tolist(), max_new_tokens, stop_ids)
-        clock = DeviceClock(self.target.device)
-        t0 = synced_time(self.target.device)
-        draft = lambda: self._draft(feats, positions)  # noqa: E731  round 1: the drafter's prompt pass
-        while active:
-            wall, marks = time.perf_counter(), [clock.mark()]
-            draft()
-            marks.append(clock.mark())
-            self.steps.run["verify"]()
-            marks.append(clock.mark())
-            self.steps.run["advance"]()
-            accepted = self.accepted.tolist()  # the round's one host sync
-            new = []
-            for r, row in enumerate(accepted):
-                n = row[b]
-                if r in active:
-                    results[r].acceptance_lengths.append(n + 1)
-                    for k in range(n):
-                        results[r].position_accepts[k] += 1
-                new.append(row[:n] + [row[b - 1]] if r in active else [])
-            active = self._emit(results, new[: len(prompts)], max_new_tokens, stop_ids)
-            out.draft_seconds.append(clock.seconds(marks[0], marks[1]))
-            out.verify_seconds.append(clock.seconds(marks[1], marks[2]))
-            out.bookkeeping_seconds.append(time.perf_counter() - wall - out.draft_seconds[-1] - out.verify_seconds[-1])
-            draft = self.steps.run["draft"]
-        return self._done(out, t0)
+        return self._decode(StaticSpeculative(self, max_new_tokens, set(stop_ids)), prompts)
+
+    def _decode(self, rounds, prompts: list[list[int]]) -> Decoded:
+        results, seconds = decode_rows(rounds, prompts)
+        out = rounds.timing
+        out.results, out.decode_seconds = results, seconds
+        for res in results:
+            res.decode_seconds = seconds
+        return out
 
     def _emit(self, results, new, max_new_tokens, stop_ids) -> set[int]:
         """Appends each row's new tokens (emit_tokens: stops and budget); the rows still decoding."""
         return {r for r, (res, toks) in enumerate(zip(results, new))
                 if toks and not emit_tokens(res.tokens, toks, max_new_tokens, stop_ids)}
 
-    def _done(self, out: Decoded, t0: float) -> Decoded:
-        out.decode_seconds = synced_time(self.target.device) - t0
-        for res in out.results:
-            res.decode_seconds = out.decode_seconds
-        return out
+
+class StaticGreedy:
+    """The target alone on a StaticDecoder's caches, one token per row and step (a RoundDecoder:
+    decode/rounds.py)."""
+
+    def __init__(self, decoder: StaticDecoder, max_new_tokens: int, stop_ids: set[int]):
+        self.decoder, self.device = decoder, decoder.target.device
+        self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
+        self.timing = Decoded([])
+
+    def prefill(self, prompts: list[list[int]]) -> list[int]:
+        d = self.decoder
+        first, _, _, lengths = d._start(prompts, self.max_new_tokens)
+        d.step_ids.copy_(first[:, None])
+        d.step_pos.copy_(lengths[:, None])
+        self.results = [DecodeResult(tokens=[], decode_seconds=0.0) for _ in prompts]
+        self.active = d._emit(self.results, first[: len(prompts), None].tolist(), self.max_new_tokens, self.stop_ids)
+        return [r for r in range(len(prompts)) if r not in self.active]
+
+    def decoding(self) -> bool:
+        return bool(self.active)
+
+    def step(self) -> list[int]:
+        d, before = self.decoder, self.active
+        d.steps.run["target"]()
+        new = d.step_ids.tolist()
+        self.active = d._emit(self.results, [new[r] if r in before else [] for r in range(len(self.results))],
+                              self.max_new_tokens, self.stop_ids)
+        return sorted(before - self.active)
+
+
+class StaticSpeculative:
+    """Speculative rounds (draft, verify, advance) on a StaticDecoder's caches and steps, with each
+    round's time split into `timing` (a RoundDecoder: decode/rounds.py)."""
+
+    def __init__(self, decoder: StaticDecoder, max_new_tokens: int, stop_ids: set[int]):
+        self.decoder, self.device = decoder, decoder.target.device
+        self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
+        self.timing = Decoded([])
+        self.clock = DeviceClock(self.device)
+
+    def prefill(self, prompts: list[list[int]]) -> list[int]:
+        d, b = self.decoder, self.decoder.block_size
+        first, feats, positions, lengths = d._start(prompts, self.max_new_tokens, d.layer_ids)
+        d.block_pos.copy_(lengths[:, None] + d.offsets)
+        d.draft_ids.fill_(d.drafter.config.mask_token_id)
+        d.draft_ids[:, 0] = first
+        self.results = [SpecResult(tokens=[], decode_seconds=0.0, block_size=b, position_accepts=[0] * (b - 1))
+                        for _ in prompts]
+        self.active = d._emit(self.results, first[: len(prompts), None].tolist(), self.max_new_tokens, self.stop_ids)
+        self.draft = lambda: d._draft(feats, positions)  # round 1: the drafter's prompt pass
+        return [r for r in range(len(prompts)) if r not in self.active]
+
+    def decoding(self) -> bool:
+        return bool(self.active)
+
+    def step(self) -> list[int]:
+        d, b, out, before = self.decoder, self.decoder.block_size, self.timing, self.active
+        wall, marks = time.perf_counter(), [self.clock.mark()]
+        self.draft()
+        marks.append(self.clock.mark())
+        d.steps.run["verify"]()
+        marks.append(self.clock.mark())
+        d.steps.run["advance"]()
+        accepted = d.accepted.tolist()  # the round's one host sync
+        new = []
+        for r, row in enumerate(accepted):
+            n = row[b]
+            if r in before:
+                self.results[r].acceptance_lengths.append(n + 1)
+                for k in range(n):
+                    self.results[r].position_accepts[k] += 1
+            new.append(row[:n] + [row[b - 1]] if r in before else [])
+        self.active = d._emit(self.results, new[: len(self.results)], self.max_new_tokens, self.stop_ids)
+        out.draft_seconds.append(self.clock.seconds(marks[0], marks[1]))
+        out.verify_seconds.append(self.clock.seconds(marks[1], marks[2]))
+        out.bookkeeping_seconds.append(time.perf_counter() - wall - out.draft_seconds[-1] - out.verify_seconds[-1])
+        self.draft = d.steps.run["draft"]
+        return sorted(before - self.active)

@@ -28,13 +28,12 @@ from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.export import load_drafter
 from dflash_train.decode.greedy import generate_ids, pad_token_id
 from dflash_train.decode.sampling import GenParams
-from dflash_train.decode.batched import batched_speculative
+from dflash_train.decode.batched import ACCEPTANCE_AUTO, ACCEPTANCE_ENGINES, batched_speculative
+from dflash_train.decode.engines import choose
 from dflash_train.eval.config import DecodeSettings, EvalJobConfig, prompt_sets
 from dflash_train.data.generation_mode import served_thinking
 from dflash_train.data.prompts import Prompt, load_prompts
-from dflash_train.decode.ragged_cache import RaggedCache
-from dflash_train.eval.served_speed import first_difference, pick_speed_engine, served_speed
-from dflash_train.decode.spec_decode import speculative_generate, target_greedy
+from dflash_train.eval.served_speed import SPEED_ENGINES, first_difference, speed_auto
 from dflash_train.targets.model import Target, load_target, resolve_device, synced_time
 
 log = logging.getLogger("dflash_train")
@@ -61,27 +60,16 @@ def encode(target: Target, messages: list[dict], thinking: bool | None = None) -
     return ids.to(target.device)
 
 
-def _decode_rate(tokens: int, seconds: float) -> float:
-    return tokens / seconds if seconds > 0 else 0.0
-
-
-def _warm_up(target: Target, drafter: DFlashDraftModel, ids: torch.Tensor, block_size: int, generator) -> None:
-    """Kernels and allocator warmed on one short decode, so no timing carries start-up cost."""
-    stop_ids = stop_token_ids(target)
-    speculative_generate(target, drafter, ids, 8, stop_ids, 0.0, block_size, generator)
-    target_greedy(target, ids, 8, stop_ids)
-
-
 @torch.no_grad()
 def decode_turns(
     target: Target, drafter: DFlashDraftModel, prompts: list[Prompt], max_new_tokens: int, temperature: float,
-    block_size: int, generator: torch.Generator, batch_size: int, cached: bool | None = None,
+    block_size: int, generator: torch.Generator, batch_size: int, decode=batched_speculative,
     thinking: bool | None = None,
 ) -> dict:
     """Acceptance over every turn of `prompts`, `batch_size` rows at a time (batched_speculative);
     turn t of every prompt is asked after its answers to turns < t. At temperature 0 each answer is
-    checked against transformers' own batched greedy `generate` (the lossless check). `cached`:
-    batched_speculative's (the ragged cache; None = where the target supports it)."""
+    checked against transformers' own batched greedy `generate` (the lossless check). `decode`:
+    batched_speculative or an acceptance engine's (batched.ACCEPTANCE_ENGINES)."""
     stop_ids = stop_token_ids(target)
     pad_id = pad_token_id(target.tokenizer, stop_ids)
     greedy = GenParams(temperature=0.0, top_p=1.0, max_tokens=max_new_tokens)
@@ -91,8 +79,8 @@ def decode_turns(
     for t in range(max(len(p.turns) for p in prompts)):
         asked = [i for i, p in enumerate(prompts) if len(p.turns) > t]
         ids = [encode(target, prompts[i].messages(answers[i]), thinking)[0].tolist() for i in asked]
-        specs = batched_speculative(target, drafter, ids, max_new_tokens, stop_ids, temperature, block_size,
-                                    generator, batch_size, cached)
+        specs = decode(target, drafter, ids, max_new_tokens, stop_ids, temperature, block_size, generator,
+                       batch_size)
         references = [None] * len(ids)
         if temperature == 0:
             references = [new for i in range(0, len(ids), batch_size) for new, _ in
@@ -118,30 +106,14 @@ def decode_turns(
 @torch.no_grad()
 def measure_speed(target: Target, drafter: DFlashDraftModel, prompts: list[Prompt], settings: DecodeSettings,
                   block_size: int, generator: torch.Generator) -> dict:
-    """Decode tokens/s of batch-1 speculative decoding (KV caches, as a server runs it) and of the
-    target alone, on the first turns of `prompts`, after a warm-up; `settings.speed_engine` as
-    pick_speed_engine."""
-    max_new_tokens, temperature = settings.max_new_tokens, settings.temperature
-    stop_ids = stop_token_ids(target)
-    ids = [encode(target, p.messages([]), settings.thinking) for p in prompts]
-    engine, why_not_static = pick_speed_engine(settings.speed_engine, target, temperature)
-    if engine == "static":
-        served = served_speed(target, drafter, [i[0].tolist() for i in ids], max_new_tokens, stop_ids, 1, block_size)
-        served["speed_tau"] = served.pop("tau")  # the report's tau is the acceptance set's
-        return {"speed_engine": "static", **served}
-    _warm_up(target, drafter, ids[0], block_size, generator)
-    spec_tokens = spec_seconds = base_tokens = base_seconds = 0
-    for prompt_ids in ids:
-        spec = speculative_generate(target, drafter, prompt_ids, max_new_tokens, stop_ids, temperature, block_size,
-                                    generator)
-        base = target_greedy(target, prompt_ids, max_new_tokens, stop_ids)
-        # The first token comes from the prefill in both decodes; the timed part is the rest.
-        spec_tokens, spec_seconds = spec_tokens + len(spec.tokens) - 1, spec_seconds + spec.decode_seconds
-        base_tokens, base_seconds = base_tokens + len(base.tokens) - 1, base_seconds + base.decode_seconds
-    spec_rate, base_rate = _decode_rate(spec_tokens, spec_seconds), _decode_rate(base_tokens, base_seconds)
-    return {"speed_engine": "eager", "static_unavailable": why_not_static, "speed_prompts": len(ids),
-            "spec_tokens_per_s": spec_rate, "target_tokens_per_s": base_rate,
-            "speedup": spec_rate / base_rate if base_rate > 0 else 0.0}
+    """Decode tokens/s of batch-1 speculative decoding and of the target alone, on the first turns of
+    `prompts`, by the engine `settings.speed_engine` chooses (served_speed.SPEED_ENGINES)."""
+    chosen = choose(SPEED_ENGINES, settings.speed_engine, speed_auto(target), target, settings.temperature,
+                    "decode.speed_engine")
+    ids = [encode(target, p.messages([]), settings.thinking)[0].tolist() for p in prompts]
+    speed = chosen.engine.run(target, drafter, ids, settings.max_new_tokens, settings.temperature,
+                              stop_token_ids(target), block_size, generator)
+    return {"speed_engine": chosen.name, "static_unavailable": chosen.passed_over, **speed}
 
 
 def summarize(decoded: dict, speed: dict, block_size: int, max_new_tokens: int, temperature: float) -> dict:
@@ -188,14 +160,13 @@ def evaluate(target: Target, drafter: DFlashDraftModel, prompts: list[Prompt],
     if target.fp8 != "off" and s.temperature == 0:
         log.warning("target.fp8=%s %s, and the lossless check will find differences",
                     target.fp8, _FP8_NOT_LOSSLESS[target.fp8])
-    why_not = RaggedCache.supports(target)
-    cached = s.acceptance_cache == "ragged" or (s.acceptance_cache == "auto" and why_not is None)
-    if why_not and s.acceptance_cache == "auto":
-        log.info("acceptance decoding without the ragged cache: %s", why_not)
+    chosen = choose(ACCEPTANCE_ENGINES, s.acceptance_cache, ACCEPTANCE_AUTO, target, s.temperature,
+                    "decode.acceptance_cache")
     t0 = synced_time(target.device)
     decoded = decode_turns(target, drafter, prompts, s.max_new_tokens, s.temperature, block_size, generator,
-                           s.batch_size, cached, s.thinking)
-    acceptance = {"acceptance_cache": "ragged" if cached else "none", "ragged_unavailable": why_not,
+                           s.batch_size, chosen.engine.run, s.thinking)
+    acceptance = {"acceptance_cache": chosen.name,
+                  "ragged_unavailable": ACCEPTANCE_ENGINES["ragged"].problem(target, s.temperature),
                   "acceptance_seconds": round(synced_time(target.device) - t0, 2)}
     speed = {"speed_prompts": 0, "spec_tokens_per_s": None, "target_tokens_per_s": None, "speedup": None}
     if s.speed_prompts:
@@ -256,7 +227,7 @@ def format_table(report: dict) -> str:
         table.add_row("speculative decode tokens/s" + on, f"{report['spec_tokens_per_s']:.1f}")
         table.add_row("target-only decode tokens/s" + on, f"{report['target_tokens_per_s']:.1f}")
         table.add_row("speedup", f"{report['speedup']:.2f}x")
-        if report["speed_engine"] == "static":
+        if "ms_per_round" in report:  # the static engine's round split
             split = report["ms_per_round"]
             table.add_row("ms per round: draft / verify / rest", f"{split['draft']:.2f} / {split['verify']:.2f} / "
                                                                   f"{split['bookkeeping']:.2f}")

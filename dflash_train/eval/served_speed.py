@@ -1,5 +1,5 @@
-"""Speed as served: the static decoder's tokens/s, speculative against the target alone, and where
-their answers part.
+"""Batch-1 speed, speculative against the target alone, by the engine `decode.speed_engine` names
+(SPEED_ENGINES): as served (the static decoder), or eager; and where the served answers part.
 
 Both decoders run on the same StaticDecoder (same caches, graphs and host loop), so the speedup
 compares like with like. In fp32 the answers are equal (tests); in bf16 a 16-token verification and
@@ -15,14 +15,15 @@ import logging
 
 import torch
 
-from dflash_train.draft.model import DFlashDraftModel
+from dflash_train.decode.engines import Engine
+from dflash_train.decode.spec_decode import speculative_generate, target_greedy
 from dflash_train.decode.static_decode import StaticDecoder, static_cache_problem
+from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.targets.model import Target
 
 log = logging.getLogger("dflash_train")
 
 NEAR_TIE_RELATIVE = 1e-2
-SPEED_ENGINES = ("auto", "static", "eager")
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -56,23 +57,6 @@ def answer_differences(target: Target, prompts: list[list[int]], answers: list[l
         rows.append(row)
     return {"answers": len(answers), "differ": len(rows), "near_ties": sum(bool(r.get("near_tie")) for r in rows),
             "near_tie_relative_gap": NEAR_TIE_RELATIVE, "first_differences": rows}
-
-
-def pick_speed_engine(requested: str, target: Target, temperature: float) -> tuple[str, str | None]:
-    """(engine, why static was not used): auto is static on CUDA, eager on CPU; static falls back to
-    eager, with an error naming the reason, for a target it cannot serve or above temperature 0."""
-    if requested not in SPEED_ENGINES:
-        raise ValueError(f"speed engine must be one of {SPEED_ENGINES}, got {requested!r}")
-    if requested == "auto":
-        requested = "static" if target.device.type == "cuda" else "eager"
-    if requested == "eager":
-        return "eager", None
-    problem = "it decodes greedily only (temperature 0)" if temperature > 0 else static_cache_problem(target.model)
-    if problem:
-        log.error("static speed engine unavailable for %s: %s; measuring speed with the eager engine",
-                  target.name, problem)
-        return "eager", problem
-    return "static", None
 
 
 def _mean_ms(seconds: list[float]) -> float:
@@ -110,3 +94,53 @@ def served_speed(target: Target, drafter: DFlashDraftModel, prompts: list[list[i
                          "bookkeeping": _mean_ms([s for d in spec for s in d.bookkeeping_seconds])},
         "differences": answer_differences(target, prompts, answers, references),
     }
+
+
+def static_speed(target: Target, drafter: DFlashDraftModel, prompts: list[list[int]], max_new_tokens: int,
+                 temperature: float, stop_ids: list[int], block_size: int, generator) -> dict:
+    """`served_speed` one row at a time; its tau is `speed_tau` (the report's tau is the acceptance set's)."""
+    served = served_speed(target, drafter, prompts, max_new_tokens, stop_ids, 1, block_size)
+    served["speed_tau"] = served.pop("tau")
+    return served
+
+
+def _decode_rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def eager_speed(target: Target, drafter: DFlashDraftModel, prompts: list[list[int]], max_new_tokens: int,
+                temperature: float, stop_ids: list[int], block_size: int, generator) -> dict:
+    """Tokens/s of `speculative_generate` and `target_greedy` (transformers' dynamic cache: host-bound
+    for small targets), one prompt at a time, after a short warm-up of both (kernels, allocator)."""
+    ids = [torch.tensor([p], device=target.device) for p in prompts]
+    speculative_generate(target, drafter, ids[0], 8, stop_ids, 0.0, block_size, generator)
+    target_greedy(target, ids[0], 8, stop_ids)
+    spec_tokens = spec_seconds = base_tokens = base_seconds = 0
+    for prompt_ids in ids:
+        spec = speculative_generate(target, drafter, prompt_ids, max_new_tokens, stop_ids, temperature, block_size,
+                                    generator)
+        base = target_greedy(target, prompt_ids, max_new_tokens, stop_ids)
+        # The first token comes from the prefill in both decodes; the timed part is the rest.
+        spec_tokens, spec_seconds = spec_tokens + len(spec.tokens) - 1, spec_seconds + spec.decode_seconds
+        base_tokens, base_seconds = base_tokens + len(base.tokens) - 1, base_seconds + base.decode_seconds
+    spec_rate, base_rate = _decode_rate(spec_tokens, spec_seconds), _decode_rate(base_tokens, base_seconds)
+    return {"speed_prompts": len(ids), "spec_tokens_per_s": spec_rate, "target_tokens_per_s": base_rate,
+            "speedup": spec_rate / base_rate if base_rate > 0 else 0.0}
+
+
+def _static_problem(target: Target, temperature: float) -> str | None:
+    return "it decodes greedily only (temperature 0)" if temperature > 0 else static_cache_problem(target.model)
+
+
+SPEED_ENGINES: dict[str, Engine] = {
+    "static": Engine(static_speed, _static_problem, fallback="eager"),
+    "eager": Engine(eager_speed),
+}
+"""How batch-1 speed is measured (`decode.speed_engine`): `static` as a server runs it (static caches,
+CUDA graphs on a GPU), `eager` on transformers' dynamic cache. Each `run` is static_speed's signature."""
+
+
+def speed_auto(target: Target) -> tuple[str, ...]:
+    """`decode.speed_engine: auto`: static on a GPU (eager where it cannot run), eager on CPU, where
+    nothing is captured and the static engine's fixed shapes only cost."""
+    return ("static", "eager") if target.device.type == "cuda" else ("eager",)
