@@ -192,13 +192,16 @@ class GreedyEngine:
     token, whether one ended them); `release(row, ids)` as each row stops, where the engine can."""
     problem: Callable[[object], str | None] = lambda model: None
     """Why it cannot run `model` (said before any request is queued), or None."""
+    serves_queue: bool = False
+    """It keeps its rows decoding and admits waiting prompts into the rows others leave: a server runs
+    it on its request queue (GraphedEngine.serve), not batch by batch through `decode`."""
 
 
 ENGINES: dict[str, GreedyEngine] = {
     "padded": GreedyEngine(_through_transformers(_padded_generate)),
     "static": GreedyEngine(_through_transformers(_static_generate)),
     "continuous": GreedyEngine(_through_transformers(_continuous_generate), _continuous_problem),
-    "graphed": GreedyEngine(graphed_generate, _graphed_problem),
+    "graphed": GreedyEngine(graphed_generate, _graphed_problem, serves_queue=True),
 }
 """The engines by the name `generate --engine` takes (GenerateConfig's `local.engine`)."""
 

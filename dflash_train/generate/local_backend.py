@@ -22,7 +22,7 @@ import torch
 
 from dflash_train.config import TargetConfig
 from dflash_train.decode.graphed_engine import GraphedEngine, Job, prefill_problem
-from dflash_train.decode.greedy import cut_at_stop, engine_problem, generate_ids, pad_token_id
+from dflash_train.decode.greedy import ENGINES, cut_at_stop, engine_problem, generate_ids, pad_token_id
 from dflash_train.decode.sampling import GenParams
 from dflash_train.generate.backends import Completion, GenerationError
 from dflash_train.generate.config import LocalConfig
@@ -124,7 +124,7 @@ class LocalBackend:
         target = load_target(TargetConfig(path=path, dtype=cfg.dtype), resolve_device(cfg.device))
         if (problem := engine_problem(cfg.engine, target.model)) is not None:
             raise ValueError(f"generate engine '{cfg.engine}' cannot run {type(target.model).__name__}: {problem}")
-        if cfg.engine == "graphed" and (problem := prefill_problem(target.model, cfg.prefill)):
+        if problem := prefill_problem(target.model, cfg.prefill):  # the config allows a prefill for graphed only
             raise ValueError(f"local.prefill: {problem}")
         return cls(target.model, target.tokenizer, name=path, batch_size=cfg.batch_size, identity=target.identity,
                    engine=cfg.engine, compile_step=cfg.compile_step, prefill=cfg.prefill)
@@ -161,7 +161,7 @@ class LocalBackend:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self.engine == "graphed":
+            if ENGINES[self.engine].serves_queue:
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(self._model_thread, self._serve_graphed, loop)
                 continue
