@@ -167,8 +167,16 @@ class ObjectiveConfig(Section):
     num_anchors: int = Field(512, ge=1)
     """Blocks per sequence: size it so the drafter's share of the step is no larger than the target's;
     past that, more anchors cost time without learning more (history: docs/benchmarks/quality.md)."""
+    slot_weights: Literal["decay", "dpace"] = "decay"
+    """How each block slot's loss is weighted. decay: w_k = exp(-(k-1)/gamma), the DFlash paper's.
+    dpace: D-PACE (SpecForge's default for DFlash), each slot by the expected acceptance riding on it
+    under the drafter's own probabilities, smoothed by dpace_alpha (draft/loss.py `dpace_weights`).
+    decay stays the default until dpace is measured at equal device-minutes."""
     gamma: float = Field(7.0, gt=0)
-    """Loss weight decay over block positions: w_k = exp(-(k-1)/gamma)."""
+    """Loss weight decay over block positions: w_k = exp(-(k-1)/gamma) (slot_weights: decay)."""
+    dpace_alpha: float = Field(0.5, ge=0, le=1)
+    """D-PACE's smoothing: a slot's probability q enters as (1 - alpha) q + alpha (slot_weights: dpace;
+    SpecForge's default 0.5). 1: every slot counts by its position alone."""
     loss: dict[Literal["ce", "target_argmax", "kl", "selector"], float] = Field(default_factory=lambda: {"ce": 1.0})
     """Per-slot loss as a weighted mix: `ce` on the data tokens, `target_argmax` (CE on the target's greedy
     token), `kl` to the target's distribution; the target kinds make text the target did not write usable.
@@ -189,6 +197,11 @@ class ObjectiveConfig(Section):
     def _loss_mix(self) -> ObjectiveConfig:
         if any(w < 0 for w in self.loss.values()) or not any(w > 0 for w in self.loss.values()):
             raise ValueError(f"objective.loss {self.loss}: weights must be >= 0 with at least one > 0")
+        # a saved run config lists every key: only a value other than the default is a setting left unread
+        unread = {"decay": "dpace_alpha", "dpace": "gamma"}[self.slot_weights]
+        if getattr(self, unread) != type(self).model_fields[unread].default:
+            raise ValueError(f"objective.{unread} is not read with objective.slot_weights={self.slot_weights}: "
+                             f"remove it, or set slot_weights to {'dpace' if unread == 'dpace_alpha' else 'decay'}")
         return self
 
     @property
@@ -413,6 +426,9 @@ class RunConfig(Section):
         if any(w > 0 for kind, w in self.objective.loss.items() if kind != "ce"):
             raise ValueError(f"train.ce_kernel={kernel} computes the CE loss only; objective.loss is "
                              f"{self.objective.loss}: use train.ce_kernel=chunked")
+        if self.objective.slot_weights != "decay":
+            raise ValueError(f"train.ce_kernel={kernel} weights slots by decay only: with objective.slot_weights="
+                             f"{self.objective.slot_weights} use train.ce_kernel=chunked")
         if self.device == "cpu":
             raise ValueError(f"train.ce_kernel={kernel} runs on CUDA only (Triton kernels): use train.ce_kernel=chunked")
         if self.target.dtype in ("float32", "float16"):

@@ -11,6 +11,9 @@ The per-slot loss is a weighted mix (`objective.loss`):
   ce            CE(q, data token)
   target_argmax CE(q, argmax p)            p: the target's next-token distribution at that position
   kl            T^2 KL(p_T || q_T)         both softened by the temperature T
+Each slot's loss is weighted by the task's weights (the decay, and 0 where a slot does not count), and
+with D-PACE (`objective.slot_weights: dpace`) also by `dpace_weights`, formed here from the drafter's
+own probabilities once every chunk of the blocks has run.
 """
 
 from __future__ import annotations
@@ -33,11 +36,15 @@ class LossMix:
     temperature: float = 1.0
     selector: float = 0.0
     """DFlash2's path selector (draft/dflash2.py selector_loss_sum), added to the per-slot loss."""
+    dpace_alpha: float | None = None
+    """Slots weighted by D-PACE with this smoothing (`dpace_weights`) instead of the mask's weights
+    alone; None: off."""
 
     @classmethod
-    def from_weights(cls, weights: dict, temperature: float = 1.0) -> LossMix:
+    def from_weights(cls, weights: dict, temperature: float = 1.0, dpace_alpha: float | None = None) -> LossMix:
         return cls(ce=weights.get("ce", 0.0), target_argmax=weights.get("target_argmax", 0.0),
-                   kl=weights.get("kl", 0.0), temperature=temperature, selector=weights.get("selector", 0.0))
+                   kl=weights.get("kl", 0.0), temperature=temperature, selector=weights.get("selector", 0.0),
+                   dpace_alpha=dpace_alpha)
 
     @property
     def needs_target(self) -> bool:
@@ -60,7 +67,8 @@ def _input_grad(head, dlogits: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossMix, with_grad: bool):
-    """(sum of weighted per-row losses, [rows] 1.0 where the argmax is right, d sum / d h or None).
+    """([rows] weighted per-row losses, [rows] 1.0 where the argmax is right, [rows] the drafter's
+    probability of the token acceptance checks, d loss_row / d h of each row or None).
 
     The gradient is formed here, in closed form, while the chunk's logits exist; autograd would have
     to form them again in the backward (the recompute of a checkpoint: a third head matmul).
@@ -86,9 +94,10 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
             log_q_t = log_q if t == 1 else F.log_softmax(logits / t, dim=-1)
             per_row = per_row + mix.kl * (t * t) * (p_t * (log_p - log_q_t)).sum(-1)
     correct = (logits.argmax(-1) == reference).float()
-    total = (per_row * weights).sum()
+    q_reference = log_q.gather(1, reference[:, None]).squeeze(1).exp()
+    terms = per_row * weights
     if not with_grad:
-        return total, correct, None
+        return terms, correct, q_reference, None
     hard = mix.ce + mix.target_argmax
     dlogits = hard * log_q.exp() if hard else torch.zeros_like(log_q)
     if mix.ce:
@@ -97,7 +106,7 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
         dlogits = _minus_at(dlogits, reference, mix.target_argmax)
     if p_t is not None:
         dlogits = dlogits + (mix.kl * mix.temperature) * (log_q_t.exp() - p_t)
-    return total, correct, _input_grad(head, dlogits * weights[:, None])
+    return terms, correct, q_reference, _input_grad(head, dlogits * weights[:, None])
 
 
 def _minus_at(dlogits: torch.Tensor, index: torch.Tensor, amount: float) -> torch.Tensor:
@@ -106,28 +115,46 @@ def _minus_at(dlogits: torch.Tensor, index: torch.Tensor, amount: float) -> torc
 
 
 class _ChunkLoss(torch.autograd.Function):
-    """A chunk's loss whose backward only scales the gradient its forward formed (`_chunk_loss`):
-    no logits are kept or recomputed, and the frozen head gets no gradient."""
+    """A chunk's per-row losses whose backward only scales each row's gradient its forward formed
+    (`_chunk_loss`): no logits are kept or recomputed, and the frozen head gets no gradient."""
 
     @staticmethod
     def forward(ctx, h, head, labels, weights, target_h, target_logits_fn, mix, chunk_loss):
-        total, correct, grad_h = chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix, True)
+        terms, correct, q_reference, grad_h = chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix,
+                                                         True)
         ctx.save_for_backward(grad_h)
         ctx.h_dtype = h.dtype
-        ctx.mark_non_differentiable(correct)
-        return total, correct
+        ctx.mark_non_differentiable(correct, q_reference)
+        return terms, correct, q_reference
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_correct):
+    def backward(ctx, grad_terms, _grad_correct, _grad_q):
         (grad_h,) = ctx.saved_tensors
-        return (grad_h.float() * grad_total).to(ctx.h_dtype), None, None, None, None, None, None, None
+        return (grad_h.float() * grad_terms[:, None]).to(ctx.h_dtype), None, None, None, None, None, None, None
 
 
 def _run_chunk(chunk_loss, h, head, labels, weights, target_h, target_logits_fn, mix: LossMix):
-    """One chunk: with its gradient when `h` needs one, else the loss and counts alone."""
+    """One chunk's (per-row losses, correct, probability of the checked token): with its gradient when
+    `h` needs one."""
     if h.requires_grad:
         return _ChunkLoss.apply(h, head, labels, weights, target_h, target_logits_fn, mix, chunk_loss)
-    return chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix, False)[:2]
+    return chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix, False)[:3]
+
+
+def dpace_weights(q: torch.Tensor, counted: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE slot weights [blocks, B] from the drafter's probability `q` of each slot's checked token
+    and the slots that count (0/1), as SpecForge 0.2.0 defines its `dpace` loss.
+
+    A round accepts slots 1..j while each is right; with s_i = (1 - alpha) q_i + alpha (q smoothed
+    towards 1, so one unlikely slot does not silence the rest) the expected accepted length is
+    E = sum_j prod_{i<=j} s_i over counted j. Its derivative in log s_k is sum_{j>=k} prod_{i<=j} s_i:
+    the weight of slot k. A slot counts in proportion to the acceptance still riding on it: early
+    slots, and slots after confident ones, weigh most. Slots that do not count are 1 in the
+    products and 0 in the sums. Detached: the weights steer the CE, they are not trained."""
+    with torch.no_grad():
+        smooth = torch.where(counted > 0, (1 - alpha) * q + alpha, torch.ones_like(q))
+        prefix = torch.cumprod(smooth, dim=-1)
+        return (prefix * counted).flip(-1).cumsum(-1).flip(-1) * counted
 
 
 @functools.cache
@@ -212,9 +239,10 @@ def block_loss(
         raise ValueError("the LM head is the target's, frozen: the loss gives no gradient for it")
     counted = (weights > 0).float()
     if kernel != "chunked":
-        if mix.needs_target or compiled:
-            raise ValueError(f"train.ce_kernel={kernel} computes the CE loss only, uncompiled: set objective.loss "
-                             "to ce and train.compile_loss to false, or use train.ce_kernel=chunked")
+        if mix.needs_target or compiled or mix.dpace_alpha is not None:
+            raise ValueError(f"train.ce_kernel={kernel} computes the CE loss only, uncompiled and decay-weighted: set "
+                             "objective.loss to ce, objective.slot_weights to decay and train.compile_loss to "
+                             "false, or use train.ce_kernel=chunked")
         if not isinstance(lm_head, torch.Tensor):
             raise ValueError(f"train.ce_kernel={kernel} runs the head in bf16: use train.ce_kernel=chunked with "
                              "train.fp8_lm_head")
@@ -239,17 +267,33 @@ def block_loss(
     total = h.new_zeros((), dtype=torch.float32)
     if h.requires_grad:
         total = total + h.sum() * 0  # stays differentiable even when no row counts
-    correct = []
+    correct, terms, q_reference = [], [], []
     for start in range(0, h.shape[0], chunk_size):
         sl = slice(start, start + chunk_size)
-        s, c = _run_chunk(chunk_loss, h[sl], lm_head, labels[sl], weights[sl], None if t_h is None else t_h[sl],
-                          target_logits_fn, mix)
-        total = total + s
+        t, c, q = _run_chunk(chunk_loss, h[sl], lm_head, labels[sl], weights[sl], None if t_h is None else t_h[sl],
+                             target_logits_fn, mix)
+        if mix.dpace_alpha is None:
+            total = total + t.sum()
+        terms.append(t)
         correct.append(c.detach())
+        q_reference.append(q.detach())
     correct = torch.cat(correct) if correct else counted.new_zeros(0)
+    if mix.dpace_alpha is not None and terms:
+        # every row's probability is known only now: the blocks' weights span chunks
+        q = _full_rows(torch.cat(q_reference), kept, rows)
+        slot_weights = dpace_weights(q.view(-1, block_size), counted.view(-1, block_size), mix.dpace_alpha).view(-1)
+        slot_weights = slot_weights if kept is None else slot_weights[kept]
+        terms = torch.cat(terms)
+        total = total + (terms[: slot_weights.shape[0]] * slot_weights).sum()
+    return _block_loss(total, _full_rows(correct, kept, rows) * counted, counted, block_size)
+
+
+def _full_rows(values: torch.Tensor, kept: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """Per-row `values` of the rows the loss ran on (the `kept` ones, or every row and some padding)
+    laid out over all `rows` (0 where a row was left out)."""
     if kept is not None:
-        correct = counted.new_zeros(rows).index_copy_(0, kept, correct)
-    return _block_loss(total, correct[:rows] * counted, counted, block_size)
+        return values.new_zeros(rows).index_copy_(0, kept, values)
+    return values[:rows]
 
 
 def _block_loss(total: torch.Tensor, correct: torch.Tensor, counted: torch.Tensor, block_size: int) -> BlockLoss:

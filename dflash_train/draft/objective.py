@@ -6,6 +6,7 @@ compute exactly the same function of (tokens, features, anchor seed).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +48,9 @@ def task_from_keys(input_ids: torch.Tensor, loss_mask: torch.Tensor, keys: torch
     """`make_task` given its anchor keys on the device: device work only (a CUDA graph replays it).
     `seed`: the micro-batch's, where known (`BlockTask.seed`)."""
     anchors, valid = masks.anchors_from_keys(loss_mask, keys, objective.num_anchors)
-    labels, weights = masks.block_labels(input_ids, loss_mask, anchors, valid, objective.block_size, objective.gamma)
+    # D-PACE weighs the slots in the loss, from the drafter's probabilities: here the mask alone (gamma inf)
+    gamma = objective.gamma if objective.slot_weights == "decay" else math.inf
+    labels, weights = masks.block_labels(input_ids, loss_mask, anchors, valid, objective.block_size, gamma)
     return BlockTask(input_ids, anchors, valid, labels, weights, seed)
 
 

@@ -43,7 +43,9 @@ class DraftForward:
     @classmethod
     def for_run(cls, cfg: RunConfig, drafter: DFlashDraftModel, target: Target, device: torch.device,
                 use_flex: bool) -> DraftForward:
-        return cls(drafter, target, device, LossMix.from_weights(cfg.objective.loss, cfg.objective.kd_temperature),
+        objective = cfg.objective
+        dpace_alpha = objective.dpace_alpha if objective.slot_weights == "dpace" else None
+        return cls(drafter, target, device, LossMix.from_weights(objective.loss, objective.kd_temperature, dpace_alpha),
                    use_flex, loss_chunk_rows(cfg.objective.ce_chunk_size, target.vocab_size),
                    cfg.train.compile_loss, cfg.train.ce_kernel, bool(cfg.data.length_bucket),
                    Fp8Head(target.lm_head_weight) if cfg.train.fp8_lm_head else None, cfg.objective.feature_noise)

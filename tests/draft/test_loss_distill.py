@@ -110,7 +110,8 @@ def test_split_features():
 
 
 @pytest.mark.parametrize("even_chunks", [False, True])
-@pytest.mark.parametrize("mix", [LossMix(), LossMix(ce=0.3, target_argmax=0.2, kl=0.5, temperature=0.7)], ids=str)
+@pytest.mark.parametrize("mix", [LossMix(), LossMix(ce=0.3, target_argmax=0.2, kl=0.5, temperature=0.7),
+                                 LossMix(ce=0.3, target_argmax=0.2, kl=0.5, temperature=0.7, dpace_alpha=0.5)], ids=str)
 def test_compiled_chunks_equal_eager(mix, even_chunks, monkeypatch):
     """compiled=True pads the last chunk with zero-weight rows and runs each chunk compiled: the same
     loss, accuracy counts and gradients as eager (here 40 rows in chunks of at most 24: 24 + 16 and 8
