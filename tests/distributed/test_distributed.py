@@ -37,7 +37,9 @@ def assets(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("world,split,objective", [
     (3, ["--target-ranks", "2"], {}), (2, ["--colocated"], {}),
     (3, ["--target-ranks", "1"], {"feature_noise": 0.5}),  # each micro-batch's noise from its seed, on any rank
-], ids=["2targets+1drafter", "colocated-2", "1target+2drafters-noise"])
+    # D-PACE's weights come from each rank's own probabilities; the step's denominator is still known ahead
+    (3, ["--target-ranks", "1"], {"slot_weights": "dpace", "gamma": 7.0}),
+], ids=["2targets+1drafter", "colocated-2", "1target+2drafters-noise", "1target+2drafters-dpace"])
 def test_matches_single_process(assets, tmp_path, world, split, objective):
     extra = {"objective": {"block_size": 4, "num_anchors": 8, "gamma": 4.0, **objective}} if objective else {}
     config = write_config(assets, tmp_path / "run", **extra)
