@@ -78,7 +78,7 @@ def _end_output_capture() -> None:
     (`output_capturing.CompileableContextVar`). A compiled step with flex_attention inside (flex
     decoding) leaves that mode on: dynamo keeps an attribute as it was set before the flex call, not as
     the function left it (torch 2.13; the SDPA step does not;
-    tests/targets/test_flex_decode.py::test_a_compiled_flex_call_leaves_no_mid_function_state).
+    tests/decode/test_flex_decode.py::test_a_compiled_flex_call_leaves_no_mid_function_state).
     Every later eager forward then recorded its hidden states into a stale dict:
     `output_hidden_states` came back empty. Newer transformers may drop the name: then nothing to do."""
     collector = getattr(output_capturing, "_active_collector", None)

@@ -206,44 +206,55 @@ class StaticDecoder:
                 if toks and not emit_tokens(res.tokens, toks, max_new_tokens, stop_ids)}
 
 
-class StaticGreedy:
-    """The target alone on a StaticDecoder's caches, one token per row and step (a RoundDecoder:
-    decode/rounds.py)."""
+class _StaticRounds:
+    """What the two round decoders on a StaticDecoder share: its caches and steps, the budget and
+    stops, `timing`, and the rows still decoding (`active`, the rows `_emit` leaves)."""
 
     def __init__(self, decoder: StaticDecoder, max_new_tokens: int, stop_ids: set[int]):
         self.decoder, self.device = decoder, decoder.target.device
         self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
         self.timing = Decoded([])
+
+    def decoding(self) -> bool:
+        return bool(self.active)
+
+    def _first(self, results: list, first: torch.Tensor) -> list[int]:
+        """Each row's first token (the prefill's) emitted; the rows it ended."""
+        self.results = results
+        self.active = self.decoder._emit(results, first[: len(results), None].tolist(), self.max_new_tokens,
+                                         self.stop_ids)
+        return [r for r in range(len(results)) if r not in self.active]
+
+    def _next(self, new: list[list[int]]) -> list[int]:
+        """Each active row's new tokens of a round emitted; the rows they ended."""
+        before = self.active
+        rows = [new[r] if r in before else [] for r in range(len(self.results))]
+        self.active = self.decoder._emit(self.results, rows, self.max_new_tokens, self.stop_ids)
+        return sorted(before - self.active)
+
+
+class StaticGreedy(_StaticRounds):
+    """The target alone on a StaticDecoder's caches, one token per row and step (a RoundDecoder:
+    decode/rounds.py)."""
 
     def prefill(self, prompts: list[list[int]]) -> list[int]:
         d = self.decoder
         first, _, _, lengths = d._start(prompts, self.max_new_tokens)
         d.step_ids.copy_(first[:, None])
         d.step_pos.copy_(lengths[:, None])
-        self.results = [DecodeResult(tokens=[], decode_seconds=0.0) for _ in prompts]
-        self.active = d._emit(self.results, first[: len(prompts), None].tolist(), self.max_new_tokens, self.stop_ids)
-        return [r for r in range(len(prompts)) if r not in self.active]
-
-    def decoding(self) -> bool:
-        return bool(self.active)
+        return self._first([DecodeResult(tokens=[], decode_seconds=0.0) for _ in prompts], first)
 
     def step(self) -> list[int]:
-        d, before = self.decoder, self.active
-        d.steps.run["target"]()
-        new = d.step_ids.tolist()
-        self.active = d._emit(self.results, [new[r] if r in before else [] for r in range(len(self.results))],
-                              self.max_new_tokens, self.stop_ids)
-        return sorted(before - self.active)
+        self.decoder.steps.run["target"]()
+        return self._next(self.decoder.step_ids.tolist())
 
 
-class StaticSpeculative:
+class StaticSpeculative(_StaticRounds):
     """Speculative rounds (draft, verify, advance) on a StaticDecoder's caches and steps, with each
     round's time split into `timing` (a RoundDecoder: decode/rounds.py)."""
 
     def __init__(self, decoder: StaticDecoder, max_new_tokens: int, stop_ids: set[int]):
-        self.decoder, self.device = decoder, decoder.target.device
-        self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
-        self.timing = Decoded([])
+        super().__init__(decoder, max_new_tokens, stop_ids)
         self.clock = DeviceClock(self.device)
 
     def prefill(self, prompts: list[list[int]]) -> list[int]:
@@ -252,17 +263,12 @@ class StaticSpeculative:
         d.block_pos.copy_(lengths[:, None] + d.offsets)
         d.draft_ids.fill_(d.drafter.config.mask_token_id)
         d.draft_ids[:, 0] = first
-        self.results = [SpecResult(tokens=[], decode_seconds=0.0, block_size=b, position_accepts=[0] * (b - 1))
-                        for _ in prompts]
-        self.active = d._emit(self.results, first[: len(prompts), None].tolist(), self.max_new_tokens, self.stop_ids)
         self.draft = lambda: d._draft(feats, positions)  # round 1: the drafter's prompt pass
-        return [r for r in range(len(prompts)) if r not in self.active]
-
-    def decoding(self) -> bool:
-        return bool(self.active)
+        return self._first([SpecResult(tokens=[], decode_seconds=0.0, block_size=b, position_accepts=[0] * (b - 1))
+                            for _ in prompts], first)
 
     def step(self) -> list[int]:
-        d, b, out, before = self.decoder, self.decoder.block_size, self.timing, self.active
+        d, b, out = self.decoder, self.decoder.block_size, self.timing
         wall, marks = time.perf_counter(), [self.clock.mark()]
         self.draft()
         marks.append(self.clock.mark())
@@ -271,16 +277,16 @@ class StaticSpeculative:
         d.steps.run["advance"]()
         accepted = d.accepted.tolist()  # the round's one host sync
         new = []
-        for r, row in enumerate(accepted):
+        for r, row in enumerate(accepted[: len(self.results)]):
             n = row[b]
-            if r in before:
+            if r in self.active:
                 self.results[r].acceptance_lengths.append(n + 1)
                 for k in range(n):
                     self.results[r].position_accepts[k] += 1
-            new.append(row[:n] + [row[b - 1]] if r in before else [])
-        self.active = d._emit(self.results, new[: len(self.results)], self.max_new_tokens, self.stop_ids)
+            new.append(row[:n] + [row[b - 1]])
+        finished = self._next(new)
         out.draft_seconds.append(self.clock.seconds(marks[0], marks[1]))
         out.verify_seconds.append(self.clock.seconds(marks[1], marks[2]))
         out.bookkeeping_seconds.append(time.perf_counter() - wall - out.draft_seconds[-1] - out.verify_seconds[-1])
         self.draft = d.steps.run["draft"]
-        return sorted(before - self.active)
+        return finished

@@ -267,18 +267,19 @@ def block_loss(
     total = h.new_zeros((), dtype=torch.float32)
     if h.requires_grad:
         total = total + h.sum() * 0  # stays differentiable even when no row counts
-    correct, terms, q_reference = [], [], []
+    correct, terms, q_reference = [], [], []  # the last two kept for D-PACE only
     for start in range(0, h.shape[0], chunk_size):
         sl = slice(start, start + chunk_size)
         t, c, q = _run_chunk(chunk_loss, h[sl], lm_head, labels[sl], weights[sl], None if t_h is None else t_h[sl],
                              target_logits_fn, mix)
+        correct.append(c.detach())
         if mix.dpace_alpha is None:
             total = total + t.sum()
-        terms.append(t)
-        correct.append(c.detach())
-        q_reference.append(q.detach())
+        else:
+            terms.append(t)
+            q_reference.append(q.detach())
     correct = torch.cat(correct) if correct else counted.new_zeros(0)
-    if mix.dpace_alpha is not None and terms:
+    if terms:
         # every row's probability is known only now: the blocks' weights span chunks
         q = _full_rows(torch.cat(q_reference), kept, rows)
         slot_weights = dpace_weights(q.view(-1, block_size), counted.view(-1, block_size), mix.dpace_alpha).view(-1)
