@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_train.config import build_config
 from dflash_train.draft import masks
-from dflash_train.draft.model import DFlashDraftModel
+from dflash_train.draft.dflash2 import drafter_for
 from dflash_train.draft.fp8 import RECIPES, convert_to_fp8
 from dflash_train.draft.fp8_head import Fp8Head
 from dflash_train.draft.objective import draft_loss, make_task
@@ -186,6 +186,8 @@ def main(argv=None):
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--max-length", type=int, default=3072)
     ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--family", default="dflash", choices=["dflash", "dflash2"],
+                    help="the drafter's family (dflash2 trains its path selector too: loss ce + selector)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the draft layers")
     ap.add_argument("--compile-loss", action="store_true", help="torch.compile the loss chunks (train.compile_loss)")
     ap.add_argument("--full-length", action="store_true", help="every sequence max_length long (the shape of docs/design.md#reference-figures)")
@@ -220,10 +222,12 @@ def main(argv=None):
     target = Target(model=model, tokenizer=_NoTokenizer(), name=f"{shape}-random", device=device)
     if args.compile_target:
         compile_decoder(target)  # as target.compile does in training
-    cfg = build_config({"device": device.type, "draft": {"num_layers": 2 if args.tiny else args.draft_layers},
+    loss = {args.loss: 1.0, **({"selector": 1.0} if args.family == "dflash2" else {})}
+    cfg = build_config({"device": device.type, "draft": {"num_layers": 2 if args.tiny else args.draft_layers,
+                                                         "family": args.family},
                         "objective": {"block_size": 16, "mask_token_id": SHAPES[shape]["vocab_size"] - 1,
-                                      "num_anchors": anchors, "loss": {args.loss: 1.0}, "gamma": 7.0}})
-    drafter = DFlashDraftModel(draft_model_config(cfg, target)).to(device)
+                                      "num_anchors": anchors, "loss": loss, "gamma": 7.0}})
+    drafter = drafter_for(draft_model_config(cfg, target)).to(device)
     if args.fp8_draft != "off":
         convert_to_fp8(drafter, args.fp8_draft)
     if args.compile:
@@ -297,7 +301,7 @@ def main(argv=None):
     result = {
         "shape": shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "seq_tokens_per_step": tokens, "anchors": anchors, "block_size": 16,
-        "loss": args.loss, "ce_kernel": args.ce_kernel, "fp8_draft": args.fp8_draft, "fp8_target": args.fp8_target, "fp8_head": args.fp8_head, "compile_target": args.compile_target, "batch": args.batch, "steps_per_s": 1 / t_e2e, "drafter_steps_per_s": 1 / t_draft,
+        "family": args.family, "loss": args.loss, "ce_kernel": args.ce_kernel, "fp8_draft": args.fp8_draft, "fp8_target": args.fp8_target, "fp8_head": args.fp8_head, "compile_target": args.compile_target, "batch": args.batch, "steps_per_s": 1 / t_e2e, "drafter_steps_per_s": 1 / t_draft,
         "draft_layers": drafter.config.num_hidden_layers, "compile": args.compile, "compile_loss": args.compile_loss,
         "target_tokens_per_s": tokens / t_target, "drafter_tokens_per_s": tokens / t_draft,
         "e2e_tokens_per_s": tokens / t_e2e, "harmonic_tokens_per_s": harmonic,

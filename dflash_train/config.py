@@ -183,6 +183,11 @@ class ObjectiveConfig(Section):
     token), `kl` to the target's distribution; the target kinds make text the target did not write usable.
     `selector` (draft.family=dflash2): CE of the path selector choosing the data token among the slot's
     top-k candidates after the true previous token (docs/design.md#dflash2)."""
+    selector_outside_top_k: Literal["join", "skip"] = "join"
+    """loss.selector, a slot whose token is not among the top-k: join (it joins the candidates, so the
+    drafter learns to rank it in; speculators') or skip (no selector loss there; SpecForge's)."""
+    selector_weights: Literal["slot", "uniform"] = "slot"
+    """loss.selector's slot weights: slot (as the slot's CE: decay or D-PACE) or uniform (1 a slot)."""
     kd_temperature: float = Field(1.0, gt=0)
     """Softmax temperature of both distributions in `kl` (the loss is scaled by T^2)."""
     feature_noise: float = Field(0.0, ge=0)
@@ -408,9 +413,13 @@ class RunConfig(Section):
         selector = self.objective.loss.get("selector", 0.0) > 0
         if selector and self.draft.family != "dflash2":
             raise ValueError("objective.loss.selector trains DFlash2's path selector: set draft.family=dflash2")
-        if selector and (self.train.fp8_lm_head or self.train.cuda_graphs or self.train.compile_loss):
-            raise ValueError("objective.loss.selector runs uncompiled through the bf16/fp32 LM head: set "
-                             "train.fp8_lm_head, train.cuda_graphs and train.compile_loss to false")
+        # changed from their defaults (a saved run config repeats the defaults of every key)
+        unread = [k for k in ("selector_outside_top_k", "selector_weights")
+                  if getattr(self.objective, k) != type(self.objective).model_fields[k].default and not selector]
+        if unread:
+            raise ValueError(f"objective.{unread[0]} is read with objective.loss.selector only (draft.family=dflash2)")
+        if selector and self.train.fp8_lm_head:
+            raise ValueError("objective.loss.selector reads rows of the bf16/fp32 LM head: set train.fp8_lm_head=false")
         if self.draft.family == "dflash2" and self.draft.fp8 != "off":
             raise ValueError("draft.fp8 with draft.family=dflash2: the convolutions' and the selector's layers in FP8 "
                              "are not tested yet; set draft.fp8=off")

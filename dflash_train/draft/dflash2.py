@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.draft.model import DFlashDraftModel, DFlashLayer, DraftModelConfig
+from dflash_train.draft.selector_loss import SelectorInputs
 
 
 class GroupedConv(nn.Module):
@@ -145,42 +146,16 @@ class DFlash2DraftModel(DFlashDraftModel):
         return self.candidate_selector.walk(slots, slots @ lm_head_weight.T, block_ids[:, 0])
 
 
-def selector_loss_sum(drafter: DFlash2DraftModel, hidden_BQH: torch.Tensor, block_ids_BQ: torch.Tensor,
-                      labels_BQ: torch.Tensor, weights_BQ: torch.Tensor, lm_head_weight: torch.Tensor,
-                      chunk_rows: int = 1024) -> torch.Tensor:
-    """sum over counted slots of w * CE of the selector picking the slot's label.
-
-    Acceptance stops at the first miss, so a slot's score only matters when every slot before it was
-    right: its predecessor is then the true previous token (the block's given token for slot 1),
-    which is what the selector is conditioned on here, as the engines' walk conditions it at decode
-    time. The choice is among the slot's top-k candidates of the draft logits (chosen without
-    gradient); a label outside them joins as one more candidate, so every counted slot teaches the
-    codebooks and the drafter to rank it first. Gradients reach the drafter through the candidates'
-    logits (`unary`), the codebooks and the hidden projection."""
+def selector_inputs(drafter: DFlash2DraftModel, hidden_BQH: torch.Tensor, block_ids_BQ: torch.Tensor,
+                    labels_BQ: torch.Tensor, weights_BQ: torch.Tensor) -> SelectorInputs:
+    """The selector's part of the loss over the blocks' slots (draft/selector_loss.py), each slot
+    conditioned on its true previous token: the block's given token for slot 1, the label before it
+    for the others. `weights_BQ`: each slot's selector weight (0: no loss)."""
     sel = drafter.candidate_selector
-    block = drafter.config.block_size
-    slot = torch.arange(labels_BQ.shape[1], device=labels_BQ.device) % block
-    prev = torch.where(slot == 1, block_ids_BQ.roll(1, 1), labels_BQ.roll(1, 1))
-    h, labels, prev, w = (hidden_BQH.flatten(0, 1), labels_BQ.flatten(), prev.flatten().clamp(min=0),
-                          weights_BQ.flatten())
-    rows = (w > 0).nonzero().squeeze(1)
-    total = hidden_BQH.new_zeros((), dtype=torch.float32)
-    for start in range(0, len(rows), chunk_rows):
-        r = rows[start : start + chunk_rows]
-        x, label = h[r], labels[r].clamp(min=0)
-        with torch.no_grad():
-            top = (x.to(lm_head_weight.dtype) @ lm_head_weight.T).topk(sel.top_k, dim=-1).indices
-        ids = torch.cat([top, label[:, None]], dim=1)  # [r, k+1]
-        in_top = top == label[:, None]
-        unary = (x[:, None, :].to(lm_head_weight.dtype) * lm_head_weight[ids]).sum(-1).float()
-        gate = sel.hidden_projection(x)
-        pair = torch.einsum("nr,nkr->nk", sel.predecessor_codebook[prev[r]] * gate, sel.successor_codebook[ids])
-        scores = unary + pair.float()
-        scores[:, -1] = scores[:, -1].masked_fill(in_top.any(1), float("-inf"))  # the label once
-        target = torch.where(in_top.any(1), in_top.float().argmax(1), torch.full_like(label, sel.top_k))
-        ce = torch.nn.functional.cross_entropy(scores, target, reduction="none")
-        total = total + (ce * w[r].float()).sum()
-    return total
+    slot = torch.arange(labels_BQ.shape[1], device=labels_BQ.device) % drafter.config.block_size
+    prev = torch.where(slot == 1, block_ids_BQ.roll(1, 1), labels_BQ.roll(1, 1)).clamp(min=0)
+    gate = sel.predecessor_codebook[prev] * sel.hidden_projection(hidden_BQH)
+    return SelectorInputs(gate.flatten(0, 1), sel.successor_codebook, weights_BQ.flatten(), sel.top_k)
 
 
 def drafter_for(cfg: DraftModelConfig) -> DFlashDraftModel:

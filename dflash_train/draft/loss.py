@@ -13,7 +13,8 @@ The per-slot loss is a weighted mix (`objective.loss`):
   kl            T^2 KL(p_T || q_T)         both softened by the temperature T
 Each slot's loss is weighted by the task's weights (the decay, and 0 where a slot does not count), and
 with D-PACE (`objective.slot_weights: dpace`) also by `dpace_weights`, formed here from the drafter's
-own probabilities once every chunk of the blocks has run.
+own probabilities once every chunk of the blocks has run. A DFlash2 drafter's path selector is scored
+in the same chunks, from the logits they form (draft/selector_loss.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.draft.fused_ce import fused_ce
+from dflash_train.draft.selector_loss import SelectorInputs, selector_backward, selector_chunk
 
 
 @dataclass(frozen=True)
@@ -35,16 +37,21 @@ class LossMix:
     kl: float = 0.0
     temperature: float = 1.0
     selector: float = 0.0
-    """DFlash2's path selector (draft/dflash2.py selector_loss_sum), added to the per-slot loss."""
+    """DFlash2's path selector (draft/selector_loss.py), scored in the same chunked pass."""
+    selector_join: bool = True
+    """A checked token outside the selector's top-k joins the candidates (else: no selector loss there)."""
+    selector_slot_weighted: bool = True
+    """The selector term weighted as the slot's CE (decay or D-PACE); else 1 per counted slot."""
     dpace_alpha: float | None = None
     """Slots weighted by D-PACE with this smoothing (`dpace_weights`) instead of the mask's weights
     alone; None: off."""
 
     @classmethod
-    def from_weights(cls, weights: dict, temperature: float = 1.0, dpace_alpha: float | None = None) -> LossMix:
+    def from_weights(cls, weights: dict, temperature: float = 1.0, dpace_alpha: float | None = None,
+                     selector_join: bool = True, selector_slot_weighted: bool = True) -> LossMix:
         return cls(ce=weights.get("ce", 0.0), target_argmax=weights.get("target_argmax", 0.0),
                    kl=weights.get("kl", 0.0), temperature=temperature, selector=weights.get("selector", 0.0),
-                   dpace_alpha=dpace_alpha)
+                   dpace_alpha=dpace_alpha, selector_join=selector_join, selector_slot_weighted=selector_slot_weighted)
 
     @property
     def needs_target(self) -> bool:
@@ -66,9 +73,13 @@ def _input_grad(head, dlogits: torch.Tensor) -> torch.Tensor:
     return head.input_grad(dlogits)
 
 
-def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossMix, with_grad: bool):
-    """([rows] weighted per-row losses, [rows] 1.0 where the argmax is right, [rows] the drafter's
-    probability of the token acceptance checks, d loss_row / d h of each row or None).
+def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossMix, with_grad: bool,
+                sel_gate=None, successor=None, sel_weights=None, top_k: int = 0):
+    """([rows] weighted per-row losses, [rows] 1.0 where the drafted token is right, [rows] the
+    drafter's probability of the token acceptance checks, d loss_row / d h of each row or None, and
+    with a selector (`top_k` > 0) its ([rows] weighted losses, score gradients, candidate ids), else None).
+
+    The drafted token is the argmax, or with a selector its pick after the true predecessor.
 
     The gradient is formed here, in closed form, while the chunk's logits exist; autograd would have
     to form them again in the backward (the recompute of a checkpoint: a third head matmul).
@@ -93,11 +104,17 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
             p_t = log_p.exp()  # read again by the gradient
             log_q_t = log_q if t == 1 else F.log_softmax(logits / t, dim=-1)
             per_row = per_row + mix.kl * (t * t) * (p_t * (log_p - log_q_t)).sum(-1)
-    correct = (logits.argmax(-1) == reference).float()
+    selector = None
+    if top_k:
+        sel_terms, correct, dscores, ids = selector_chunk(logits, reference, sel_gate, successor, sel_weights, top_k,
+                                                          mix.selector_join)
+        selector = (sel_terms, dscores, ids)
+    else:
+        correct = (logits.argmax(-1) == reference).float()
     q_reference = log_q.gather(1, reference[:, None]).squeeze(1).exp()
     terms = per_row * weights
     if not with_grad:
-        return terms, correct, q_reference, None
+        return terms, correct, q_reference, None, selector
     hard = mix.ce + mix.target_argmax
     dlogits = hard * log_q.exp() if hard else torch.zeros_like(log_q)
     if mix.ce:
@@ -106,7 +123,7 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
         dlogits = _minus_at(dlogits, reference, mix.target_argmax)
     if p_t is not None:
         dlogits = dlogits + (mix.kl * mix.temperature) * (log_q_t.exp() - p_t)
-    return terms, correct, q_reference, _input_grad(head, dlogits * weights[:, None])
+    return terms, correct, q_reference, _input_grad(head, dlogits * weights[:, None]), selector
 
 
 def _minus_at(dlogits: torch.Tensor, index: torch.Tensor, amount: float) -> torch.Tensor:
@@ -115,30 +132,48 @@ def _minus_at(dlogits: torch.Tensor, index: torch.Tensor, amount: float) -> torc
 
 
 class _ChunkLoss(torch.autograd.Function):
-    """A chunk's per-row losses whose backward only scales each row's gradient its forward formed
-    (`_chunk_loss`): no logits are kept or recomputed, and the frozen head gets no gradient."""
+    """A chunk's per-row losses (and a selector's, when it has one) whose backward only scales each
+    row's gradient its forward formed (`_chunk_loss`): no logits are kept or recomputed, and the
+    frozen head gets no gradient."""
 
     @staticmethod
-    def forward(ctx, h, head, labels, weights, target_h, target_logits_fn, mix, chunk_loss):
-        terms, correct, q_reference, grad_h = chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix,
-                                                         True)
-        ctx.save_for_backward(grad_h)
-        ctx.h_dtype = h.dtype
+    def forward(ctx, h, head, labels, weights, target_h, target_logits_fn, mix, chunk_loss, selector_backward_fn,
+                sel_gate, successor, sel_weights, top_k):
+        terms, correct, q_reference, grad_h, selector = chunk_loss(h, head, labels, weights, target_h,
+                                                                   target_logits_fn, mix, True, sel_gate, successor,
+                                                                   sel_weights, top_k)
+        ctx.h_dtype, ctx.selector_backward = h.dtype, selector_backward_fn
+        if selector is None:
+            ctx.save_for_backward(grad_h)
+            sel_terms = terms.new_zeros(0)
+        else:
+            sel_terms, dscores, ids = selector
+            ctx.save_for_backward(grad_h, head, successor, sel_gate, dscores, ids)
         ctx.mark_non_differentiable(correct, q_reference)
-        return terms, correct, q_reference
+        return terms, sel_terms, correct, q_reference
 
     @staticmethod
-    def backward(ctx, grad_terms, _grad_correct, _grad_q):
-        (grad_h,) = ctx.saved_tensors
-        return (grad_h.float() * grad_terms[:, None]).to(ctx.h_dtype), None, None, None, None, None, None, None
+    def backward(ctx, grad_terms, grad_sel, _grad_correct, _grad_q):
+        grad_h, *selector = ctx.saved_tensors
+        grad_h = grad_h.float() * grad_terms[:, None]
+        grad_gate = grad_successor = None
+        if selector:
+            head, successor, gate, dscores, ids = selector
+            sel_h, grad_gate, grad_successor = ctx.selector_backward(head, successor, gate, ids, dscores, grad_sel)
+            grad_h = grad_h + sel_h.float()
+        return (grad_h.to(ctx.h_dtype), None, None, None, None, None, None, None, None, grad_gate, grad_successor,
+                None, None)
 
 
-def _run_chunk(chunk_loss, h, head, labels, weights, target_h, target_logits_fn, mix: LossMix):
-    """One chunk's (per-row losses, correct, probability of the checked token): with its gradient when
-    `h` needs one."""
+def _run_chunk(chunk_loss, h, head, labels, weights, target_h, target_logits_fn, mix: LossMix,
+               selector: tuple | None = None, backward=selector_backward):
+    """One chunk's (per-row losses, selector losses, correct, probability of the checked token): with
+    their gradient when `h` needs one. `selector`: the chunk's (gate, successor, weights, top_k)."""
+    sel = selector or (None, None, None, 0)
     if h.requires_grad:
-        return _ChunkLoss.apply(h, head, labels, weights, target_h, target_logits_fn, mix, chunk_loss)
-    return chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix, False)[:3]
+        return _ChunkLoss.apply(h, head, labels, weights, target_h, target_logits_fn, mix, chunk_loss, backward, *sel)
+    terms, correct, q, _, out = chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix, False, *sel)
+    return terms, terms.new_zeros(0) if out is None else out[0], correct, q
 
 
 def dpace_weights(q: torch.Tensor, counted: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -155,6 +190,12 @@ def dpace_weights(q: torch.Tensor, counted: torch.Tensor, alpha: float) -> torch
         smooth = torch.where(counted > 0, (1 - alpha) * q + alpha, torch.ones_like(q))
         prefix = torch.cumprod(smooth, dim=-1)
         return (prefix * counted).flip(-1).cumsum(-1).flip(-1) * counted
+
+
+@functools.cache
+def _compiled_selector_backward():
+    """`selector_backward` under torch.compile, beside the compiled chunk (static shapes)."""
+    return torch.compile(selector_backward, dynamic=False)
 
 
 @functools.cache
@@ -220,6 +261,7 @@ def block_loss(
     compiled: bool = False,
     kernel: str = "chunked",
     even_chunks: bool = False,
+    selector: SelectorInputs | None = None,
 ) -> BlockLoss:
     """`lm_head`: the target's frozen head, its weight [V, H] or an `Fp8Head` (chunked kernel only).
     `target_hidden_BQH`: the target's final-normed hidden state at the position that predicts
@@ -228,7 +270,8 @@ def block_loss(
     module) or a fused library kernel for the CE-only mix (`fused_ce.py`, CUDA). `even_chunks`: the
     rows split into the fewest even chunks of at most `chunk_size` (`chunk_rows`); for row counts that
     repeat (length buckets: one compiled graph per bucket). Otherwise every compiled chunk is padded
-    to `chunk_size`: one graph for any row count."""
+    to `chunk_size`: one graph for any row count. `selector`: DFlash2's path selector, its loss
+    formed in the same chunks (draft/selector_loss.py); the statistics then count its picks."""
     if mix.needs_target and (target_hidden_BQH is None or target_logits_fn is None):
         raise ValueError("the loss mix distils from the target: pass its hidden states and logits function")
     h = hidden_BQH.reshape(-1, hidden_BQH.shape[-1])
@@ -239,7 +282,7 @@ def block_loss(
         raise ValueError("the LM head is the target's, frozen: the loss gives no gradient for it")
     counted = (weights > 0).float()
     if kernel != "chunked":
-        if mix.needs_target or compiled or mix.dpace_alpha is not None:
+        if mix.needs_target or compiled or mix.dpace_alpha is not None or selector is not None:
             raise ValueError(f"train.ce_kernel={kernel} computes the CE loss only, uncompiled and decay-weighted: set "
                              "objective.loss to ce, objective.slot_weights to decay and train.compile_loss to "
                              "false, or use train.ce_kernel=chunked")
@@ -248,44 +291,55 @@ def block_loss(
                              "train.fp8_lm_head")
         total, correct = fused_ce(kernel, h, lm_head, labels, weights, chunk_size)
         return _block_loss(mix.ce * total, correct * counted, counted, block_size)
+    if selector is not None and not isinstance(lm_head, torch.Tensor):
+        raise ValueError("DFlash2's selector loss reads rows of the head's weight: train without train.fp8_lm_head")
+    per_row = [h, labels, weights, t_h, None, None]
+    if selector is not None:
+        per_row[4:] = selector.gate.reshape(rows, -1), selector.weights.reshape(-1)
     kept = None
     if not compiled and h.device.type == "cpu":
         # Zero-weight rows (slot 0, labels past the response, invalid anchors) add nothing to the loss:
         # leave them out of the LM head, which dominates a CPU step (short answers: ~20% of the rows).
         # CPU only: on a GPU the data-dependent row count would cost a host sync every step.
         kept = counted.nonzero().squeeze(1)
-        h, labels, weights = h[kept], labels[kept], weights[kept]
-        t_h = None if t_h is None else t_h[kept]
-    chunk_loss = _chunk_loss
+        per_row = [None if x is None else x[kept] for x in per_row]
+    chunk_loss, backward = _chunk_loss, selector_backward
     if even_chunks:
-        chunk_size = chunk_rows(h.shape[0], chunk_size)
+        chunk_size = chunk_rows(per_row[0].shape[0], chunk_size)
     if compiled:
-        chunk_loss = _compiled_chunk_loss()
+        chunk_loss, backward = _compiled_chunk_loss(), _compiled_selector_backward()
         pad = -rows % chunk_size  # zero-weight rows: every chunk has the same shape
-        h, labels, weights = F.pad(h, (0, 0, 0, pad)), F.pad(labels, (0, pad)), F.pad(weights, (0, pad))
-        t_h = None if t_h is None else F.pad(t_h, (0, 0, 0, pad))
+        per_row = [None if x is None else F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) for x in per_row]
     total = h.new_zeros((), dtype=torch.float32)
     if h.requires_grad:
         total = total + h.sum() * 0  # stays differentiable even when no row counts
-    correct, terms, q_reference = [], [], []  # the last two kept for D-PACE only
-    for start in range(0, h.shape[0], chunk_size):
-        sl = slice(start, start + chunk_size)
-        t, c, q = _run_chunk(chunk_loss, h[sl], lm_head, labels[sl], weights[sl], None if t_h is None else t_h[sl],
-                             target_logits_fn, mix)
+    correct, terms, sel_terms, q_reference = [], [], [], []  # all but the first kept for D-PACE only
+    for start in range(0, per_row[0].shape[0], chunk_size):
+        h_c, labels_c, weights_c, t_h_c, gate_c, sel_w_c = (None if x is None else x[start : start + chunk_size]
+                                                             for x in per_row)
+        sel = None if selector is None else (gate_c, selector.successor, sel_w_c, selector.top_k)
+        t, s, c, q = _run_chunk(chunk_loss, h_c, lm_head, labels_c, weights_c, t_h_c, target_logits_fn, mix, sel,
+                                backward)
         correct.append(c.detach())
         if mix.dpace_alpha is None:
             total = total + t.sum()
         else:
             terms.append(t)
             q_reference.append(q.detach())
+        if selector is not None and mix.dpace_alpha is not None and mix.selector_slot_weighted:
+            sel_terms.append(s)
+        elif selector is not None:
+            total = total + s.sum()
     correct = torch.cat(correct) if correct else counted.new_zeros(0)
     if terms:
         # every row's probability is known only now: the blocks' weights span chunks
         q = _full_rows(torch.cat(q_reference), kept, rows)
         slot_weights = dpace_weights(q.view(-1, block_size), counted.view(-1, block_size), mix.dpace_alpha).view(-1)
         slot_weights = slot_weights if kept is None else slot_weights[kept]
-        terms = torch.cat(terms)
-        total = total + (terms[: slot_weights.shape[0]] * slot_weights).sum()
+        n = slot_weights.shape[0]
+        total = total + (torch.cat(terms)[:n] * slot_weights).sum()
+        if sel_terms:
+            total = total + (torch.cat(sel_terms)[:n] * slot_weights).sum()
     return _block_loss(total, _full_rows(correct, kept, rows) * counted, counted, block_size)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from dflash_train.config import ObjectiveConfig
 from dflash_train.draft import masks
-from dflash_train.draft.dflash2 import selector_loss_sum
+from dflash_train.draft.dflash2 import selector_inputs
 from dflash_train.draft.loss import BlockLoss, LossMix, block_loss
 from dflash_train.draft.model import DFlashDraftModel
 
@@ -111,10 +111,10 @@ def draft_loss(
     if mix.needs_target:
         pos = masks.label_source_positions(task.anchors, cfg.block_size, task.input_ids.shape[1])
         target_hidden = final.gather(1, pos[..., None].expand(-1, -1, final.shape[-1]))
-    loss = block_loss(hidden, lm_head, task.labels, task.weights, cfg.block_size, ce_chunk_size,
-                      mix, target_hidden, target_logits_fn, compiled_loss, ce_kernel, even_chunks)
+    selector = None
     if mix.selector > 0:
         block_ids = masks.block_inputs(task.input_ids, task.anchors, cfg.block_size, cfg.mask_token_id)
-        selector = selector_loss_sum(drafter, hidden, block_ids, task.labels, task.weights, lm_head)
-        loss.weighted_ce_sum = loss.weighted_ce_sum + mix.selector * selector
-    return loss
+        weights = task.weights if mix.selector_slot_weighted else (task.weights > 0).float()
+        selector = selector_inputs(drafter, hidden, block_ids, task.labels, mix.selector * weights)
+    return block_loss(hidden, lm_head, task.labels, task.weights, cfg.block_size, ce_chunk_size, mix, target_hidden,
+                      target_logits_fn, compiled_loss, ce_kernel, even_chunks, selector)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from dflash_train.config import RunConfig
@@ -10,6 +12,12 @@ from dflash_train.data.dataset import TokenizedDataset
 from dflash_train.targets.model import Target
 from dflash_train.train.capture import CapturedFeatures, fingerprint
 from dflash_train.train.feature_cache import FeatureCache, HostSlabs, from_capture, from_target, step_reserve
+
+log = logging.getLogger("dflash_train")
+
+STEP_MARGIN = 1.25
+"""The measured step's memory times this (plus 1 GiB) is what the cache leaves free: real batches
+and the allocator's fragmentation take more than the warm-up's synthetic ones."""
 
 
 class Features:
@@ -27,6 +35,18 @@ class Features:
         # where the cache's missing rows come from
         self.make_rows = (from_capture(self.captured, device) if self.captured is not None else
                           from_target(dataset, device, lambda ids: target.features(ids, stream_layers)))
+
+    def reserve_for_step(self, step_bytes: int) -> None:
+        """The cache leaves free at least what the drafter's step was measured to take (its warm-up
+        over every bucket shape), with a margin: a family whose step needs more than the estimate
+        (`step_reserve`) keeps its room, instead of running out of memory once the cache has grown."""
+        if self.cache is None:
+            return
+        measured = int(step_bytes * STEP_MARGIN) + 2**30
+        if measured > self.cache.reserve_bytes:
+            log.info("feature cache: leaves %.1f GiB free for the step (measured %.1f GiB; estimate %.1f GiB)",
+                     measured / 2**30, step_bytes / 2**30, self.cache.reserve_bytes / 2**30)
+            self.cache.reserve_bytes = measured
 
     def __call__(self, batch: dict) -> torch.Tensor:
         if self.cache is not None:

@@ -45,7 +45,9 @@ class DraftForward:
                 use_flex: bool) -> DraftForward:
         objective = cfg.objective
         dpace_alpha = objective.dpace_alpha if objective.slot_weights == "dpace" else None
-        return cls(drafter, target, device, LossMix.from_weights(objective.loss, objective.kd_temperature, dpace_alpha),
+        mix = LossMix.from_weights(objective.loss, objective.kd_temperature, dpace_alpha,
+                                   objective.selector_outside_top_k == "join", objective.selector_weights == "slot")
+        return cls(drafter, target, device, mix,
                    use_flex, loss_chunk_rows(cfg.objective.ce_chunk_size, target.vocab_size),
                    cfg.train.compile_loss, cfg.train.ce_kernel, bool(cfg.data.length_bucket),
                    Fp8Head(target.lm_head_weight) if cfg.train.fp8_lm_head else None, cfg.objective.feature_noise)

@@ -18,6 +18,7 @@ import torch
 from dflash_train.config import RunConfig
 from dflash_train.draft.loss import LossTally
 from dflash_train.draft.objective import make_task
+from dflash_train.errors import UserError
 from dflash_train.targets.model import warm_up_compiled
 from dflash_train.train.accumulate import LocalSource, NoReduction, Replica, accumulate
 from dflash_train.train.build import RunParts
@@ -26,6 +27,14 @@ from dflash_train.train.shapes import bucket_shapes, synthetic_batch
 from dflash_train.train.step_graph import StepGraphs
 
 log = logging.getLogger("dflash_train")
+
+
+def _too_large(cfg: RunConfig, rows: int, length: int, device: torch.device) -> str:
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return (f"the drafter's step of {rows} rows x {length} tokens does not fit in the {total:.0f} GiB of "
+            f"{torch.cuda.get_device_name(device)} (draft.family={cfg.draft.family}, data.token_budget="
+            f"{cfg.data.token_budget}, objective.ce_chunk_size={cfg.objective.ce_chunk_size}, objective.num_anchors="
+            f"{cfg.objective.num_anchors}): lower one of them")
 
 
 class TrainStep:
@@ -76,17 +85,28 @@ class TrainStep:
     def compile_buckets(self) -> int:
         """One forward+backward per bucket shape (synthetic tokens, no update), and the target's
         forward on them where it is compiled (`target.compile`): compiles every graph the run will
-        need, so training itself never recompiles. Returns the shapes compiled."""
+        need, so training itself never recompiles. On a GPU the largest step's memory is measured:
+        the feature cache leaves that much free, and a step that cannot fit stops here, in one line,
+        before training. Returns the shapes compiled."""
         p = self.parts
         gen = torch.Generator().manual_seed(0)
         shapes = bucket_shapes(self.cfg.data)
         if p.target.compiled_here:  # every bucket shape, and the feature cache's fills: any rows, any length
             warm_up_compiled(p.target, shapes, p.stream_layers)
+        cuda = p.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(p.device)
+            before = torch.cuda.memory_allocated(p.device)
         for rows, length in shapes:
             batch, feats = synthetic_batch(p.target, p.stream_layers, p.device, rows, length, gen)
             task = make_task(batch["input_ids"], batch["loss_mask"], self.cfg.objective, 0)
-            p.forward(task, feats).weighted_ce_sum.backward()
+            try:
+                p.forward(task, feats).weighted_ce_sum.backward()
+            except torch.OutOfMemoryError:
+                raise UserError(_too_large(self.cfg, rows, length, p.device)) from None
             p.drafter.zero_grad(set_to_none=self.graphs is None)
+        if cuda:
+            p.features.reserve_for_step(torch.cuda.max_memory_allocated(p.device) - before)
         p.compilation.recompiles.mark_warm()
         return len(shapes)
 

@@ -122,51 +122,11 @@ def test_bad_dflash2_sizes_are_refused_in_one_line():
         config(family="dflash")
 
 
-def selector_loss_reference(model, hidden, block_ids, labels, weights, head):
-    """The selector objective slot by slot, in float64: CE of the label among top-k ∪ {label}."""
-    sel, block, total = model.candidate_selector, model.config.block_size, 0.0
-    for r in range(hidden.shape[0]):
-        for t in range(hidden.shape[1]):
-            if weights[r, t] <= 0:
-                continue
-            prev = int(block_ids[r, t - 1]) if t % block == 1 else int(labels[r, t - 1])
-            logits = hidden[r, t] @ head.T
-            cands = logits.topk(sel.top_k).indices.tolist()
-            label = int(labels[r, t])
-            if label not in cands:
-                cands.append(label)
-            gate = sel.hidden_projection(hidden[r, t])
-            scores = torch.stack([logits[c] + (sel.predecessor_codebook[prev] * gate * sel.successor_codebook[c]).sum()
-                                  for c in cands])
-            total += float(weights[r, t]) * float(torch.logsumexp(scores, 0) - scores[cands.index(label)])
-    return total
-
-
-def test_the_selector_loss_matches_a_slot_by_slot_reference():
-    from dflash_train.draft.dflash2 import selector_loss_sum
-
-    cfg = config()
-    model = DFlash2DraftModel(cfg).double()
-    torch.manual_seed(3)
-    sel = model.candidate_selector
-    for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
-        torch.nn.init.normal_(p)
-    q = 3 * cfg.block_size
-    hidden = torch.randn(2, q, cfg.hidden_size, dtype=torch.float64)
-    head = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.float64)
-    block_ids = torch.randint(0, cfg.vocab_size, (2, q))
-    labels = torch.randint(0, cfg.vocab_size, (2, q))
-    labels[0, 5] = (hidden[0, 5] @ head.T).argmax()  # one label inside the top-k, counted once
-    weights = torch.rand(2, q, dtype=torch.float64) * (torch.arange(q) % cfg.block_size != 0)
-    weights[1, 7] = 0
-    got = selector_loss_sum(model, hidden, block_ids, labels, weights, head, chunk_rows=5)
-    assert float(got) == pytest.approx(selector_loss_reference(model, hidden, block_ids, labels, weights, head))
-
-
 def test_training_the_selector_picks_the_successor_its_predecessor_calls_for():
     """Two candidates with equal logits; which one comes next depends on the previous token only. The
     drafter's logits cannot tell them apart; the trained selector walks the right path."""
-    from dflash_train.draft.dflash2 import selector_loss_sum
+    from dflash_train.draft.dflash2 import selector_inputs
+    from dflash_train.draft.loss import LossMix, block_loss
 
     cfg = config(block_size=3, selector_top_k=2)
     model = DFlash2DraftModel(cfg)
@@ -183,7 +143,8 @@ def test_training_the_selector_picks_the_successor_its_predecessor_calls_for():
     opt = torch.optim.Adam(model.candidate_selector.parameters(), lr=0.05)
     for _ in range(200):
         opt.zero_grad()
-        selector_loss_sum(model, hidden, block_ids, labels, weights, head).backward()
+        inputs = selector_inputs(model, hidden, block_ids, labels, weights)
+        block_loss(hidden, head, labels, weights, 3, mix=LossMix(ce=0.0, selector=1.0), selector=inputs).weighted_ce_sum.backward()
         opt.step()
     with torch.no_grad():
         # top-2 of the tied logits are two of the four; place the right ones there as the engines' top-k would

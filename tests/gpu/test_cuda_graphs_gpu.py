@@ -15,7 +15,7 @@ from dflash_train.train.loop import Trainer
 from dflash_train.train.shapes import bucket_shapes, synthetic_batch
 from dflash_train.train.step_graph import StepGraphs
 
-from tiny import GPU_RECIPE, tiny_target, to_cuda  # tests/ is on sys.path (conftest.py)
+from tiny import DFLASH2, GPU_RECIPE, tiny_target, to_cuda  # tests/ is on sys.path (conftest.py)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,8 +29,10 @@ def learning_target():
     return target
 
 
-def test_each_replay_gives_the_eager_step_whatever_ran_before(make_run_config):
-    trainer = Trainer(make_run_config(overrides=[*GPU_RECIPE, "train.cuda_graphs=true"]), target=learning_target())
+@pytest.mark.parametrize("family", [[], DFLASH2], ids=["dflash", "dflash2"])
+def test_each_replay_gives_the_eager_step_whatever_ran_before(make_run_config, family):
+    trainer = Trainer(make_run_config(overrides=[*GPU_RECIPE, *family, "train.cuda_graphs=true"]),
+                      target=learning_target())
     trainer.stepper.compile_buckets()
     graphs = trainer.stepper.graphs
     graphs._allocate_grads()
@@ -59,11 +61,12 @@ def test_each_replay_gives_the_eager_step_whatever_ran_before(make_run_config):
             torch.testing.assert_close(g, w, rtol=2e-3, atol=1e-5)
 
 
-def test_a_run_with_captured_steps_trains_like_the_plain_run(make_run_config):
+@pytest.mark.parametrize("family", [[], DFLASH2], ids=["dflash", "dflash2"])
+def test_a_run_with_captured_steps_trains_like_the_plain_run(make_run_config, family):
     records, trainers = {}, {}
     for graphs in (False, True):
         cfg = make_run_config(f"graphs_{graphs}", overrides=[
-            *GPU_RECIPE, "train.max_steps=16", "train.log_every=1", "train.lr=1e-2",
+            *GPU_RECIPE, *family, "train.max_steps=16", "train.log_every=1", "train.lr=1e-2",
             f"train.cuda_graphs={str(graphs).lower()}"])
         trainers[graphs] = trainer = Trainer(cfg, target=learning_target())
         trainer.fit(progress=False)
