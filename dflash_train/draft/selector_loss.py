@@ -51,7 +51,7 @@ def selector_chunk(logits: torch.Tensor, reference: torch.Tensor, gate: torch.Te
     [n] 1.0 where the selector's pick after the true predecessor is the checked token, [n, k+1] the
     weighted gradient of the loss in the scores, [n, k+1] the candidates' ids)."""
     with torch.no_grad():
-        top_logits, top = logits.topk(top_k, dim=-1)
+        top_logits, top = tiled_top_k(logits, top_k)
     in_top = top == reference[:, None]
     found = in_top.any(1)
     ids = torch.cat([top, reference[:, None]], dim=1)
@@ -69,6 +69,26 @@ def selector_chunk(logits: torch.Tensor, reference: torch.Tensor, gate: torch.Te
     correct = (pick == reference).float()
     dscores = (log_p.exp() - F.one_hot(target, top_k + 1).float()) * weights[:, None]
     return terms, correct, dscores, ids
+
+
+TILE = 64
+"""Columns a tile of the vocabulary spans in `tiled_top_k`."""
+
+
+def tiled_top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.topk(k, -1)` (sorted) of [n, V] in one pass over `x`: the k largest lie in the k tiles of
+    TILE columns with the largest maxima (a tile holding one of them has a maximum at least the k-th
+    largest, and at most k tiles do), so a row's tile maxima, then the top k of those k tiles. A
+    full-width topk reads a row many times (a radix select per slice); this reads it once."""
+    n, v = x.shape
+    if v <= k * TILE:
+        return x.topk(k, dim=-1)
+    if v % TILE:
+        x = F.pad(x, (0, -v % TILE), value=float("-inf"))
+    tiles = x.view(n, -1, TILE)
+    best = tiles.amax(-1).topk(k, dim=-1).indices  # [n, k]
+    values, where = tiles.gather(1, best[..., None].expand(-1, -1, TILE)).flatten(1).topk(k, dim=-1)
+    return values, best.gather(1, where // TILE) * TILE + where % TILE
 
 
 def selector_backward(head: torch.Tensor, successor: torch.Tensor, gate: torch.Tensor, ids: torch.Tensor,

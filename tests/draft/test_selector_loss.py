@@ -157,3 +157,18 @@ def test_the_compiled_chunk_equals_eager():
     torch.testing.assert_close(compiled.correct_per_slot, eager.correct_per_slot)
     for a, b in zip(grads(model, hidden, compiled.weighted_ce_sum), grads(model, hidden, eager.weighted_ce_sum)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [50, 300, 1000, 49152, 151936])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_the_one_pass_top_k_is_torchs_topk(vocab, k):
+    """The tiles' maxima, then the top k of the k best tiles: the same values and ids as a full-width
+    topk, in order, for vocabularies that are and are not a whole number of tiles."""
+    from dflash_train.draft.selector_loss import tiled_top_k
+
+    x = torch.randn(37, vocab, generator=torch.Generator().manual_seed(vocab + k))
+    x[0, :] = 0.0  # ties everywhere: the values still agree
+    got, want = tiled_top_k(x, k), x.topk(k, dim=-1)
+    torch.testing.assert_close(got[0], want[0])
+    assert torch.equal(got[1][1:], want[1][1:])
+    assert bool((x.gather(1, got[1]) == got[0]).all())
