@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from dflash_train.config import TargetConfig
+from dflash_train.config_model import TargetConfig
 from dflash_train.eval.export import load_drafter
 from dflash_train.data.prompts import load_prompts
 from dflash_train.eval.replay import accepted_prefixes

@@ -23,7 +23,7 @@ def first_step() -> dict:
     import torch
 
     from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
-    from dflash_train.config import ObjectiveConfig
+    from dflash_train.config_model import ObjectiveConfig
     from dflash_train.draft.objective import draft_loss, make_task
     from dflash_train.checks import compile_cache
 

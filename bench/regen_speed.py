@@ -62,7 +62,7 @@ def load(model_name: str, device: torch.device, dtype: torch.dtype):
         from transformers import LlamaConfig, LlamaForCausalLM
         torch.manual_seed(0)
         return LlamaForCausalLM(LlamaConfig(**RANDOM[model_name])).to(device, dtype).eval().requires_grad_(False), None
-    from dflash_train.config import TargetConfig
+    from dflash_train.config_model import TargetConfig
     from dflash_train.targets.model import load_target
     target = load_target(TargetConfig(path=model_name, dtype=str(dtype).removeprefix("torch.")), device)
     return target.model, target.tokenizer

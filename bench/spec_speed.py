@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash_train.config import RunConfig, TargetConfig  # noqa: E402
+from dflash_train.config import RunConfig  # noqa: E402
+from dflash_train.config_model import TargetConfig
 from dflash_train.eval.export import load_drafter  # noqa: E402
 from dflash_train.data.prompts import load_prompts  # noqa: E402
 from dflash_train.eval.report import encode, stop_token_ids  # noqa: E402

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from throughput import SHAPES  # noqa: E402
 from tiny import tiny_tokenizer  # noqa: E402
 
-from dflash_train.config import TargetConfig  # noqa: E402
+from dflash_train.config_model import TargetConfig  # noqa: E402
 from dflash_train.draft.model import default_target_layer_ids  # noqa: E402
 from dflash_train.targets.model import load_target  # noqa: E402
 

@@ -21,7 +21,8 @@ from dflash_train.eval.config import EvalJobConfig
 from dflash_train.generate.config import GenerateConfig
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dflash_train"
-DECLARING = {PACKAGE / "config.py", PACKAGE / "generate" / "config.py", PACKAGE / "eval" / "config.py"}
+DECLARING = {PACKAGE / "config.py", PACKAGE / "config_model.py", PACKAGE / "config_training.py",
+             PACKAGE / "generate" / "config.py", PACKAGE / "eval" / "config.py"}
 
 READ_INDIRECTLY: dict[str, str] = {}
 """dotted key -> why it is read without its name being written out (none today: every key is read

@@ -17,7 +17,7 @@ from tiny import tiny_tokenizer
 
 from dflash_train.train.capture import CapturedFeatures, fingerprint
 from dflash_train.cli import main
-from dflash_train.config import TargetConfig
+from dflash_train.config_model import TargetConfig
 from dflash_train.data.dataset import load_prepared
 from dflash_train.targets.model import load_target
 from dflash_train.targets.tokenizer import tokenizer_fingerprint

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash_train.config import DFLASH2_FIELDS, DraftConfig
+from dflash_train.config_model import DFLASH2_FIELDS, DraftConfig
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_train.config import ObjectiveConfig
+from dflash_train.config_model import ObjectiveConfig
 from dflash_train.draft import masks
 from dflash_train.draft.dflash2 import selector_inputs
 from dflash_train.draft.loss import BlockLoss, LossMix, block_loss

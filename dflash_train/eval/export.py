@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_train.atomic import new_temp_dir, read_json, swap_dir
 from dflash_train.checks.manifest import MANIFEST_NAME
-from dflash_train.config import DFLASH2_FIELDS
+from dflash_train.config_model import DFLASH2_FIELDS
 from dflash_train.checkpoint.integrity import require_intact
 from dflash_train.checkpoint.local import latest_checkpoint, read_checkpoint_file
 from dflash_train.disk import require_writable, writes_to

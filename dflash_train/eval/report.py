@@ -22,7 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash_train.atomic import write_atomic
-from dflash_train.config import EvalConfig, RunConfig
+from dflash_train.config import RunConfig
+from dflash_train.config_training import EvalConfig
 from dflash_train.disk import require_writable
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.eval.export import load_drafter

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from dflash_train.config import TargetConfig
+from dflash_train.config_model import TargetConfig
 from dflash_train.decode.graphed_engine import GraphedEngine, Job, prefill_problem
 from dflash_train.decode.greedy import ENGINES, cut_at_stop, engine_problem, generate_ids, pad_token_id
 from dflash_train.decode.sampling import GenParams

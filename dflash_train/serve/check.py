@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.atomic import write_json_atomic
-from dflash_train.config import TargetConfig
+from dflash_train.config_model import TargetConfig
 from dflash_train.data.prompts import Prompt, load_prompts
 from dflash_train.eval.export import CHECKPOINT_CONFIG, export_drafter, load_drafter, read_drafter_config
 from dflash_train.eval.report import encode, stop_token_ids

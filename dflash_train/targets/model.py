@@ -19,7 +19,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dflash_train.checks import compile_cache
-from dflash_train.config import TargetConfig
+from dflash_train.config_model import TargetConfig
 from dflash_train.data.chat import text_format
 from dflash_train.checks.fp8 import fp8_problem
 from dflash_train.targets.fp8 import quantize_decoder

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dflash_train.config import DataConfig, RunConfig
+from dflash_train.config import RunConfig
+from dflash_train.config_training import DataConfig
 from dflash_train.data.batching import bucket_shape, make_batches
 from dflash_train.data.dataset import TokenizedDataset
 from dflash_train.draft.masks import upload

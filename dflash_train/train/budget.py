@@ -23,7 +23,7 @@ from time import perf_counter
 
 import torch
 
-from dflash_train.config import TrainConfig
+from dflash_train.config_training import TrainConfig
 from dflash_train.train.optim import refit_scheduler
 from dflash_train.train.progress import Progress
 

@@ -14,7 +14,8 @@ import logging
 
 import torch
 
-from dflash_train.config import DFLASH2_FIELDS, RunConfig
+from dflash_train.config import RunConfig
+from dflash_train.config_model import DFLASH2_FIELDS
 from dflash_train.draft.dflash2 import drafter_for
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 from dflash_train.eval.export import check_state_dict, read_drafter_folder

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_train.config import TrainConfig
+from dflash_train.config_training import TrainConfig
 
 
 def build_optimizer(params, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:

@@ -6,7 +6,9 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from dflash_train.config import DFLASH2_FIELDS, DataConfig, RunConfig
+from dflash_train.config import RunConfig
+from dflash_train.config_model import DFLASH2_FIELDS
+from dflash_train.config_training import DataConfig
 from dflash_train.data.batching import bucket_shape
 from dflash_train.draft.model import DraftModelConfig, target_layer_ids
 from dflash_train.targets.model import Target, resolve_mask_token_id

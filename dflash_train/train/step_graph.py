@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash_train.config import ObjectiveConfig
+from dflash_train.config_model import ObjectiveConfig
 from dflash_train.draft.objective import task_from_keys, task_keys
 from dflash_train.compiled_steps import capture_graph
 from dflash_train.train.build import RunParts

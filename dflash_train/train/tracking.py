@@ -17,7 +17,7 @@ from numbers import Number
 from pathlib import Path
 from typing import Any
 
-from dflash_train.config import TrackingConfig
+from dflash_train.config_training import TrackingConfig
 
 REDACTED = "<redacted>"
 _SECRET_WORDS = ("secret", "password", "passwd", "api_key", "apikey", "access_key", "credential")

@@ -216,7 +216,7 @@ def test_training_blocks_equal_the_blocks_drafted_at_inference(target):
     sequence, masked to positions < a) gives the same proposals as the block speculative decoding
     drafts once a is the last verified token (features of positions < a only, fresh draft cache)."""
     from dflash_train.draft.model import DraftKVCache
-    from dflash_train.config import ObjectiveConfig
+    from dflash_train.config_model import ObjectiveConfig
     from dflash_train.draft.objective import draft_hidden, make_task
     from dflash_train.decode.spec_decode import draft_block
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from dflash_train.config import TargetConfig
+from dflash_train.config_model import TargetConfig
 from dflash_train.targets.model import load_target
 from dflash_train.targets.tokenizer import resolve_target_path
 

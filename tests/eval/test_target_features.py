@@ -9,7 +9,8 @@ import pytest
 import torch
 from tiny import tiny_target
 
-from dflash_train.config import ConfigError, DraftConfig
+from dflash_train.config import ConfigError
+from dflash_train.config_model import DraftConfig
 from dflash_train.eval.export import export_drafter, load_drafter
 from dflash_train.decode.spec_decode import speculative_generate
 from dflash_train.draft.model import target_layer_ids

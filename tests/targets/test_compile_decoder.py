@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from dflash_train.config import ConfigError, TargetConfig
+from dflash_train.config import ConfigError
+from dflash_train.config_model import TargetConfig
 from dflash_train.eval.config import build_eval_config
 from dflash_train.targets.model import Target, compile_decoder, load_target
 from tiny import tiny_target

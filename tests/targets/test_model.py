@@ -206,7 +206,7 @@ def test_the_drafters_block_embeddings_are_the_ones_the_targets_forward_uses():
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_a_per_row_fp8_target_needs_bfloat16_and_is_refused_before_it_loads(dtype, monkeypatch):
     import dflash_train.targets.model as target_model
-    from dflash_train.config import TargetConfig
+    from dflash_train.config_model import TargetConfig
 
     monkeypatch.setattr(target_model, "fp8_problem", lambda device: None)  # as on an FP8 GPU
     cfg = TargetConfig(path="no-such/model", dtype=dtype, fp8="rowwise")

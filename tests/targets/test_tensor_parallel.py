@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dflash_train.config import TargetConfig
+from dflash_train.config_model import TargetConfig
 from dflash_train.targets.model import load_target
 from dflash_train.targets.tensor_parallel import tensor_parallel_plan
 from dflash_train.distributed.launch import main as launch_main

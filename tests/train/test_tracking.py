@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from dflash_train.config import TrackingConfig
+from dflash_train.config_training import TrackingConfig
 from dflash_train.train.tracking import REDACTED, Tracker, flatten_metrics, scrub
 
 SECRET = "sk-very-secret-0042"
