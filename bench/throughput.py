@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_train.config import build_config
 from dflash_train.draft import masks
-from dflash_train.draft.dflash2 import drafter_for
+from dflash_train.draft.build import drafter_for
 from dflash_train.draft.fp8 import RECIPES, convert_to_fp8
 from dflash_train.draft.fp8_head import Fp8Head
 from dflash_train.draft.objective import draft_loss, make_task

@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 from dflash_train.config_loader import (ConfigError, Override, Section, build, override_pairs, parse_override,
                                        read_yaml_tree)
 from dflash_train.config_model import DraftConfig, ObjectiveConfig, TargetConfig
+from dflash_train.families import family, term_owner
 from dflash_train.config_training import CheckpointConfig, DataConfig, EvalConfig, TrackingConfig, TrainConfig
 
 __all__ = ["ConfigError", "RunConfig", "build_config", "dump_config", "load_config", "parse_override"]
@@ -89,10 +90,20 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _selector_fits_the_family(self) -> RunConfig:
+    def _loss_fits_the_family(self) -> RunConfig:
+        spec = family(self.draft.family)
+        for term, weight in self.objective.loss.items():
+            owner = term_owner(term)
+            if weight > 0 and owner not in (None, spec):
+                raise ValueError(f"objective.loss.{term} trains draft.family={owner.name}: set draft.family={owner.name}")
+        for term in spec.loss_terms:
+            if not self.objective.loss.get(term, 0.0) > 0:
+                raise ValueError(f"draft.family={spec.name} without objective.loss.{term} leaves its {term} "
+                                 f"untrained: add {term} to objective.loss, e.g. {{ce: 1, {term}: 1}}")
+        if self.draft.fp8 != "off" and not spec.fp8_drafter:
+            raise ValueError(f"draft.fp8 with draft.family={spec.name}: its layers in FP8 are not tested yet; "
+                             "set draft.fp8=off")
         selector = self.objective.loss.get("selector", 0.0) > 0
-        if selector and self.draft.family != "dflash2":
-            raise ValueError("objective.loss.selector trains DFlash2's path selector: set draft.family=dflash2")
         # changed from their defaults (a saved run config repeats the defaults of every key)
         unread = [k for k in ("selector_outside_top_k", "selector_weights")
                   if getattr(self.objective, k) != type(self.objective).model_fields[k].default and not selector]
@@ -100,12 +111,6 @@ class RunConfig(Section):
             raise ValueError(f"objective.{unread[0]} is read with objective.loss.selector only (draft.family=dflash2)")
         if selector and self.train.fp8_lm_head:
             raise ValueError("objective.loss.selector reads rows of the bf16/fp32 LM head: set train.fp8_lm_head=false")
-        if self.draft.family == "dflash2" and self.draft.fp8 != "off":
-            raise ValueError("draft.fp8 with draft.family=dflash2: the convolutions' and the selector's layers in FP8 "
-                             "are not tested yet; set draft.fp8=off")
-        if self.draft.family == "dflash2" and not selector:
-            raise ValueError("draft.family=dflash2 without objective.loss.selector leaves the selector untrained "
-                             "(it would draft as DFlash): add selector to objective.loss, e.g. {ce: 1, selector: 1}")
         return self
 
     @model_validator(mode="after")

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from dflash_train.config_loader import Section
+from dflash_train.families import FAMILIES, family, owner_of_size
 
 
 class TargetConfig(Section):
@@ -39,10 +40,6 @@ class TargetConfig(Section):
     (`bench/throughput.py --compile-target`). Not with target.tensor_parallel > 1; `eval` refuses it."""
 
 
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-"""The sizes only draft.family=dflash2 has (DraftConfig, the drafter's config and its export name them alike)."""
-
-
 class DraftConfig(Section):
     """The DFlash drafter. Width, heads and vocabulary come from the target."""
 
@@ -69,7 +66,7 @@ class DraftConfig(Section):
     train.fp8_lm_head; off by default, as small drafters run slower with it
     (docs/benchmarks/throughput.md#fp8)."""
 
-    family: Literal["dflash", "dflash2"] = "dflash"
+    family: Literal[tuple(FAMILIES)] = "dflash"
     """dflash: the drafter as published in February 2026; dflash2: plus a two-tap grouped convolution
     around each attention and MLP sublayer and a top-k path selector, as SGLang, vLLM and llama.cpp
     serve it (docs/design.md#dflash2). With `init_from` a dflash drafter, a dflash2 one starts as it."""
@@ -84,10 +81,13 @@ class DraftConfig(Section):
 
     @model_validator(mode="after")
     def _one_layer_choice(self) -> DraftConfig:
-        # changed from their defaults (a dumped config repeats the defaults of every key)
-        dflash2_only = sorted(k for k in DFLASH2_FIELDS if getattr(self, k) != type(self).model_fields[k].default)
-        if self.family == "dflash" and dflash2_only:
-            raise ValueError(f"draft.{dflash2_only[0]} belongs to draft.family=dflash2 (the family is dflash)")
+        # another family's sizes changed from their defaults (a dumped config repeats every key's default)
+        spec = family(self.family)
+        foreign = sorted(k for k in type(self).model_fields if owner_of_size(k) not in (None, spec)
+                         and getattr(self, k) != type(self).model_fields[k].default)
+        if foreign:
+            raise ValueError(f"draft.{foreign[0]} belongs to draft.family={owner_of_size(foreign[0]).name} "
+                             f"(the family is {self.family})")
         self._not_both("draft", "target_layer_ids", "num_target_features",
                        "the ids already fix which (and how many) target layers are captured; set one")
         if self.init_layers_from is not None and len(self.init_layers_from) != self.num_layers:

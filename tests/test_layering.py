@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dflash_train"
 
 LAYERS = [
     {"__init__", "pinned_memory", "device_clock", "errors", "disk", "atomic", "run_lock", "package_data", "config",
-     "config_model", "config_training", "config_loader", "config_flags", "checks", "compiled_steps"},
+     "config_model", "config_training", "families", "config_loader", "config_flags", "checks", "compiled_steps"},
     {"data"},
     {"targets"},
     {"draft"},

@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from dflash_train.draft.model import DFlashDraftModel, DraftKVCache
 from dflash_train.decode.rounds import decode_rows
 from dflash_train.decode.sampling import emit_tokens
+from dflash_train.families import family
 from dflash_train.targets.model import Target
 
 
@@ -147,9 +148,9 @@ def propose(drafter: DFlashDraftModel, target: Target, hidden: torch.Tensor, blo
     its candidates), else a sample of each slot's distribution (DFlash only)."""
     if temperature == 0:
         return drafter.propose_greedy(hidden, target.lm_head_weight, block_ids), None
-    if drafter.config.family != "dflash":
-        raise ValueError(f"temperature {temperature}: sampled drafting is implemented for family dflash only; "
-                         f"evaluate {drafter.config.family} at temperature 0")
+    if not family(drafter.config.family).independent_slots:
+        raise ValueError(f"temperature {temperature}: sampled drafting is implemented for drafters whose slots "
+                         f"are drafted independently; evaluate family {drafter.config.family} at temperature 0")
     logits = hidden[:, 1:] @ target.lm_head_weight.T
     return sample_tokens(logits, temperature, generator), logits
 

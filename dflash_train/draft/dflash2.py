@@ -156,8 +156,3 @@ def selector_inputs(drafter: DFlash2DraftModel, hidden_BQH: torch.Tensor, block_
     prev = torch.where(slot == 1, block_ids_BQ.roll(1, 1), labels_BQ.roll(1, 1)).clamp(min=0)
     gate = sel.predecessor_codebook[prev] * sel.hidden_projection(hidden_BQH)
     return SelectorInputs(gate.flatten(0, 1), sel.successor_codebook, weights_BQ.flatten(), sel.top_k)
-
-
-def drafter_for(cfg: DraftModelConfig) -> DFlashDraftModel:
-    """A drafter of `cfg.family`, initialised."""
-    return DFlash2DraftModel(cfg) if cfg.family == "dflash2" else DFlashDraftModel(cfg)

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash_train.config_model import DFLASH2_FIELDS, DraftConfig
+from dflash_train.config_model import DraftConfig
+from dflash_train.families import FAMILIES, family
 
 
 @dataclass
@@ -60,18 +61,12 @@ class DraftModelConfig:
                 )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside vocabulary {self.vocab_size}")
-        if self.family not in ("dflash", "dflash2"):
-            raise ValueError(f"drafter family {self.family!r}: dflash or dflash2")
-        dflash2 = tuple(getattr(self, k) for k in DFLASH2_FIELDS)
-        if self.family == "dflash" and any(dflash2):
-            raise ValueError("conv_* and selector_* sizes belong to family dflash2")
-        if self.family == "dflash2":
-            if min(dflash2) < 1 or self.hidden_size % self.conv_group_size:
-                raise ValueError(f"dflash2 needs positive conv_kernel_size, conv_group_size (dividing hidden_size "
-                                 f"{self.hidden_size}), selector_rank and selector_top_k; got {dflash2}")
-            if self.hidden_size < self.selector_top_k * (self.selector_top_k + 1):
-                raise ValueError(f"selector_top_k {self.selector_top_k}: llama.cpp packs k*(k+1) selector scores "
-                                 f"into a row of hidden_size {self.hidden_size}")
+        spec = family(self.family)
+        for other in FAMILIES.values():
+            if other is not spec and any(getattr(self, k) for k in other.size_fields):
+                raise ValueError(f"{', '.join(other.size_fields)} belong to family {other.name}, not {spec.name}")
+        if spec.check_sizes is not None:
+            spec.check_sizes(self)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -20,12 +20,12 @@ from safetensors.torch import load_file, save_file
 
 from dflash_train.atomic import new_temp_dir, read_json, swap_dir
 from dflash_train.checks.manifest import MANIFEST_NAME
-from dflash_train.config_model import DFLASH2_FIELDS
 from dflash_train.checkpoint.integrity import require_intact
 from dflash_train.checkpoint.local import latest_checkpoint, read_checkpoint_file
 from dflash_train.disk import require_writable, writes_to
-from dflash_train.draft.dflash2 import drafter_for
+from dflash_train.draft.build import drafter_for
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
+from dflash_train.families import by_architecture, family
 
 if TYPE_CHECKING:  # an annotation only: `export` loads no target, and transformers' model code took
     from dflash_train.targets.model import Target  # ~3.5 s of its start
@@ -33,7 +33,6 @@ if TYPE_CHECKING:  # an annotation only: `export` loads no target, and transform
 log = logging.getLogger("dflash_train")
 
 CHECKPOINT_CONFIG = "draft_config.json"
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 WEIGHTS = "model.safetensors"
 
 
@@ -47,10 +46,11 @@ def export_config(cfg: DraftModelConfig, mask_token: str | None = None) -> dict:
     dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
     if mask_token is not None:
         dflash["mask_token"] = mask_token
-    if cfg.family == "dflash2":  # the keys llama.cpp's converter and vLLM's DFlash2 loader read
-        dflash.update({"block_size": cfg.block_size, **{k: getattr(cfg, k) for k in DFLASH2_FIELDS}})
+    spec = family(cfg.family)
+    if spec.size_fields:  # the keys llama.cpp's converter and vLLM's loader of such a family read
+        dflash.update({"block_size": cfg.block_size, **{k: getattr(cfg, k) for k in spec.size_fields}})
     return {
-        "architectures": [ARCHITECTURES[cfg.family]],
+        "architectures": [spec.architecture],
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -89,8 +89,8 @@ def draft_config_from_export(path: str | Path) -> DraftModelConfig:
     if "dflash_config" not in c:
         raise ValueError(f"{path}/config.json has no dflash_config: not a DFlash drafter export")
     rope_theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
-    dflash2 = (c.get("architectures") or [None])[0] == ARCHITECTURES["dflash2"]
-    extra = {"family": "dflash2", **{k: int(c["dflash_config"][k]) for k in DFLASH2_FIELDS}} if dflash2 else {}
+    spec = by_architecture((c.get("architectures") or [None])[0], f"{path}/config.json")
+    extra = {"family": spec.name, **{k: int(c["dflash_config"][k]) for k in spec.size_fields}}
     return DraftModelConfig(
         hidden_size=c["hidden_size"],
         num_attention_heads=c["num_attention_heads"],
@@ -160,7 +160,7 @@ def check_state_dict(cfg: DraftModelConfig, state: dict[str, torch.Tensor], sour
         expected = {name: t.shape for name, t in drafter_for(cfg).state_dict().items()}
     if set(state) != set(expected):
         raise ValueError(
-            f"{source}: tensor names differ from a {ARCHITECTURES[cfg.family]}'s: "
+            f"{source}: tensor names differ from a {family(cfg.family).architecture}'s: "
             f"missing {sorted(set(expected) - set(state))}, unexpected {sorted(set(state) - set(expected))}"
         )
     for name, shape in expected.items():

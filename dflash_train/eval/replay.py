@@ -19,6 +19,7 @@ import torch
 
 from dflash_train.draft import masks
 from dflash_train.draft.objective import BlockTask, draft_hidden
+from dflash_train.families import family
 
 ANCHOR_CHUNK = 64
 """Anchors per drafter forward (64 blocks of hidden states at a time)."""
@@ -42,7 +43,7 @@ def accepted_prefixes(target, drafter, seq: torch.Tensor, first: int, last: int)
         hidden = draft_hidden(drafter, task, features, target.embed_weight, use_flex=False)[0]
         slots = hidden.view(anchors.shape[1], block, -1).to(target.lm_head_weight.dtype)
         labels, inside = labels.view(-1, block), weights.view(-1, block) > 0
-        if drafter.config.family != "dflash":  # the selector walks whole blocks: every slot's candidates at once
+        if not family(drafter.config.family).independent_slots:  # a path over whole blocks (DFlash2's walk)
             drafted = drafter.propose_greedy(slots, target.lm_head_weight, seq[0, anchors[0]][:, None])
             out.append(((drafted == labels[:, 1:]) & inside[:, 1:]).long().cumprod(1).sum(1))
             continue

@@ -15,8 +15,8 @@ import logging
 import torch
 
 from dflash_train.config import RunConfig
-from dflash_train.config_model import DFLASH2_FIELDS
-from dflash_train.draft.dflash2 import drafter_for
+from dflash_train.draft.build import drafter_for
+from dflash_train.families import family
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 from dflash_train.eval.export import check_state_dict, read_drafter_folder
 from dflash_train.targets.model import Target
@@ -58,19 +58,17 @@ def copy_target_layers(drafter: DFlashDraftModel, target: Target, layer_ids: lis
     log.info("draft.init_layers_from: drafter layers start as copies of target layers %s", layer_ids)
 
 
-FAMILY_FIELDS = {"family", *DFLASH2_FIELDS}
-
-
 def upgrades(saved: DraftModelConfig, current: DraftModelConfig) -> bool:
-    """A dflash drafter warm-starting a dflash2 one: its weights are all there, the new ones start as identity."""
-    return saved.family == "dflash" and current.family == "dflash2"
+    """A drafter of a family the current one warm-starts from (a dflash one starting a dflash2 one):
+    its weights are all there, the new family's own parts start so that it drafts as the one it holds."""
+    return family(current.family).starts_from(saved.family)
 
 
 def check_warm_start_compatible(saved: DraftModelConfig, current: DraftModelConfig, source: str) -> None:
     """Every field of the drafter's config must match, as for a resume: they fix its shapes (hidden
     size, vocabulary, layers) or its task (block size, captured target layers, mask token). A dflash
     drafter may start a dflash2 one (`upgrades`)."""
-    skip = FAMILY_FIELDS if upgrades(saved, current) else set()
+    skip = {"family", *family(current.family).size_fields} if upgrades(saved, current) else set()
     problems = [
         f"  {f.name}: {source} has {getattr(saved, f.name)!r}, config now has {getattr(current, f.name)!r}"
         for f in dataclasses.fields(current)

@@ -7,7 +7,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from dflash_train.config import RunConfig
-from dflash_train.config_model import DFLASH2_FIELDS
+from dflash_train.families import family
 from dflash_train.config_training import DataConfig
 from dflash_train.data.batching import bucket_shape
 from dflash_train.draft.model import DraftModelConfig, target_layer_ids
@@ -41,10 +41,8 @@ def draft_model_config(cfg: RunConfig, target: Target) -> DraftModelConfig:
 
 
 def family_fields(draft) -> dict:
-    """The DraftModelConfig fields of `draft.family` (none for dflash)."""
-    if draft.family == "dflash":
-        return {}
-    return {"family": "dflash2", **{k: getattr(draft, k) for k in DFLASH2_FIELDS}}
+    """The DraftModelConfig fields of `draft.family`: its name and its own sizes."""
+    return {"family": draft.family, **{k: getattr(draft, k) for k in family(draft.family).size_fields}}
 
 
 def stream_layer_ids(cfg: RunConfig, target: Target) -> list[int]:

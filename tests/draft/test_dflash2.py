@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from dflash_train.draft.dflash2 import DFlash2DraftModel, GroupedConv, drafter_for
+from dflash_train.draft.build import drafter_for
+from dflash_train.draft.dflash2 import DFlash2DraftModel, GroupedConv
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 from dflash_train.eval.export import draft_config_from_export, export_config
 

@@ -1,0 +1,22 @@
+"""DFlash2: DFlash plus in-block grouped convolutions and a top-k path selector, as SGLang, vLLM and
+llama.cpp serve it (dflash_train/draft/dflash2.py, docs/design.md#dflash2)."""
+
+from dflash_train.families.spec import FamilySpec
+
+SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def check_sizes(cfg) -> None:
+    sizes = tuple(getattr(cfg, k) for k in SIZES)
+    if min(sizes) < 1 or cfg.hidden_size % cfg.conv_group_size:
+        raise ValueError(f"dflash2 needs positive conv_kernel_size, conv_group_size (dividing hidden_size "
+                         f"{cfg.hidden_size}), selector_rank and selector_top_k; got {sizes}")
+    if cfg.hidden_size < cfg.selector_top_k * (cfg.selector_top_k + 1):
+        raise ValueError(f"selector_top_k {cfg.selector_top_k}: llama.cpp packs k*(k+1) selector scores "
+                         f"into a row of hidden_size {cfg.hidden_size}")
+
+
+DFLASH2 = FamilySpec(name="dflash2", model="dflash_train.draft.dflash2:DFlash2DraftModel",
+                     architecture="DFlash2DraftModel", size_fields=SIZES, check_sizes=check_sizes,
+                     loss_terms=("selector",), independent_slots=False, warm_starts_from=("dflash",),
+                     fp8_drafter=False)

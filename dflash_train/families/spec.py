@@ -1,0 +1,37 @@
+"""What a drafting family tells the rest of the package (dflash_train/families/__init__.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    """`draft.family`'s value."""
+    model: str
+    """"module:Class" of its drafter model (a DFlashDraftModel)."""
+    architecture: str
+    """`architectures[0]` of its export's config.json: what the engines' loaders and ours dispatch on."""
+    size_fields: tuple[str, ...] = ()
+    """Its own sizes, fields of DraftConfig and of the drafter's config alike, written to the export's
+    `dflash_config` (with `block_size`, which the engines' loaders of such a family read there)."""
+    check_sizes: Callable[[Any], None] | None = None
+    """Raises ValueError naming what is wrong with the drafter config's sizes for this family."""
+    loss_terms: tuple[str, ...] = ()
+    """objective.loss terms only this family trains; each is required (left out, its part stays untrained)."""
+    independent_slots: bool = True
+    """Each slot's token is its own argmax or sample: sampled drafting and slot-by-slot replay apply.
+    False: the block's tokens are one path (DFlash2's selector walk), greedy only."""
+    warm_starts_from: tuple[str, ...] = ()
+    """Families whose trained drafter can start this one (`draft.init_from`): its own parts start so
+    that it drafts as the one it holds."""
+    fp8_drafter: bool = True
+    """draft.fp8 is tested with its layers."""
+    spec_type: str = "draft-dflash"
+    """llama.cpp's `--spec-type` that serves it."""
+
+    def starts_from(self, saved_family: str) -> bool:
+        """Whether a trained drafter of `saved_family` can warm-start this one."""
+        return saved_family in self.warm_starts_from

@@ -1,0 +1,62 @@
+"""The drafting families' interface: every family in the registry builds its drafter, exports under
+its own architecture and reads back; shared code compares no family's name; the config reads the
+registry without torch."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_train.draft.build import drafter_for
+from dflash_train.draft.model import DraftModelConfig
+from dflash_train.eval.export import draft_config_from_export, export_config
+from dflash_train.families import FAMILIES, by_architecture, family
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dflash_train"
+SIZES = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 2}
+
+
+def config_of(spec) -> DraftModelConfig:
+    return DraftModelConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            intermediate_size=48, num_hidden_layers=1, vocab_size=40, block_size=4,
+                            target_layer_ids=[0, 1], num_target_layers=3, mask_token_id=3, family=spec.name,
+                            **{k: SIZES[k] for k in spec.size_fields})
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_family_builds_exports_and_reads_back(name, tmp_path):
+    spec = family(name)
+    cfg = config_of(spec)
+    model = drafter_for(cfg)
+    assert type(model).__name__ == spec.model.split(":")[1]
+    written = export_config(cfg)
+    assert written["architectures"] == [spec.architecture]
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    assert draft_config_from_export(tmp_path) == cfg
+    assert by_architecture(spec.architecture, "x") is spec
+
+
+def test_an_unknown_family_or_architecture_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="drafter family 'medusa'"):
+        family("medusa")
+    with pytest.raises(ValueError, match="x: architectures\\[0\\] is 'LlamaForCausalLM'"):
+        by_architecture("LlamaForCausalLM", "x")
+
+
+def test_no_module_outside_the_families_compares_a_family_name():
+    pattern = re.compile(r"family ?(==|!=| in )")
+    found = [f"{p.relative_to(PACKAGE)}:{i}" for p in PACKAGE.rglob("*.py") if "families" not in p.parts
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, found
+
+
+def test_the_config_reads_the_families_without_torch():
+    code = ("import sys; from dflash_train.config import build_config; "
+            "build_config({}, ['draft.family=dflash2', 'objective.loss.ce=1', 'objective.loss.selector=1']); "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
