@@ -194,14 +194,18 @@ def cmd_export(args) -> int:
 
 def cmd_serve_check(args) -> int:
     from dflash_train.serve.check import ServeCheckSettings, format_summary, serve_check
-    from dflash_train.serve.llama_cpp import find_llama_cpp
+    from dflash_train.serve.llama_cpp import find_llama_cpp, gpu_arch
 
-    llama = find_llama_cpp(args.llama_cpp, build=args.build_llama_cpp)
+    arch = None if args.device == "cpu" else gpu_arch()
+    if args.device == "cuda" and arch is None:
+        raise UserError("--device cuda: no NVIDIA GPU found (nvidia-smi and torch see none); pass --device cpu")
+    llama = find_llama_cpp(args.llama_cpp, build=args.build_llama_cpp, cuda_arch=arch)
     settings = ServeCheckSettings(target=args.target, drafter=args.drafter, out=Path(args.out), export=args.export,
                                   prompts=args.prompts,
                                   num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                                   gguf_type=args.gguf_type, max_tau_gap=args.max_tau_gap,
-                                  min_identical=args.min_identical, threads=args.threads)
+                                  min_identical=args.min_identical, threads=args.threads,
+                                  draft_lengths=args.draft_lengths)
     summary = serve_check(llama, settings)
     print(format_summary(summary))
     print(f"report: {args.out}/serve_check.json")
@@ -262,6 +266,15 @@ def _close_flags(command: argparse.ArgumentParser, extra: list[str]) -> str:
         if close:
             hints.append(f"{flag}: did you mean {' or '.join(close)}?")
     return f" ({'; '.join(hints)})" if hints else ""
+
+
+def _draft_lengths(text: str) -> tuple[int, ...]:
+    from dflash_train.serve.draft_lengths import parse_draft_lengths
+
+    try:
+        return parse_draft_lengths(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _positive_int(text: str) -> int:
@@ -340,6 +353,8 @@ def _corpus_args(p: argparse.ArgumentParser) -> None:
 
 
 def _serve_check_args(p: argparse.ArgumentParser) -> None:
+    from dflash_train.serve.llama_cpp import BUILD_TIME
+
     p.add_argument("--engine", default="llama.cpp", choices=["llama.cpp"], help="the serving engine (default: llama.cpp)")
     p.add_argument("--target", required=True, help="the target: an HF model dir, or smollm2 / gemma3-270m")
     p.add_argument("--drafter", required=True, help="what eval decodes: a training checkpoint or an export folder")
@@ -359,10 +374,17 @@ def _serve_check_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-identical", dest="min_identical", type=float, default=0.9, help="f32: fail when a smaller "
                    "share of prompts has llama.cpp's verification steps and accepted drafts exactly ours (default: 0.9)")
     p.add_argument("--threads", type=_positive_int, help="llama-server threads (default: llama.cpp's)")
+    p.add_argument("--draft-lengths", dest="draft_lengths", type=_draft_lengths, metavar="N,N,..",
+                   help="llama.cpp's --spec-draft-n-max values to measure tokens/s at, e.g. 1,3,7,15; the fastest "
+                   "lossless one is reported (default: the block's full length, block size - 1, always measured)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where llama.cpp serves: "
+                   "cuda needs a CUDA build (--build-llama-cpp builds one for this GPU) and puts every layer "
+                   "of target and drafter on the GPU (default: auto, cuda when an NVIDIA GPU is visible)")
     p.add_argument("--llama-cpp", dest="llama_cpp", metavar="DIR", help="a llama.cpp source tree with llama-server "
                    "built in DIR/build/bin (default: llama-server on PATH, else the cached pinned build)")
     p.add_argument("--build-llama-cpp", dest="build_llama_cpp", action="store_true", help="no llama.cpp found: "
-                   "build the pinned release into the cache (cmake and a C++ compiler; 5-20 min on 2 cores)")
+                   "build the pinned release into the cache (cmake and a C++ compiler, and nvcc for cuda; "
+                   f"{BUILD_TIME})")
 
 
 def _positionals(p: argparse.ArgumentParser, **arguments: str) -> None:

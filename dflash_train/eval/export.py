@@ -2,9 +2,10 @@
 
 Training checkpoint dir: `model.safetensors` (DFlashDraftModel state dict) + `draft_config.json`
 (DraftModelConfig.to_dict()). Export dir (docs/design.md#export-format): `config.json` = a Qwen3 config plus
-`architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers` and
+`architectures: ["DFlashDraftModel"]`, `auto_map`, `block_size`, `num_target_layers` and
 `dflash_config: {mask_token_id, target_layer_ids}`; `model.safetensors` in bf16 with the drafter's
-own tensors only (embeddings and LM head are the target's and never stored).
+own tensors only (embeddings and LM head are the target's and never stored); `dflash.py`, the
+drafter as transformers' trust_remote_code loads it (hf_modeling_dflash.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ log = logging.getLogger("dflash_train")
 
 CHECKPOINT_CONFIG = "draft_config.json"
 WEIGHTS = "model.safetensors"
+MODELING_FILE = Path(__file__).with_name("hf_modeling_dflash.py")
+"""Copied into every export as MODELING_MODULE.py: the drafter for transformers' trust_remote_code."""
+MODELING_MODULE = "dflash"
+"""z-lab's name: their drafters' auto_map reads "dflash.DFlashDraftModel"."""
 
 
 def export_config(cfg: DraftModelConfig, mask_token: str | None = None) -> dict:
@@ -51,6 +56,8 @@ def export_config(cfg: DraftModelConfig, mask_token: str | None = None) -> dict:
         dflash.update({"block_size": cfg.block_size, **{k: getattr(cfg, k) for k in spec.size_fields}})
     return {
         "architectures": [spec.architecture],
+        # AutoModel.from_pretrained(export, trust_remote_code=True) builds the drafter from the copied file
+        **({"auto_map": {"AutoModel": f"{MODELING_MODULE}.{spec.architecture}"}} if spec.remote_code else {}),
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -249,6 +256,7 @@ def export_drafter(checkpoint_dir: str | Path, out_dir: str | Path, mask_token: 
         try:
             (tmp / "config.json").write_text(json.dumps(export_config(cfg, mask_token), indent=2) + "\n")
             save_file(weights, tmp / WEIGHTS, metadata={"format": "pt"})
+            shutil.copyfile(MODELING_FILE, tmp / f"{MODELING_MODULE}.py")
             return swap_dir(tmp, out_dir)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

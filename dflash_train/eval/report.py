@@ -34,7 +34,7 @@ from dflash_train.decode.engines import choose
 from dflash_train.eval.config import DecodeSettings, EvalJobConfig, prompt_sets
 from dflash_train.data.generation_mode import served_thinking
 from dflash_train.data.prompts import Prompt, load_prompts
-from dflash_train.eval.served_speed import SPEED_ENGINES, first_difference, speed_auto
+from dflash_train.eval.served_speed import SPEED_ENGINES, difference_row, first_difference, speed_auto
 from dflash_train.targets.model import Target, load_target, resolve_device, synced_time
 
 log = logging.getLogger("dflash_train")
@@ -59,6 +59,21 @@ def encode(target: Target, messages: list[dict], thinking: bool | None = None) -
     text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     ids = target.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
     return ids.to(target.device)
+
+
+MISMATCH_PROMPT_CHARS = 60
+"""How much of a mismatched turn's question the report quotes: enough to find it in the set."""
+
+
+def mismatch(target: Target, prompt_index: int, question: str, prompt_ids: list[int], answer: list[int],
+             reference: list[int]) -> dict:
+    """A speculative answer that is not the target's greedy one, named: the prompt (index, the start of
+    its question), the first differing token (index, both ids and texts) and the target's top-2 logits
+    after the shared prefix, which tell an fp32 near-tie from a broken decoder."""
+    row = difference_row(target, prompt_ids, answer, reference)
+    text = {key + "_text": target.tokenizer.decode([row[key]]) if row[key] is not None and target.tokenizer else None
+            for key in ("token", "reference_token")}
+    return {"prompt": prompt_index, "prompt_start": question[:MISMATCH_PROMPT_CHARS], **row, **text}
 
 
 @torch.no_grad()
@@ -95,6 +110,7 @@ def decode_turns(
                 record["lossless"] = spec.tokens == reference
                 if not record["lossless"]:
                     record["first_difference"] = first_difference(spec.tokens, reference)
+                    record["mismatch"] = mismatch(target, i, prompts[i].turns[t], prompt_ids, spec.tokens, reference)
             turns[i].append(record)
             # the text as `generate` writes it (no space clean-up): the next turn's context
             answers[i].append(target.tokenizer.decode(spec.tokens, skip_special_tokens=True,
@@ -135,6 +151,7 @@ def summarize(decoded: dict, speed: dict, block_size: int, max_new_tokens: int, 
         "lossless": (
             {"matches": sum(t["lossless"] for t in turns), "total": len(turns)} if temperature == 0 else None
         ),
+        "mismatches": [{"id": t["id"], "turn": t["turn"], **t["mismatch"]} for t in turns if "mismatch" in t],
         "turns": turns,
     }
 
@@ -238,11 +255,24 @@ def format_table(report: dict) -> str:
             table.add_row("speed answers != target-only (near ties)", f"{diff['differ']} ({diff['near_ties']})")
     if report["lossless"] is not None:
         table.add_row("lossless (== target greedy)", f"{report['lossless']['matches']}/{report['lossless']['total']}")
+    for m in report.get("mismatches", []):
+        table.add_row(f"not lossless: prompt {m['prompt']} ({m['id']}, turn {m['turn'] + 1}) "
+                      f"{m['prompt_start']!r}", describe_mismatch(m))
     rates = report["position_acceptance"]
     table.add_row("acceptance, positions 1-4", "  ".join(f"{r:.2f}" for r in rates[:4]))
     out = io.StringIO()
     Console(file=out, width=100, force_terminal=False).print(table)
     return out.getvalue()
+
+
+def describe_mismatch(m: dict) -> str:
+    """One mismatch as the table shows it: the token index, ours against the target's, its top-2 logits."""
+    if m.get("top2") is None:  # one answer stopped where the other went on
+        return f"token {m['index']}: one answer ends there"
+    logits = ", ".join(f"{tok} {value:.6f}" for tok, value in zip(m["top2"], m["top2_logits"]))
+    return (f"token {m['index']}: {m['token']} {m['token_text']!r} != target's {m['reference_token']} "
+            f"{m['reference_token_text']!r}; top-2 logits {logits} (gap {m['gap']:.2e}, relative "
+            f"{m['relative_gap']:.1e})")
 
 
 def plot_report(report: dict, f) -> None:

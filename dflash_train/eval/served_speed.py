@@ -33,12 +33,27 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 @torch.no_grad()
 def top2_gap(target: Target, ids: list[int]) -> dict:
-    """The target's two best next tokens after `ids` and their logit gap (absolute, relative to the top)."""
+    """The target's two best next tokens after `ids`, their logits and gap (absolute, relative to the top)."""
     logits = target.model(input_ids=torch.tensor([ids], device=target.device), use_cache=False,
                           logits_to_keep=1).logits[0, -1].float()
     top = logits.topk(2)
     gap = float(top.values[0] - top.values[1])
-    return {"top2": top.indices.tolist(), "gap": gap, "relative_gap": gap / max(abs(float(top.values[0])), 1e-6)}
+    return {"top2": top.indices.tolist(), "top2_logits": top.values.tolist(), "gap": gap,
+            "relative_gap": gap / max(abs(float(top.values[0])), 1e-6)}
+
+
+def difference_row(target: Target, prompt: list[int], answer: list[int], reference: list[int]) -> dict | None:
+    """Where `answer` leaves `reference` (None: equal): the first differing index, both tokens, and the
+    target's top-2 logits after the shared prefix, so a near-tie is shown, not assumed."""
+    at = first_difference(answer, reference)
+    if at is None:
+        return None
+    row = {"index": at, "token": answer[at] if at < len(answer) else None,
+           "reference_token": reference[at] if at < len(reference) else None}
+    if row["token"] is not None and row["reference_token"] is not None:  # else one stopped early: no tie to check
+        row |= top2_gap(target, prompt + reference[:at])
+        row["near_tie"] = row["relative_gap"] < NEAR_TIE_RELATIVE
+    return row
 
 
 def answer_differences(target: Target, prompts: list[list[int]], answers: list[list[int]],
@@ -46,15 +61,9 @@ def answer_differences(target: Target, prompts: list[list[int]], answers: list[l
     """How many answers differ from the references, and at each first difference the target's top-2 gap."""
     rows = []
     for i, (p, answer, ref) in enumerate(zip(prompts, answers, references)):
-        at = first_difference(answer, ref)
-        if at is None:
-            continue
-        row = {"prompt": i, "index": at, "token": answer[at] if at < len(answer) else None,
-               "reference_token": ref[at] if at < len(ref) else None}
-        if row["token"] is not None and row["reference_token"] is not None:  # else one stopped early: no tie to check
-            row |= top2_gap(target, p + ref[:at])
-            row["near_tie"] = row["relative_gap"] < NEAR_TIE_RELATIVE
-        rows.append(row)
+        row = difference_row(target, p, answer, ref)
+        if row is not None:
+            rows.append({"prompt": i, **row})
     return {"answers": len(answers), "differ": len(rows), "near_ties": sum(bool(r.get("near_tie")) for r in rows),
             "near_tie_relative_gap": NEAR_TIE_RELATIVE, "first_differences": rows}
 

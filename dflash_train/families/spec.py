@@ -31,6 +31,9 @@ class FamilySpec:
     """draft.fp8 is tested with its layers."""
     spec_type: str = "draft-dflash"
     """llama.cpp's `--spec-type` that serves it."""
+    remote_code: bool = True
+    """The export's transformers modeling file (eval/hf_modeling_dflash.py) defines `architecture`, so
+    `AutoModel.from_pretrained(export, trust_remote_code=True)` builds it (config.json's auto_map)."""
 
     def starts_from(self, saved_family: str) -> bool:
         """Whether a trained drafter of `saved_family` can warm-start this one."""

@@ -7,7 +7,8 @@
    and once with the drafter (`--spec-type draft-dflash`).
 3. The table: lossless (every speculative answer equal to the engine's target-only answer), the
    engine's mean accepted length against our tau on the same prompts, tokens/s with and without
-   the drafter. The check fails (exit 1) when an answer differs, the acceptance gap exceeds
+   the drafter at each requested draft length (draft_lengths.py), and the fastest lossless one.
+   The check fails (exit 1) when an answer differs at any length, the acceptance gap exceeds
    `max_tau_gap`, or (f32, where both compute alike) fewer than `min_identical` of the prompts agree
    round for round.
 """
@@ -29,6 +30,8 @@ from dflash_train.eval.report import encode, stop_token_ids
 from dflash_train.eval.served_speed import first_difference
 from dflash_train.decode.batched import batched_speculative
 from dflash_train.decode.spec_decode import SpecResult
+from dflash_train.serve.draft_lengths import (best_row, draft_lengths_for, format_rows, median_tokens_per_s,
+                                              speed_row, tokens_per_s)
 from dflash_train.serve.gguf import convert
 from dflash_train.serve.llama_cpp import LlamaCpp
 from dflash_train.serve.llama_server import Completion, LlamaServer
@@ -59,6 +62,9 @@ class ServeCheckSettings:
     exactly. Computing alike, the two decoders agree round for round; a drafter this weak barely
     moves the mean when an export is broken, while its rounds stop agreeing."""
     threads: int | None = None
+    draft_lengths: tuple[int, ...] | None = None
+    """llama.cpp's --spec-draft-n-max values measured (draft_lengths.py); the block's full length
+    always among them. Default: that one only."""
 
 
 @dataclass
@@ -118,19 +124,19 @@ def counted_as_engine(lengths: list[int], answer: list[int], stop_ids: set[int],
 
 
 def _engine_answers(llama: LlamaCpp, target_gguf: Path, drafter_gguf: Path | None, block_size: int,
-                    prompt_ids: list[list[int]], settings: ServeCheckSettings, log_name: str) -> list[Completion]:
+                    prompt_ids: list[list[int]], settings: ServeCheckSettings, log_name: str,
+                    draft_length: int | None = None) -> list[Completion]:
     with LlamaServer(llama, target_gguf, drafter_gguf, block_size, settings.out / log_name,
-                     threads=settings.threads, exact=settings.gguf_type == "f32") as server:
+                     threads=settings.threads, exact=settings.gguf_type == "f32",
+                     draft_length=draft_length) as server:
         server.complete(prompt_ids[0], 8)  # warm-up: the first request pays one-time set-up
         return [server.complete(ids, settings.max_new_tokens) for ids in prompt_ids]
 
 
-def _rate(completions: list[Completion]) -> float:
-    seconds = sum(c.seconds for c in completions)
-    return sum(len(c.tokens) for c in completions) / seconds if seconds > 0 else 0.0
-
-
-def summarize(results: list[PromptResult], settings: ServeCheckSettings, block_size: int, stop_ids: set[int]) -> dict:
+def summarize(results: list[PromptResult], settings: ServeCheckSettings, block_size: int, stop_ids: set[int],
+              rows: list[dict] | None = None, device: str = "cpu") -> dict:
+    """The table's figures; the comparison with ours is at the block's full length (`results`), and
+    `rows` (draft_lengths.speed_row, one per measured length) add the speed at each length."""
     rounds = sum(len(r.ours_lengths) for r in results)
     ours_tau = sum(sum(r.ours_lengths) for r in results) / max(1, rounds)
     counted = [counted_as_engine(r.ours_lengths, r.ours, stop_ids, settings.max_new_tokens, block_size)
@@ -143,12 +149,16 @@ def summarize(results: list[PromptResult], settings: ServeCheckSettings, block_s
     same_rounds = sum((r.speculative.steps, r.speculative.accepted) == c for r, c in zip(results, counted))
     lossless = sum(r.speculative.tokens == r.target_only.tokens for r in results)
     same_as_ours = sum(r.target_only.tokens == r.ours for r in results)
-    spec_rate, base_rate = _rate([r.speculative for r in results]), _rate([r.target_only for r in results])
+    target_only = [r.target_only for r in results]
+    spec_rate, base_rate = tokens_per_s([r.speculative for r in results]), tokens_per_s(target_only)
+    rows = rows or [speed_row(block_size - 1, [r.speculative for r in results], target_only)]
     exact = settings.gguf_type == "f32"
     identical_ok = not exact or same_rounds >= settings.min_identical * len(results)
-    passed = lossless == len(results) and gap is not None and abs(gap) <= settings.max_tau_gap and identical_ok
+    every_length_lossless = all(row["lossless"]["matches"] == row["lossless"]["total"] for row in rows)
+    passed = (lossless == len(results) and every_length_lossless and gap is not None
+              and abs(gap) <= settings.max_tau_gap and identical_ok)
     return {
-        "engine": "llama.cpp", "target": settings.target, "drafter": settings.drafter,
+        "engine": "llama.cpp", "device": device, "target": settings.target, "drafter": settings.drafter,
         "export": settings.export, "prompts": settings.prompts,
         "num_prompts": len(results), "max_new_tokens": settings.max_new_tokens, "gguf_type": settings.gguf_type,
         "block_size": block_size,
@@ -164,6 +174,8 @@ def summarize(results: list[PromptResult], settings: ServeCheckSettings, block_s
         "tau_gap": gap, "max_tau_gap": settings.max_tau_gap,
         "engine_tokens_per_s": {"with_drafter": spec_rate, "target_only": base_rate},
         "engine_speedup": spec_rate / base_rate if base_rate > 0 else None,
+        "target_only_median_prompt_tokens_per_s": median_tokens_per_s(target_only),
+        "draft_lengths": rows, "best_draft_length": best_row(rows),
         "passed": passed,
         "per_prompt": [{"id": r.id, "prompt_tokens": r.prompt_tokens,
                         "engine_steps": r.speculative.steps, "engine_accepted": r.speculative.accepted,
@@ -200,9 +212,11 @@ def format_summary(s: dict) -> str:
         ("speedup", "n/a" if s["engine_speedup"] is None else f"{s['engine_speedup']:.2f}x"),
     ]
     width = max(len(k) for k, _ in rows)
-    head = (f"serve-check: llama.cpp, {s['num_prompts']} {s['prompts']} prompts, {s['max_new_tokens']} new tokens, "
-            f"greedy, {s['gguf_type']} GGUF")
+    head = (f"serve-check: llama.cpp on {s['device']}, {s['num_prompts']} {s['prompts']} prompts, "
+            f"{s['max_new_tokens']} new tokens, greedy, {s['gguf_type']} GGUF; drafting {s['block_size'] - 1} "
+            f"(the full block) unless a row says otherwise")
     lines = [head] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    lines += format_rows(s["draft_lengths"], s["best_draft_length"], s["target_only_median_prompt_tokens_per_s"])
     lines.append("PASSED" if s["passed"] else "FAILED")
     return "\n".join(lines)
 
@@ -212,6 +226,7 @@ def serve_check(llama: LlamaCpp, settings: ServeCheckSettings) -> dict:
     out = settings.out
     out.mkdir(parents=True, exist_ok=True)
     cfg = read_drafter_config(settings.drafter)  # before anything loads; our_decodes reads the weights
+    lengths = draft_lengths_for(settings.draft_lengths, cfg.block_size)
     target_dir = Path(resolve_target_path(settings.target))
     prompts = load_prompts(settings.prompts, settings.num_prompts)
     t0 = time.monotonic()
@@ -225,13 +240,18 @@ def serve_check(llama: LlamaCpp, settings: ServeCheckSettings) -> dict:
                            out / "convert_drafter.log", target_dir=target_dir)
     log.info("serve-check: llama-server, target alone")
     base = _engine_answers(llama, target_gguf, None, cfg.block_size, prompt_ids, settings, "server_target.log")
-    log.info("serve-check: llama-server with the drafter")
-    spec = _engine_answers(llama, target_gguf, drafter_gguf, cfg.block_size, prompt_ids, settings,
-                           "server_drafter.log")
+    by_length = {}
+    for length in lengths:
+        log.info("serve-check: llama-server with the drafter, drafting %d", length)
+        name = "server_drafter.log" if length == cfg.block_size - 1 else f"server_drafter_n{length}.log"
+        by_length[length] = _engine_answers(llama, target_gguf, drafter_gguf, cfg.block_size, prompt_ids, settings,
+                                            name, draft_length=length)
+    spec = by_length[cfg.block_size - 1]
     results = [PromptResult(id=p.id, prompt_tokens=len(ids), ours=o.tokens, ours_lengths=o.acceptance_lengths,
                             target_only=b, speculative=s)
                for p, ids, o, b, s in zip(prompts, prompt_ids, ours, base, spec)]
-    summary = summarize(results, settings, cfg.block_size, stop_ids)
+    rows = [speed_row(length, answers, base) for length, answers in by_length.items()]
+    summary = summarize(results, settings, cfg.block_size, stop_ids, rows, "cuda" if llama.cuda else "cpu")
     summary["seconds"] = round(time.monotonic() - t0, 1)
     write_json_atomic(out / "serve_check.json", summary)
     return summary

@@ -22,6 +22,8 @@ from dflash_train.serve.llama_cpp import LlamaCpp
 START_TIMEOUT_S = 300
 """Loading an f32 GGUF of a few GB from a cold disk; a server that never answers is killed then."""
 REQUEST_TIMEOUT_S = 1800
+GPU_LAYERS = "99"
+"""-ngl / -ngld: more layers than any served model has, so all of them go to the GPU."""
 SPEC_COUNTERS = {
     "drafted": "llamacpp:spec_decode_num_draft_tokens_total",
     "accepted": "llamacpp:spec_decode_num_accepted_tokens_total",
@@ -66,7 +68,7 @@ class LlamaServer:
     step, so a near-tie can flip): an f32 model then computes as a float32 reference does."""
 
     def __init__(self, llama: LlamaCpp, target: Path, drafter: Path | None, block_size: int, log_file: Path,
-                 context: int = 4096, threads: int | None = None, exact: bool = False):
+                 context: int = 4096, threads: int | None = None, exact: bool = False, draft_length: int | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = log_file
@@ -77,10 +79,15 @@ class LlamaServer:
             cmd += ["-fa", "off"]
         if threads:
             cmd += ["-t", str(threads)]
+        if llama.cuda:  # every layer of both models on the GPU (llama.cpp's "auto" may keep some on the CPU)
+            cmd += ["-ngl", GPU_LAYERS]
         if drafter is not None:
-            # llama.cpp drafts block_size - 1 tokens a round at most (slot 0 is the verified token)
-            cmd += ["-md", str(drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(block_size - 1),
-                    "-ctkd", kv_type, "-ctvd", kv_type]
+            # llama.cpp drafts block_size - 1 tokens a round at most (slot 0 is the verified token); a shorter
+            # draft_length runs the drafter over draft_length + 1 tokens
+            cmd += ["-md", str(drafter), "--spec-type", "draft-dflash",
+                    "--spec-draft-n-max", str(draft_length or block_size - 1), "-ctkd", kv_type, "-ctvd", kv_type]
+            if llama.cuda:
+                cmd += ["-ngld", GPU_LAYERS]
         self.cmd = cmd
         self.process: subprocess.Popen | None = None
 

@@ -49,7 +49,7 @@ def trained(target, tmp_path):
 def test_export_config_and_tensors(target, trained, tmp_path):
     drafter, ckpt = trained
     out = export_drafter(ckpt, tmp_path / "export")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "dflash.py", "model.safetensors"]
     c = json.loads((out / "config.json").read_text())
     cfg = drafter.config
     assert c["architectures"] == ["DFlashDraftModel"] and c["model_type"] == "qwen3"
@@ -102,7 +102,7 @@ def test_export_replaces_an_existing_folder(trained, tmp_path):
     out.mkdir()
     (out / "stale.txt").write_text("old")
     export_drafter(ckpt, out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "dflash.py", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "export"]  # no temp dirs left
 
 

@@ -216,3 +216,45 @@ def test_prompt_set_labels(tmp_path):
         EvalJobConfig(target={"path": "t"}, drafter="d", prompts=["a/x.jsonl", "b/x.jsonl"])
     with pytest.raises(ValueError, match="no prompt set"):
         EvalJobConfig(target={"path": "t"}, drafter="d", prompts=[])
+
+
+def test_a_lossless_mismatch_is_named_with_the_targets_top2_logits(chat_target, monkeypatch):
+    """The reference is perturbed at token 3, so the speculative answer (the target's real greedy one)
+    differs there; the report names the prompt, the token and the target's own top-2 logits."""
+    import torch
+
+    from dflash_train.data.prompts import Prompt
+    from dflash_train.eval import report as report_module
+
+    real_generate, true_answers = report_module.generate_ids, []
+
+    def perturbed(model, ids, params, stop_ids, pad_id):
+        out = real_generate(model, ids, params, stop_ids, pad_id)
+        true_answers.extend(list(new) for new, _ in out)
+        return [(new[:3] + [(new[3] + 1) % 49152] + new[4:], rest) for new, rest in out]
+
+    monkeypatch.setattr(report_module, "generate_ids", perturbed)
+    question = "Describe a quiet harbour at dawn in three sentences, with the boats and the gulls."
+    report = evaluate(chat_target, tiny_drafter(chat_target, block_size=4), [Prompt(id="harbour", turns=[question])],
+                      DecodeSettings(max_new_tokens=8, speed_prompts=0))
+    assert report["lossless"] == {"matches": 0, "total": 1}
+    (m,) = report["mismatches"]
+    truth = true_answers[0]
+    assert (m["id"], m["turn"], m["prompt"], m["prompt_start"]) == ("harbour", 0, 0, question[:60])
+    assert (m["index"], m["token"], m["reference_token"]) == (3, truth[3], (truth[3] + 1) % 49152)
+    assert m["token_text"] == chat_target.tokenizer.decode([truth[3]])
+
+    # the target's logits after the shared prefix, computed here without the report's code
+    prompt = chat_target.tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                                       add_generation_prompt=True)
+    ids = chat_target.tokenizer(prompt, add_special_tokens=False).input_ids + truth[:3]
+    with torch.no_grad():
+        logits = chat_target.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    top = logits.topk(2)
+    assert m["top2"] == top.indices.tolist() and m["top2"][0] == truth[3]
+    assert m["top2_logits"] == pytest.approx(top.values.tolist(), rel=1e-5)
+    assert m["gap"] == pytest.approx(float(top.values[0] - top.values[1]), rel=1e-4, abs=1e-6)
+
+    table = format_table(report).replace("\n", " ")
+    assert "not lossless: prompt 0" in table.replace("│", "").replace("  ", " ")
+    assert str(truth[3]) in table and f"{top.values[0].item():.6f}" in table

@@ -70,9 +70,9 @@ def settings(drafter, out, **kw) -> ServeCheckSettings:
                               threads=1, **kw)
 
 
-@pytest.mark.slow(seconds=90)
+@pytest.mark.slow(seconds=110)
 def test_llama_cpp_serves_the_export_as_our_decoder_counts_it(llama, smollm2_export, work):
-    summary = serve_check(llama, settings(smollm2_export, work))
+    summary = serve_check(llama, settings(smollm2_export, work, draft_lengths=(1,)))
     print(format_summary(summary))
     assert summary["passed"], format_summary(summary)
     assert summary["lossless"] == {"matches": 2, "total": 2}
@@ -81,6 +81,12 @@ def test_llama_cpp_serves_the_export_as_our_decoder_counts_it(llama, smollm2_exp
     assert summary["same_steps_and_accepted"] == {"matches": 2, "total": 2}
     assert summary["engine_verification_steps"] == summary["our_steps_counted_as_engine"] > 0
     assert json.loads((work / "serve_check.json").read_text())["passed"]
+    # a row per draft length, the block's full one (3) always among them and the one compared with ours
+    rows = {row["draft_length"]: row for row in summary["draft_lengths"]}
+    assert sorted(rows) == [1, 3] and all(row["lossless"] == {"matches": 2, "total": 2} for row in rows.values())
+    assert rows[3]["verification_steps"] == summary["engine_verification_steps"]
+    assert rows[1]["drafted"] <= rows[1]["verification_steps"]  # one draft a step at most
+    assert summary["best_draft_length"] in summary["draft_lengths"] and summary["device"] == "cpu"
 
 
 @pytest.mark.slow(seconds=40)

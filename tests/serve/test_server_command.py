@@ -1,0 +1,50 @@
+"""The llama-server command lines serve-check forms: on CPU, on a CUDA build, at a chosen draft length;
+and that the pinned llama-server knows every flag (where it is built)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dflash_train.serve.llama_cpp import LlamaCpp, LlamaCppError, find_llama_cpp
+from dflash_train.serve.llama_server import LlamaServer
+
+
+def command(cuda: bool, drafter: bool = True, **kw) -> list[str]:
+    llama = LlamaCpp(server=Path("/llama.cpp/build/bin/llama-server"), source=Path("/llama.cpp"), cuda=cuda)
+    return LlamaServer(llama, Path("t.gguf"), Path("d.gguf") if drafter else None, 16, Path("server.log"),
+                       exact=True, **kw).cmd
+
+
+def value(cmd: list[str], flag: str) -> str | None:
+    return cmd[cmd.index(flag) + 1] if flag in cmd else None
+
+
+def test_on_cpu_the_drafter_drafts_the_full_block_and_nothing_is_offloaded():
+    cmd = command(cuda=False)
+    assert value(cmd, "--spec-draft-n-max") == "15" and value(cmd, "--spec-type") == "draft-dflash"
+    assert "-ngl" not in cmd and "-ngld" not in cmd
+    assert value(cmd, "-ctk") == value(cmd, "-ctkd") == "f32" and value(cmd, "-fa") == "off"
+
+
+def test_a_cuda_build_puts_every_layer_of_both_models_on_the_gpu():
+    cmd = command(cuda=True, draft_length=3)
+    assert value(cmd, "-ngl") == "99" and value(cmd, "-ngld") == "99"
+    assert value(cmd, "--spec-draft-n-max") == "3"
+    target_only = command(cuda=True, drafter=False)
+    assert value(target_only, "-ngl") == "99" and "-ngld" not in target_only and "-md" not in target_only
+
+
+def test_the_built_llama_server_knows_every_flag():
+    try:
+        llama = find_llama_cpp()
+    except LlamaCppError as err:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI builds llama.cpp before the tests: {err}")
+        pytest.skip(str(err))
+    usage = subprocess.run([str(llama.server), "--help"], capture_output=True, text=True, timeout=60).stdout
+    flags = [arg for arg in command(cuda=True, draft_length=3) + ["-t"] if arg.startswith("-")]
+    assert [flag for flag in flags if f"{flag}," not in usage and f"{flag} " not in usage] == []
