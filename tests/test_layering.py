@@ -24,7 +24,7 @@ LAYERS = [
     {"train"},
     {"distributed"},
     {"quickstart"},
-    {"cli", "__main__"},
+    {"cli", "cli_args", "cli_commands", "__main__"},
 ]
 """Bottom to top, in the order the data flows: a unit imports units of lower layers, and of its own
 layer where no circle forms. `decode` (every decoder) sits above the target and the drafter;
