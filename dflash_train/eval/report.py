@@ -32,6 +32,7 @@ from dflash_train.decode.sampling import GenParams
 from dflash_train.decode.batched import ACCEPTANCE_AUTO, ACCEPTANCE_ENGINES, batched_speculative
 from dflash_train.decode.engines import choose
 from dflash_train.eval.config import DecodeSettings, EvalJobConfig, prompt_sets
+from dflash_train.eval.context_buckets import ContextTally
 from dflash_train.data.generation_mode import served_thinking
 from dflash_train.data.prompts import Prompt, load_prompts
 from dflash_train.eval.served_speed import SPEED_ENGINES, difference_row, first_difference, speed_auto
@@ -91,7 +92,7 @@ def decode_turns(
     greedy = GenParams(temperature=0.0, top_p=1.0, max_tokens=max_new_tokens)
     answers: list[list[str]] = [[] for _ in prompts]
     turns: list[list[dict]] = [[] for _ in prompts]
-    lengths, position_accepts = [], [0] * (block_size - 1)
+    lengths, position_accepts, by_context = [], [0] * (block_size - 1), ContextTally()
     for t in range(max(len(p.turns) for p in prompts)):
         asked = [i for i, p in enumerate(prompts) if len(p.turns) > t]
         ids = [encode(target, prompts[i].messages(answers[i]), thinking)[0].tolist() for i in asked]
@@ -103,6 +104,7 @@ def decode_turns(
                           generate_ids(target.model, ids[i : i + batch_size], greedy, set(stop_ids), pad_id)]
         for i, prompt_ids, spec, reference in zip(asked, ids, specs, references):
             lengths += spec.acceptance_lengths
+            by_context.add(len(prompt_ids), spec.acceptance_lengths)
             position_accepts = [a + b for a, b in zip(position_accepts, spec.position_accepts)]
             record = {"id": prompts[i].id, "turn": t, "prompt_tokens": len(prompt_ids), "new_tokens": len(spec.tokens),
                       "tau": round(spec.tau, 3), "lossless": None}
@@ -117,7 +119,7 @@ def decode_turns(
                                                       clean_up_tokenization_spaces=False))
         log.info("eval turn %d: %d prompts, tau %.2f so far", t + 1, len(asked), sum(lengths) / max(1, len(lengths)))
     return {"num_prompts": len(prompts), "lengths": lengths, "position_accepts": position_accepts,
-            "turns": [r for rows in turns for r in rows]}
+            "tau_by_context": by_context.rows(), "turns": [r for rows in turns for r in rows]}
 
 
 @torch.no_grad()
@@ -147,6 +149,7 @@ def summarize(decoded: dict, speed: dict, block_size: int, max_new_tokens: int, 
         "tau": sum(lengths) / rounds,
         "acceptance_histogram": {str(k): lengths.count(k) for k in range(1, block_size + 1)},
         "position_acceptance": [a / rounds for a in decoded["position_accepts"]],
+        "tau_by_context": decoded["tau_by_context"],
         **speed,
         "lossless": (
             {"matches": sum(t["lossless"] for t in turns), "total": len(turns)} if temperature == 0 else None
@@ -260,6 +263,8 @@ def format_table(report: dict) -> str:
                       f"{m['prompt_start']!r}", describe_mismatch(m))
     rates = report["position_acceptance"]
     table.add_row("acceptance, positions 1-4", "  ".join(f"{r:.2f}" for r in rates[:4]))
+    for row in report.get("tau_by_context", []):
+        table.add_row(f"tau, context {row['context']} tokens", f"{row['tau']:.2f} ({row['rounds']} rounds)")
     out = io.StringIO()
     Console(file=out, width=100, force_terminal=False).print(table)
     return out.getvalue()
