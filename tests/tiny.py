@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, LlamaConfig,
@@ -57,6 +59,17 @@ GPU_RECIPE = ["device=cuda", "target.dtype=bfloat16", "draft.attention=flex", "t
 DFLASH2 = ["draft.family=dflash2", "objective.loss={ce: 1, selector: 1}", "draft.conv_group_size=16",
            "draft.selector_rank=8"]
 """Overrides of a tiny run config that train a DFlash2 drafter (sizes that fit a tiny target)."""
+
+
+@contextmanager
+def no_host_sync():
+    """Inside, the first synchronising CUDA call raises (torch's sync debug mode "error")."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def to_cuda(target: Target, dtype: torch.dtype = torch.bfloat16) -> Target:

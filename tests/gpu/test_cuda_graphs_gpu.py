@@ -15,7 +15,7 @@ from dflash_train.train.loop import Trainer
 from dflash_train.train.shapes import bucket_shapes, synthetic_batch
 from dflash_train.train.step_graph import StepGraphs
 
-from tiny import DFLASH2, GPU_RECIPE, tiny_target, to_cuda  # tests/ is on sys.path (conftest.py)
+from tiny import DFLASH2, GPU_RECIPE, no_host_sync, tiny_target, to_cuda  # tests/ is on sys.path (conftest.py)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,10 +79,5 @@ def test_a_run_with_captured_steps_trains_like_the_plain_run(make_run_config, fa
         torch.testing.assert_close(q, p, rtol=1e-2, atol=1e-3)
     # Every shape was captured before training: a replayed step makes no host sync ("error" raises
     # at the first synchronising call).
-    trainer = trainers[True]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        trainer.train_step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    with no_host_sync():
+        trainers[True].train_step()

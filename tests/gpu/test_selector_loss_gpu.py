@@ -13,7 +13,7 @@ from dflash_train.draft.model import DraftModelConfig
 from dflash_train.draft.selector_loss import tiled_top_k
 from dflash_train.train.loop import Trainer
 
-from tiny import DFLASH2, GPU_RECIPE, tiny_target, to_cuda  # tests/ is on sys.path (conftest.py)
+from tiny import DFLASH2, GPU_RECIPE, no_host_sync, tiny_target, to_cuda  # tests/ is on sys.path (conftest.py)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,9 +85,5 @@ def test_a_compiled_step_makes_no_host_sync(make_run_config, family):
     trainer = Trainer(make_run_config(overrides=[*GPU_RECIPE, *family]), target=target)
     trainer.stepper.prepare()
     trainer.train_step()  # the first step fills the feature cache's bookkeeping
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         trainer.train_step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
