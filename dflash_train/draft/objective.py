@@ -117,4 +117,4 @@ def draft_loss(
         weights = task.weights if mix.selector_slot_weighted else (task.weights > 0).float()
         selector = selector_inputs(drafter, hidden, block_ids, task.labels, mix.selector * weights)
     return block_loss(hidden, lm_head, task.labels, task.weights, cfg.block_size, ce_chunk_size, mix, target_hidden,
-                      target_logits_fn, compiled_loss, ce_kernel, even_chunks, selector)
+                      target_logits_fn, compiled_loss, ce_kernel, even_chunks, selector=selector)
