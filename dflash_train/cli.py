@@ -383,8 +383,8 @@ def _serve_check_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-cpp", dest="llama_cpp", metavar="DIR", help="a llama.cpp source tree with llama-server "
                    "built in DIR/build/bin (default: llama-server on PATH, else the cached pinned build)")
     p.add_argument("--build-llama-cpp", dest="build_llama_cpp", action="store_true", help="no llama.cpp found: "
-                   "build the pinned release into the cache (cmake and a C++ compiler, and nvcc for cuda; "
-                   f"{BUILD_TIME})")
+                   "build the pinned release into the cache (cmake and a C++ compiler, and for cuda the CUDA "
+                   f"toolkit; the CPU build: {BUILD_TIME})")
 
 
 def _positionals(p: argparse.ArgumentParser, **arguments: str) -> None:
