@@ -176,5 +176,5 @@ def serve_check_args(p: argparse.ArgumentParser, show_all: bool) -> None:
     p.add_argument("--llama-cpp", dest="llama_cpp", metavar="DIR", help="a llama.cpp source tree with llama-server "
                    "built in DIR/build/bin (default: llama-server on PATH, else the cached pinned build)")
     p.add_argument("--build-llama-cpp", dest="build_llama_cpp", action="store_true", help="no llama.cpp found: "
-                   "build the pinned release into the cache (cmake and a C++ compiler, and nvcc for cuda; "
-                   f"{BUILD_TIME})")
+                   "build the pinned release into the cache (cmake and a C++ compiler, and for cuda the CUDA "
+                   f"toolkit; the CPU build: {BUILD_TIME})")

