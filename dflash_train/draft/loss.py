@@ -14,7 +14,8 @@ The per-slot loss is a weighted mix (`objective.loss`):
 Each slot's loss is weighted by the task's weights (the decay, and 0 where a slot does not count), and
 with D-PACE (`objective.slot_weights: dpace`) also by `dpace_weights`, formed here from the drafter's
 own probabilities once every chunk of the blocks has run. A DFlash2 drafter's path selector is scored
-in the same chunks, from the logits they form (draft/selector_loss.py).
+in the same chunks, from the logits they form (draft/selector_loss.py); a DSpark drafter's Markov
+head biases those logits first (draft/logit_bias.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.draft.fused_ce import fused_ce
+from dflash_train.draft.logit_bias import LogitBias, bias_grads, biased
 from dflash_train.draft.selector_loss import SelectorInputs, selector_backward, selector_chunk
 
 
@@ -74,10 +76,11 @@ def _input_grad(head, dlogits: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossMix, with_grad: bool,
-                sel_gate=None, successor=None, sel_weights=None, top_k: int = 0):
+                sel_gate=None, successor=None, sel_weights=None, top_k: int = 0, bias_code=None, bias_proj=None):
     """([rows] weighted per-row losses, [rows] 1.0 where the drafted token is right, [rows] the
-    drafter's probability of the token acceptance checks, d loss_row / d h of each row or None, and
-    with a selector (`top_k` > 0) its ([rows] weighted losses, score gradients, candidate ids), else None).
+    drafter's probability of the token acceptance checks, d loss_row / d h of each row or None,
+    with a selector (`top_k` > 0) its ([rows] weighted losses, score gradients, candidate ids), else None,
+    and with a logit bias (`bias_code`) the gradients in its code and projection, else None).
 
     The drafted token is the argmax, or with a selector its pick after the true predecessor.
 
@@ -86,6 +89,8 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
       d CE(z, y) / dz             = softmax(z) - onehot(y)
       d T^2 KL(p_T || q_T) / dz   = T (softmax(z / T) - p_T)"""
     logits = _logits(head, h)
+    if bias_code is not None:
+        logits = biased(logits, bias_code, bias_proj)
     log_q = F.log_softmax(logits, dim=-1)
     per_row = logits.new_zeros(logits.shape[0])
     reference = labels
@@ -114,7 +119,7 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
     q_reference = log_q.gather(1, reference[:, None]).squeeze(1).exp()
     terms = per_row * weights
     if not with_grad:
-        return terms, correct, q_reference, None, selector
+        return terms, correct, q_reference, None, selector, None
     hard = mix.ce + mix.target_argmax
     dlogits = hard * log_q.exp() if hard else torch.zeros_like(log_q)
     if mix.ce:
@@ -123,7 +128,9 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
         dlogits = _minus_at(dlogits, reference, mix.target_argmax)
     if p_t is not None:
         dlogits = dlogits + (mix.kl * mix.temperature) * (log_q_t.exp() - p_t)
-    return terms, correct, q_reference, _input_grad(head, dlogits * weights[:, None]), selector
+    dlogits = dlogits * weights[:, None]
+    bias = None if bias_code is None else bias_grads(dlogits, bias_code, bias_proj)
+    return terms, correct, q_reference, _input_grad(head, dlogits), selector, bias
 
 
 def _minus_at(dlogits: torch.Tensor, index: torch.Tensor, amount: float) -> torch.Tensor:
@@ -138,11 +145,12 @@ class _ChunkLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, head, labels, weights, target_h, target_logits_fn, mix, chunk_loss, selector_backward_fn,
-                sel_gate, successor, sel_weights, top_k):
-        terms, correct, q_reference, grad_h, selector = chunk_loss(h, head, labels, weights, target_h,
-                                                                   target_logits_fn, mix, True, sel_gate, successor,
-                                                                   sel_weights, top_k)
-        ctx.h_dtype, ctx.selector_backward = h.dtype, selector_backward_fn
+                sel_gate, successor, sel_weights, top_k, bias_code, bias_proj):
+        terms, correct, q_reference, grad_h, selector, bias = chunk_loss(
+            h, head, labels, weights, target_h, target_logits_fn, mix, True, sel_gate, successor, sel_weights, top_k,
+            bias_code, bias_proj)
+        ctx.h_dtype, ctx.selector_backward, ctx.bias = h.dtype, selector_backward_fn, bias
+        ctx.bias_dtypes = None if bias is None else (bias_code.dtype, bias_proj.dtype)
         if selector is None:
             ctx.save_for_backward(grad_h)
             sel_terms = terms.new_zeros(0)
@@ -161,18 +169,23 @@ class _ChunkLoss(torch.autograd.Function):
             head, successor, gate, dscores, ids = selector
             sel_h, grad_gate, grad_successor = ctx.selector_backward(head, successor, gate, ids, dscores, grad_sel)
             grad_h = grad_h + sel_h.float()
+        grad_code = grad_proj = None
+        if ctx.bias is not None:  # the projection's: one scalar for all rows (draft/logit_bias.py)
+            grad_code = (ctx.bias[0] * grad_terms[:, None]).to(ctx.bias_dtypes[0])
+            grad_proj = (ctx.bias[1] * grad_terms.mean()).to(ctx.bias_dtypes[1])
         return (grad_h.to(ctx.h_dtype), None, None, None, None, None, None, None, None, grad_gate, grad_successor,
-                None, None)
+                None, None, grad_code, grad_proj)
 
 
 def _run_chunk(chunk_loss, h, head, labels, weights, target_h, target_logits_fn, mix: LossMix,
-               selector: tuple | None = None, backward=selector_backward):
+               selector: tuple | None = None, backward=selector_backward, bias: tuple | None = None):
     """One chunk's (per-row losses, selector losses, correct, probability of the checked token): with
-    their gradient when `h` needs one. `selector`: the chunk's (gate, successor, weights, top_k)."""
-    sel = selector or (None, None, None, 0)
+    their gradient when `h` needs one. `selector`: the chunk's (gate, successor, weights, top_k);
+    `bias`: its logit bias (code, proj)."""
+    sel = (*(selector or (None, None, None, 0)), *(bias or (None, None)))
     if h.requires_grad:
         return _ChunkLoss.apply(h, head, labels, weights, target_h, target_logits_fn, mix, chunk_loss, backward, *sel)
-    terms, correct, q, _, out = chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix, False, *sel)
+    terms, correct, q, _, out, _ = chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix, False, *sel)
     return terms, terms.new_zeros(0) if out is None else out[0], correct, q
 
 
@@ -262,6 +275,7 @@ def block_loss(
     kernel: str = "chunked",
     even_chunks: bool = False,
     selector: SelectorInputs | None = None,
+    bias: LogitBias | None = None,
 ) -> BlockLoss:
     """`lm_head`: the target's frozen head, its weight [V, H] or an `Fp8Head` (chunked kernel only).
     `target_hidden_BQH`: the target's final-normed hidden state at the position that predicts
@@ -271,7 +285,8 @@ def block_loss(
     rows split into the fewest even chunks of at most `chunk_size` (`chunk_rows`); for row counts that
     repeat (length buckets: one compiled graph per bucket). Otherwise every compiled chunk is padded
     to `chunk_size`: one graph for any row count. `selector`: DFlash2's path selector, its loss
-    formed in the same chunks (draft/selector_loss.py); the statistics then count its picks."""
+    formed in the same chunks (draft/selector_loss.py); the statistics then count its picks. `bias`: a
+    logit bias per row (DSpark's Markov head, draft/logit_bias.py), added to the logits every term reads."""
     if mix.needs_target and (target_hidden_BQH is None or target_logits_fn is None):
         raise ValueError("the loss mix distils from the target: pass its hidden states and logits function")
     h = hidden_BQH.reshape(-1, hidden_BQH.shape[-1])
@@ -282,7 +297,7 @@ def block_loss(
         raise ValueError("the LM head is the target's, frozen: the loss gives no gradient for it")
     counted = (weights > 0).float()
     if kernel != "chunked":
-        if mix.needs_target or compiled or mix.dpace_alpha is not None or selector is not None:
+        if mix.needs_target or compiled or mix.dpace_alpha is not None or selector is not None or bias is not None:
             raise ValueError(f"train.ce_kernel={kernel} computes the CE loss only, uncompiled and decay-weighted: set "
                              "objective.loss to ce, objective.slot_weights to decay and train.compile_loss to "
                              "false, or use train.ce_kernel=chunked")
@@ -293,9 +308,14 @@ def block_loss(
         return _block_loss(mix.ce * total, correct * counted, counted, block_size)
     if selector is not None and not isinstance(lm_head, torch.Tensor):
         raise ValueError("DFlash2's selector loss reads rows of the head's weight: train without train.fp8_lm_head")
-    per_row = [h, labels, weights, t_h, None, None]
+    if bias is not None and mix.dpace_alpha is not None:
+        raise ValueError("D-PACE weighs rows after their chunk ran, which a logit bias's projection gradient "
+                         "cannot follow (draft/logit_bias.py): set objective.slot_weights=decay")
+    per_row = [h, labels, weights, t_h, None, None, None]
     if selector is not None:
-        per_row[4:] = selector.gate.reshape(rows, -1), selector.weights.reshape(-1)
+        per_row[4:6] = selector.gate.reshape(rows, -1), selector.weights.reshape(-1)
+    if bias is not None:
+        per_row[6] = bias.code.reshape(rows, -1)
     kept = None
     if not compiled and h.device.type == "cpu":
         # Zero-weight rows (slot 0, labels past the response, invalid anchors) add nothing to the loss:
@@ -315,11 +335,12 @@ def block_loss(
         total = total + h.sum() * 0  # stays differentiable even when no row counts
     correct, terms, sel_terms, q_reference = [], [], [], []  # all but the first kept for D-PACE only
     for start in range(0, per_row[0].shape[0], chunk_size):
-        h_c, labels_c, weights_c, t_h_c, gate_c, sel_w_c = (None if x is None else x[start : start + chunk_size]
-                                                             for x in per_row)
+        h_c, labels_c, weights_c, t_h_c, gate_c, sel_w_c, code_c = (
+            None if x is None else x[start : start + chunk_size] for x in per_row)
         sel = None if selector is None else (gate_c, selector.successor, sel_w_c, selector.top_k)
+        bias_c = None if bias is None else (code_c, bias.proj)
         t, s, c, q = _run_chunk(chunk_loss, h_c, lm_head, labels_c, weights_c, t_h_c, target_logits_fn, mix, sel,
-                                backward)
+                                backward, bias_c)
         correct.append(c.detach())
         if mix.dpace_alpha is None:
             total = total + t.sum()

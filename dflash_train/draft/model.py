@@ -273,6 +273,10 @@ class DFlashDraftModel(nn.Module):
             h = layer(h, ctx, rope_q, rope_k, mask, cache, i, block_size)
         return self.norm(h)
 
+    def reset_own_parts(self) -> None:
+        """Reset what its family adds to DFlash so that it drafts as the DFlash drafter whose weights it
+        holds (a warm start, `draft.init_from`); DFlash itself adds nothing."""
+
     def block_length(self, q: int) -> int:
         """Tokens per block in a forward over `q` block tokens (only DFlash2's convolutions need it)."""
         return self.config.block_size
@@ -282,3 +286,8 @@ class DFlashDraftModel(nn.Module):
         """The drafted tokens [b, Q-1] of blocks [b, Q] at temperature 0 (final hidden states of
         `forward`): each slot's argmax over the target's LM head."""
         return (hidden_BQH[:, 1:] @ lm_head_weight.T).argmax(-1)
+
+    def logit_bias(self, block_ids_BQ: torch.Tensor, labels_BQ: torch.Tensor):
+        """A bias its family adds to the slots' logits in the loss (draft/logit_bias.py `LogitBias`),
+        or None."""
+        return None

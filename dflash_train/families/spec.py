@@ -29,8 +29,13 @@ class FamilySpec:
     that it drafts as the one it holds."""
     fp8_drafter: bool = True
     """draft.fp8 is tested with its layers."""
+    dpace: bool = True
+    """objective.slot_weights=dpace can train it (False: a part whose gradient is summed over a chunk's
+    rows cannot take weights formed after the chunks ran; draft/logit_bias.py)."""
     spec_type: str = "draft-dflash"
     """llama.cpp's `--spec-type` that serves it."""
+    export_keys: tuple[tuple[str, Any], ...] = ()
+    """Top-level keys of its export's config.json that the engines' converters read (beyond the sizes), as (key, value) pairs."""
 
     def starts_from(self, saved_family: str) -> bool:
         """Whether a trained drafter of `saved_family` can warm-start this one."""

@@ -66,7 +66,7 @@ class LlamaServer:
     step, so a near-tie can flip): an f32 model then computes as a float32 reference does."""
 
     def __init__(self, llama: LlamaCpp, target: Path, drafter: Path | None, block_size: int, log_file: Path,
-                 context: int = 4096, threads: int | None = None, exact: bool = False):
+                 context: int = 4096, threads: int | None = None, exact: bool = False, spec_type: str = "draft-dflash"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = log_file
@@ -79,7 +79,7 @@ class LlamaServer:
             cmd += ["-t", str(threads)]
         if drafter is not None:
             # llama.cpp drafts block_size - 1 tokens a round at most (slot 0 is the verified token)
-            cmd += ["-md", str(drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(block_size - 1),
+            cmd += ["-md", str(drafter), "--spec-type", spec_type, "--spec-draft-n-max", str(block_size - 1),
                     "-ctkd", kv_type, "-ctvd", kv_type]
         self.cmd = cmd
         self.process: subprocess.Popen | None = None
