@@ -69,7 +69,9 @@ class DraftConfig(Section):
     family: Literal[tuple(FAMILIES)] = "dflash"
     """dflash: the drafter as published in February 2026; dflash2: plus a two-tap grouped convolution
     around each attention and MLP sublayer and a top-k path selector, as SGLang, vLLM and llama.cpp
-    serve it (docs/design.md#dflash2). With `init_from` a dflash drafter, a dflash2 one starts as it."""
+    serve it (docs/design.md#dflash2); dspark: plus a Markov head biasing each slot's logits by the token
+    before it, as llama.cpp serves it (docs/design.md#dspark). With `init_from` a dflash drafter, a
+    dflash2 or dspark one starts as it."""
     conv_kernel_size: int = Field(2, ge=1)
     """dflash2: taps of each in-block convolution (the published drafters use 2)."""
     conv_group_size: int = Field(64, ge=1)
@@ -78,6 +80,9 @@ class DraftConfig(Section):
     """dflash2: rank of the selector's predecessor/successor codebooks (vocabulary x rank each)."""
     selector_top_k: int = Field(4, ge=1)
     """dflash2: candidates per position the selector chooses among."""
+    markov_rank: int = Field(64, ge=1)
+    """dspark: rank of the Markov head (the previous token's code, vocabulary x rank, projected back
+    to a bias on the vocabulary)."""
 
     @model_validator(mode="after")
     def _one_layer_choice(self) -> DraftConfig:

@@ -44,11 +44,13 @@ class DraftModelConfig:
     max_position_embeddings: int = 32768
     layer_types: list[str] = field(default_factory=list)
     family: str = "dflash"
-    """dflash, or dflash2 (draft/dflash2.py: in-block convolutions and a top-k path selector)."""
+    """dflash, dflash2 (draft/dflash2.py: in-block convolutions and a top-k path selector) or dspark
+    (draft/dspark.py: a Markov head)."""
     conv_kernel_size: int = 0
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
+    markov_rank: int = 0
 
     def __post_init__(self):
         if not self.layer_types:
@@ -288,6 +290,6 @@ class DFlashDraftModel(nn.Module):
         return (hidden_BQH[:, 1:] @ lm_head_weight.T).argmax(-1)
 
     def logit_bias(self, block_ids_BQ: torch.Tensor, labels_BQ: torch.Tensor):
-        """A bias its family adds to the slots' logits in the loss (draft/logit_bias.py `LogitBias`),
-        or None."""
+        """A bias its family adds to the slots' logits in the loss (draft/logit_bias.py `LogitBias`,
+        DSpark's Markov head), or None."""
         return None
