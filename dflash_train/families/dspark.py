@@ -17,6 +17,6 @@ def check_sizes(cfg) -> None:
 
 DSPARK = FamilySpec(name="dspark", model="dflash_train.draft.dspark:DSparkDraftModel",
                     architecture="DSparkDraftModel", size_fields=SIZES, check_sizes=check_sizes,
-                    independent_slots=False, warm_starts_from=("dflash",), fp8_drafter=False, dpace=False,
+                    independent_slots=False, warm_starts_from=("dflash",), fp8_drafter=False, logit_bias=True,
                     spec_type="draft-dspark",
                     export_keys=(("sample_from_anchor", False), ("markov_head_type", "vanilla")))

@@ -29,9 +29,10 @@ class FamilySpec:
     that it drafts as the one it holds."""
     fp8_drafter: bool = True
     """draft.fp8 is tested with its layers."""
-    dpace: bool = True
-    """objective.slot_weights=dpace can train it (False: a part whose gradient is summed over a chunk's
-    rows cannot take weights formed after the chunks ran; draft/logit_bias.py)."""
+    logit_bias: bool = False
+    """Its drafter adds a bias to the slots' logits in the loss (`logit_bias`, draft/logit_bias.py): only
+    the chunked kernel forms it, and without D-PACE (the bias's projection gradient is summed over a
+    chunk's rows before D-PACE's weights exist)."""
     spec_type: str = "draft-dflash"
     """llama.cpp's `--spec-type` that serves it."""
     export_keys: tuple[tuple[str, Any], ...] = ()

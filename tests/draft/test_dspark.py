@@ -183,6 +183,7 @@ def test_bad_dspark_sizes_and_d_pace_are_refused_in_one_line():
     (["draft.markov_rank=8"], "draft.markov_rank belongs to draft.family=dspark"),
     (["draft.family=dspark", "objective.loss={ce: 1, selector: 1}"], "set draft.family=dflash2"),
     (["draft.family=dspark", "objective.slot_weights=dpace"], "objective.slot_weights=decay"),
+    (["draft.family=dspark", "train.ce_kernel=liger"], "only the chunked kernel adds its logit bias"),
 ])
 def test_the_family_keys_are_read_or_refused_in_one_line(overrides, named):
     from dflash_train.config import ConfigError, build_config
