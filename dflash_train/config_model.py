@@ -125,9 +125,12 @@ class ObjectiveConfig(Section):
     dpace_alpha: float = Field(0.5, ge=0, le=1)
     """D-PACE's smoothing: a slot's probability q enters as (1 - alpha) q + alpha (slot_weights: dpace;
     SpecForge's default 0.5). 1: every slot counts by its position alone."""
-    loss: dict[Literal["ce", "target_argmax", "kl", "selector"], float] = Field(default_factory=lambda: {"ce": 1.0})
+    loss: dict[Literal["ce", "target_argmax", "kl", "l1", "selector"], float] = Field(
+        default_factory=lambda: {"ce": 1.0})
     """Per-slot loss as a weighted mix: `ce` on the data tokens, `target_argmax` (CE on the target's greedy
-    token), `kl` to the target's distribution; the target kinds make text the target did not write usable.
+    token), `kl` to the target's distribution, `l1` (sum |q - p|, twice the total variation to the target's
+    distribution; SpecForge trains DSpark with {ce: 0.1, l1: 0.9}); the target kinds make text the target
+    did not write usable.
     `selector` (draft.family=dflash2): CE of the path selector choosing the data token among the slot's
     top-k candidates after the true previous token (docs/design.md#dflash2)."""
     selector_outside_top_k: Literal["join", "skip"] = "join"
@@ -159,4 +162,4 @@ class ObjectiveConfig(Section):
 
     @property
     def needs_target_logits(self) -> bool:
-        return any(self.loss.get(kind, 0) > 0 for kind in ("target_argmax", "kl"))
+        return any(self.loss.get(kind, 0) > 0 for kind in ("target_argmax", "kl", "l1"))

@@ -11,6 +11,8 @@ The per-slot loss is a weighted mix (`objective.loss`):
   ce            CE(q, data token)
   target_argmax CE(q, argmax p)            p: the target's next-token distribution at that position
   kl            T^2 KL(p_T || q_T)         both softened by the temperature T
+  l1            sum_v |q_v - p_v|          twice the total variation: 1 - L1/2 is the acceptance
+                                           probability of rejection sampling (SpecForge's DSpark recipe)
 Each slot's loss is weighted by the task's weights (the decay, and 0 where a slot does not count), and
 with D-PACE (`objective.slot_weights: dpace`) also by `dpace_weights`, formed here from the drafter's
 own probabilities once every chunk of the blocks has run. A DFlash2 drafter's path selector is scored
@@ -38,6 +40,7 @@ class LossMix:
     target_argmax: float = 0.0
     kl: float = 0.0
     temperature: float = 1.0
+    l1: float = 0.0
     selector: float = 0.0
     """DFlash2's path selector (draft/selector_loss.py), scored in the same chunked pass."""
     selector_join: bool = True
@@ -52,12 +55,13 @@ class LossMix:
     def from_weights(cls, weights: dict, temperature: float = 1.0, dpace_alpha: float | None = None,
                      selector_join: bool = True, selector_slot_weighted: bool = True) -> LossMix:
         return cls(ce=weights.get("ce", 0.0), target_argmax=weights.get("target_argmax", 0.0),
-                   kl=weights.get("kl", 0.0), temperature=temperature, selector=weights.get("selector", 0.0),
+                   kl=weights.get("kl", 0.0), temperature=temperature, l1=weights.get("l1", 0.0),
+                   selector=weights.get("selector", 0.0),
                    dpace_alpha=dpace_alpha, selector_join=selector_join, selector_slot_weighted=selector_slot_weighted)
 
     @property
     def needs_target(self) -> bool:
-        return self.target_argmax > 0 or self.kl > 0
+        return self.target_argmax > 0 or self.kl > 0 or self.l1 > 0
 
 
 def _logits(head, h: torch.Tensor) -> torch.Tensor:
@@ -87,7 +91,8 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
     The gradient is formed here, in closed form, while the chunk's logits exist; autograd would have
     to form them again in the backward (the recompute of a checkpoint: a third head matmul).
       d CE(z, y) / dz             = softmax(z) - onehot(y)
-      d T^2 KL(p_T || q_T) / dz   = T (softmax(z / T) - p_T)"""
+      d T^2 KL(p_T || q_T) / dz   = T (softmax(z / T) - p_T)
+      d sum_v |q_v - p_v| / dz    = q (s - <s, q>),  s = sign(q - p)"""
     logits = _logits(head, h)
     if bias_code is not None:
         logits = biased(logits, bias_code, bias_proj)
@@ -109,6 +114,11 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
             p_t = log_p.exp()  # read again by the gradient
             log_q_t = log_q if t == 1 else F.log_softmax(logits / t, dim=-1)
             per_row = per_row + mix.kl * (t * t) * (p_t * (log_p - log_q_t)).sum(-1)
+        if mix.l1:
+            q = log_q.exp()
+            diff = q - F.softmax(t_logits, dim=-1)
+            sign = diff.sign()  # read again by the gradient
+            per_row = per_row + mix.l1 * diff.abs().sum(-1)
     selector = None
     if top_k:
         sel_terms, correct, dscores, ids = selector_chunk(logits, reference, sel_gate, successor, sel_weights, top_k,
@@ -128,6 +138,8 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
         dlogits = _minus_at(dlogits, reference, mix.target_argmax)
     if p_t is not None:
         dlogits = dlogits + (mix.kl * mix.temperature) * (log_q_t.exp() - p_t)
+    if mix.l1:
+        dlogits = dlogits + mix.l1 * q * (sign - (sign * q).sum(-1, keepdim=True))
     dlogits = dlogits * weights[:, None]
     bias = None if bias_code is None else bias_grads(dlogits, bias_code, bias_proj)
     return terms, correct, q_reference, _input_grad(head, dlogits), selector, bias

@@ -107,7 +107,9 @@ def reference(model, hidden, head, block_ids, labels, weights, t_hidden, mix: Lo
             temp = mix.temperature
             log_p = torch.log_softmax(t_logits / temp, -1)
             kl = (log_p.exp() * (log_p - torch.log_softmax(z / temp, -1))).sum()
-            row = -mix.ce * log_q[labels[r, t]] - mix.target_argmax * log_q[ref] + mix.kl * temp * temp * kl
+            l1 = (log_q.exp() - torch.softmax(t_logits, -1)).abs().sum()
+            row = (-mix.ce * log_q[labels[r, t]] - mix.target_argmax * log_q[ref] + mix.kl * temp * temp * kl
+                   + mix.l1 * l1)
             total = total + weights[r, t] * row
             correct[r, t] = float(int(z.argmax()) == ref)
     return total, correct
@@ -117,7 +119,7 @@ def reference(model, hidden, head, block_ids, labels, weights, t_hidden, mix: Lo
 def test_the_loss_and_its_gradients_match_the_slot_by_slot_reference(chunk):
     """The chunked pass (fp32) against the float64 reference; chunks of 5 and 7 rows cut the blocks of
     4, and the projection's gradient sums over chunks."""
-    mix = LossMix(ce=0.3, target_argmax=0.2, kl=0.5, temperature=0.7)
+    mix = LossMix(ce=0.3, target_argmax=0.2, kl=0.5, temperature=0.7, l1=0.4)
     hidden, head, block_ids, labels, weights, t_hidden = problem(seed=chunk)
     model64 = trained_head(1)
     model = trained_head(1).float()
@@ -151,7 +153,8 @@ def test_training_the_markov_head_drafts_the_successor_its_predecessor_calls_for
     opt = torch.optim.Adam(model.markov_head.parameters(), lr=0.05)
     for _ in range(100):
         opt.zero_grad()
-        block_loss(hidden, head, labels, weights, 3, bias=model.logit_bias(block_ids, labels)).weighted_ce_sum.backward()
+        bias = model.logit_bias(block_ids, labels)
+        block_loss(hidden, head, labels, weights, 3, bias=bias).weighted_ce_sum.backward()
         opt.step()
     assert model.propose_greedy(hidden, head, block_ids).tolist() == [[10, 20], [11, 21], [10, 20], [11, 21]]
 
@@ -165,7 +168,8 @@ def test_the_export_names_and_keys_are_llama_cpps(tmp_path):
     written = export_config(cfg)
     assert written["architectures"] == ["DSparkDraftModel"]
     assert (written["sample_from_anchor"], written["markov_head_type"]) == (False, "vanilla")
-    assert {k: written["dflash_config"][k] for k in ("block_size", "markov_rank")} == {"block_size": 4, "markov_rank": 6}
+    assert {k: written["dflash_config"][k] for k in ("block_size", "markov_rank")} == \
+        {"block_size": 4, "markov_rank": 6}
     (tmp_path / "config.json").write_text(json.dumps(written))
     assert draft_config_from_export(tmp_path) == cfg
 
