@@ -100,6 +100,12 @@ class RunConfig(Section):
             if not self.objective.loss.get(term, 0.0) > 0:
                 raise ValueError(f"draft.family={spec.name} without objective.loss.{term} leaves its {term} "
                                  f"untrained: add {term} to objective.loss, e.g. {{ce: 1, {term}: 1}}")
+        if spec.logit_bias and self.train.ce_kernel != "chunked":
+            raise ValueError(f"train.ce_kernel={self.train.ce_kernel} with draft.family={spec.name}: only the chunked "
+                             "kernel adds its logit bias; use train.ce_kernel=chunked")
+        if self.objective.slot_weights == "dpace" and spec.logit_bias:
+            raise ValueError(f"objective.slot_weights=dpace with draft.family={spec.name}: its logit bias cannot "
+                             "take weights formed after the loss's chunks ran; set objective.slot_weights=decay")
         if self.draft.fp8 != "off" and not spec.fp8_drafter:
             raise ValueError(f"draft.fp8 with draft.family={spec.name}: its layers in FP8 are not tested yet; "
                              "set draft.fp8=off")

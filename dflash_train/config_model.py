@@ -69,7 +69,9 @@ class DraftConfig(Section):
     family: Literal[tuple(FAMILIES)] = "dflash"
     """dflash: the drafter as published in February 2026; dflash2: plus a two-tap grouped convolution
     around each attention and MLP sublayer and a top-k path selector, as SGLang, vLLM and llama.cpp
-    serve it (docs/design.md#dflash2). With `init_from` a dflash drafter, a dflash2 one starts as it."""
+    serve it (docs/design.md#dflash2); dspark: plus a Markov head biasing each slot's logits by the token
+    before it, as llama.cpp serves it (docs/design.md#dspark). With `init_from` a dflash drafter, a
+    dflash2 or dspark one starts as it."""
     conv_kernel_size: int = Field(2, ge=1)
     """dflash2: taps of each in-block convolution (the published drafters use 2)."""
     conv_group_size: int = Field(64, ge=1)
@@ -78,6 +80,9 @@ class DraftConfig(Section):
     """dflash2: rank of the selector's predecessor/successor codebooks (vocabulary x rank each)."""
     selector_top_k: int = Field(4, ge=1)
     """dflash2: candidates per position the selector chooses among."""
+    markov_rank: int = Field(64, ge=1)
+    """dspark: rank of the Markov head (the previous token's code, vocabulary x rank, projected back
+    to a bias on the vocabulary)."""
 
     @model_validator(mode="after")
     def _one_layer_choice(self) -> DraftConfig:
@@ -120,9 +125,12 @@ class ObjectiveConfig(Section):
     dpace_alpha: float = Field(0.5, ge=0, le=1)
     """D-PACE's smoothing: a slot's probability q enters as (1 - alpha) q + alpha (slot_weights: dpace;
     SpecForge's default 0.5). 1: every slot counts by its position alone."""
-    loss: dict[Literal["ce", "target_argmax", "kl", "selector"], float] = Field(default_factory=lambda: {"ce": 1.0})
+    loss: dict[Literal["ce", "target_argmax", "kl", "l1", "selector"], float] = Field(
+        default_factory=lambda: {"ce": 1.0})
     """Per-slot loss as a weighted mix: `ce` on the data tokens, `target_argmax` (CE on the target's greedy
-    token), `kl` to the target's distribution; the target kinds make text the target did not write usable.
+    token), `kl` to the target's distribution, `l1` (sum |q - p|, twice the total variation to the target's
+    distribution; SpecForge trains DSpark with {ce: 0.1, l1: 0.9}); the target kinds make text the target
+    did not write usable.
     `selector` (draft.family=dflash2): CE of the path selector choosing the data token among the slot's
     top-k candidates after the true previous token (docs/design.md#dflash2)."""
     selector_outside_top_k: Literal["join", "skip"] = "join"
@@ -154,4 +162,4 @@ class ObjectiveConfig(Section):
 
     @property
     def needs_target_logits(self) -> bool:
-        return any(self.loss.get(kind, 0) > 0 for kind in ("target_argmax", "kl"))
+        return any(self.loss.get(kind, 0) > 0 for kind in ("target_argmax", "kl", "l1"))

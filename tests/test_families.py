@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 from families import FAMILIES, tiny_model
 from tiny import tiny_tokenizer
 
@@ -144,11 +145,21 @@ def test_the_whole_chain_works_on_every_family(family, tmp_path, capsys):
     print(json.dumps({"family": family, **outcomes}))  # -s: the rows of docs/families.md
 
 
+DRAFTERS = {
+    "dflash2": (["draft.family=dflash2", "draft.conv_group_size=8", "draft.selector_rank=8", "draft.selector_top_k=3",
+                 "objective.loss={ce: 1, selector: 1}"], "DFlash2DraftModel"),
+    "dspark": (["draft.family=dspark", "draft.markov_rank=8", "objective.loss={ce: 0.1, l1: 0.9}"], "DSparkDraftModel"),
+}
+"""Drafting families beyond DFlash: (their train overrides, their export's architecture)."""
+
+
 @pytest.mark.slow(seconds=10)
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "gemma3"])
-def test_dflash2_goes_through_the_chain(family, tmp_path, capsys):
-    """DFlash2 (in-block convolutions, the path selector trained by objective.loss.selector): train, export
-    in the engines' DFlash2DraftModel format, eval in fp32 with the selector drafting, every answer lossless."""
+def test_the_other_drafting_families_go_through_the_chain(family, drafter, tmp_path, capsys):
+    """DFlash2 (in-block convolutions, the path selector trained by objective.loss.selector) and DSpark
+    (the Markov head, trained with SpecForge's 0.1 CE + 0.9 L1 to the target): train, export in the engines' format, eval in fp32
+    with the family's own greedy drafting (the selector's walk, the Markov chain), every answer lossless."""
     model_dir = _save_target(family, tmp_path / "model")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
@@ -159,16 +170,17 @@ def test_dflash2_goes_through_the_chain(family, tmp_path, capsys):
         str(tmp_path / "gen-padded"), "--output-format", "jsonl", "--max-tokens", str(NEW_TOKENS), "--engine",
         "padded", "--device", "cpu", "--batch-size", "4"], capsys)
     config = _run_config(tmp_path, model_dir, tmp_path / "gen-padded")
-    dflash2 = ["draft.family=dflash2", "draft.conv_group_size=8", "draft.selector_rank=8", "draft.selector_top_k=3",
-               "objective.loss={ce: 1, selector: 1}"]
-    _stage(outcomes, family, "train", ["train", "-c", str(config), *dflash2], capsys)
+    overrides, architecture = DRAFTERS[drafter]
+    _stage(outcomes, family, "train", ["train", "-c", str(config), *overrides], capsys)
     run = tmp_path / "run"
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(line)]
     assert sum(losses[-5:]) / 5 < 0.8 * losses[0], (family, losses[:5], losses[-5:])
     export = tmp_path / "export"
     _stage(outcomes, family, "export", ["export", str(next((run / "checkpoints").glob("step_*"))), "--out", str(export)], capsys)
-    assert json.loads((export / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    assert json.loads((export / "config.json").read_text())["architectures"] == [architecture]
+    if drafter == "dspark":  # the Markov head trained away from its zero start, so the chain drafts with it
+        assert load_file(export / "model.safetensors")["markov_head.markov_w2.weight"].abs().max() > 0
     report_dir = tmp_path / "eval"
     _stage(outcomes, family, "eval", [
         "eval", "--target", str(model_dir), "--drafter", str(export), "--prompts", str(prompts), "--dtype", "float32",

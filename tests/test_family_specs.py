@@ -18,7 +18,7 @@ from dflash_train.eval.export import draft_config_from_export, export_config
 from dflash_train.families import FAMILIES, by_architecture, family
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dflash_train"
-SIZES = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 2}
+SIZES = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 2, "markov_rank": 3}
 
 
 def config_of(spec) -> DraftModelConfig:
@@ -60,3 +60,11 @@ def test_the_config_reads_the_families_without_torch():
             "build_config({}, ['draft.family=dflash2', 'objective.loss.ce=1', 'objective.loss.selector=1']); "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
+
+
+def test_a_family_whose_export_names_remote_code_has_its_class_in_the_modeling_file():
+    """auto_map points AutoModel at the export's copied modeling file: its class must be there."""
+    classes = set(re.findall(r"^class (\w+)\(", (PACKAGE / "eval" / "hf_modeling_dflash.py").read_text(), re.M))
+    for spec in FAMILIES.values():
+        assert (spec.architecture in classes) == spec.remote_code, spec.name
+        assert ("auto_map" in export_config(config_of(spec))) == spec.remote_code, spec.name

@@ -135,6 +135,9 @@ class DFlash2DraftModel(DFlashDraftModel):
             sel.successor_codebook.zero_()
             nn.init.normal_(sel.hidden_projection.weight, std=0.02)
 
+    def reset_own_parts(self) -> None:
+        self.reset_dflash2()
+
     def block_length(self, q: int) -> int:
         if q % self.config.block_size:
             raise ValueError(f"DFlash2 drafts whole blocks of {self.config.block_size} tokens, got {q} block tokens")

@@ -11,10 +11,13 @@ The per-slot loss is a weighted mix (`objective.loss`):
   ce            CE(q, data token)
   target_argmax CE(q, argmax p)            p: the target's next-token distribution at that position
   kl            T^2 KL(p_T || q_T)         both softened by the temperature T
+  l1            sum_v |q_v - p_v|          twice the total variation: 1 - L1/2 is the acceptance
+                                           probability of rejection sampling (SpecForge's DSpark recipe)
 Each slot's loss is weighted by the task's weights (the decay, and 0 where a slot does not count), and
 with D-PACE (`objective.slot_weights: dpace`) also by `dpace_weights`, formed here from the drafter's
 own probabilities once every chunk of the blocks has run. A DFlash2 drafter's path selector is scored
-in the same chunks, from the logits they form (draft/selector_loss.py).
+in the same chunks, from the logits they form (draft/selector_loss.py); a DSpark drafter's Markov
+head biases those logits first (draft/logit_bias.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from dflash_train.draft.acceptance import BlockLoss, block_statistics
 from dflash_train.draft.fused_ce import fused_ce
+from dflash_train.draft.logit_bias import LogitBias, bias_grads, biased
 from dflash_train.draft.selector_loss import SelectorInputs, selector_backward, selector_chunk
 
 
@@ -36,6 +41,7 @@ class LossMix:
     target_argmax: float = 0.0
     kl: float = 0.0
     temperature: float = 1.0
+    l1: float = 0.0
     selector: float = 0.0
     """DFlash2's path selector (draft/selector_loss.py), scored in the same chunked pass."""
     selector_join: bool = True
@@ -50,12 +56,13 @@ class LossMix:
     def from_weights(cls, weights: dict, temperature: float = 1.0, dpace_alpha: float | None = None,
                      selector_join: bool = True, selector_slot_weighted: bool = True) -> LossMix:
         return cls(ce=weights.get("ce", 0.0), target_argmax=weights.get("target_argmax", 0.0),
-                   kl=weights.get("kl", 0.0), temperature=temperature, selector=weights.get("selector", 0.0),
+                   kl=weights.get("kl", 0.0), temperature=temperature, l1=weights.get("l1", 0.0),
+                   selector=weights.get("selector", 0.0),
                    dpace_alpha=dpace_alpha, selector_join=selector_join, selector_slot_weighted=selector_slot_weighted)
 
     @property
     def needs_target(self) -> bool:
-        return self.target_argmax > 0 or self.kl > 0
+        return self.target_argmax > 0 or self.kl > 0 or self.l1 > 0
 
 
 def _logits(head, h: torch.Tensor) -> torch.Tensor:
@@ -74,18 +81,22 @@ def _input_grad(head, dlogits: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossMix, with_grad: bool,
-                sel_gate=None, successor=None, sel_weights=None, top_k: int = 0):
+                sel_gate=None, successor=None, sel_weights=None, top_k: int = 0, bias_code=None, bias_proj=None):
     """([rows] weighted per-row losses, [rows] 1.0 where the drafted token is right, [rows] the
-    drafter's probability of the token acceptance checks, d loss_row / d h of each row or None, and
-    with a selector (`top_k` > 0) its ([rows] weighted losses, score gradients, candidate ids), else None).
+    drafter's probability of the token acceptance checks, d loss_row / d h of each row or None,
+    with a selector (`top_k` > 0) its ([rows] weighted losses, score gradients, candidate ids), else None,
+    and with a logit bias (`bias_code`) the gradients in its code and projection, else None).
 
     The drafted token is the argmax, or with a selector its pick after the true predecessor.
 
     The gradient is formed here, in closed form, while the chunk's logits exist; autograd would have
     to form them again in the backward (the recompute of a checkpoint: a third head matmul).
       d CE(z, y) / dz             = softmax(z) - onehot(y)
-      d T^2 KL(p_T || q_T) / dz   = T (softmax(z / T) - p_T)"""
+      d T^2 KL(p_T || q_T) / dz   = T (softmax(z / T) - p_T)
+      d sum_v |q_v - p_v| / dz    = q (s - <s, q>),  s = sign(q - p)"""
     logits = _logits(head, h)
+    if bias_code is not None:
+        logits = biased(logits, bias_code, bias_proj)
     log_q = F.log_softmax(logits, dim=-1)
     per_row = logits.new_zeros(logits.shape[0])
     reference = labels
@@ -104,6 +115,11 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
             p_t = log_p.exp()  # read again by the gradient
             log_q_t = log_q if t == 1 else F.log_softmax(logits / t, dim=-1)
             per_row = per_row + mix.kl * (t * t) * (p_t * (log_p - log_q_t)).sum(-1)
+        if mix.l1:
+            q = log_q.exp()
+            diff = q - F.softmax(t_logits, dim=-1)
+            sign = diff.sign()  # read again by the gradient
+            per_row = per_row + mix.l1 * diff.abs().sum(-1)
     selector = None
     if top_k:
         sel_terms, correct, dscores, ids = selector_chunk(logits, reference, sel_gate, successor, sel_weights, top_k,
@@ -114,7 +130,7 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
     q_reference = log_q.gather(1, reference[:, None]).squeeze(1).exp()
     terms = per_row * weights
     if not with_grad:
-        return terms, correct, q_reference, None, selector
+        return terms, correct, q_reference, None, selector, None
     hard = mix.ce + mix.target_argmax
     dlogits = hard * log_q.exp() if hard else torch.zeros_like(log_q)
     if mix.ce:
@@ -123,7 +139,11 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
         dlogits = _minus_at(dlogits, reference, mix.target_argmax)
     if p_t is not None:
         dlogits = dlogits + (mix.kl * mix.temperature) * (log_q_t.exp() - p_t)
-    return terms, correct, q_reference, _input_grad(head, dlogits * weights[:, None]), selector
+    if mix.l1:
+        dlogits = dlogits + mix.l1 * q * (sign - (sign * q).sum(-1, keepdim=True))
+    dlogits = dlogits * weights[:, None]
+    bias = None if bias_code is None else bias_grads(dlogits, bias_code, bias_proj)
+    return terms, correct, q_reference, _input_grad(head, dlogits), selector, bias
 
 
 def _minus_at(dlogits: torch.Tensor, index: torch.Tensor, amount: float) -> torch.Tensor:
@@ -138,11 +158,12 @@ class _ChunkLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, head, labels, weights, target_h, target_logits_fn, mix, chunk_loss, selector_backward_fn,
-                sel_gate, successor, sel_weights, top_k):
-        terms, correct, q_reference, grad_h, selector = chunk_loss(h, head, labels, weights, target_h,
-                                                                   target_logits_fn, mix, True, sel_gate, successor,
-                                                                   sel_weights, top_k)
-        ctx.h_dtype, ctx.selector_backward = h.dtype, selector_backward_fn
+                sel_gate, successor, sel_weights, top_k, bias_code, bias_proj):
+        terms, correct, q_reference, grad_h, selector, bias = chunk_loss(
+            h, head, labels, weights, target_h, target_logits_fn, mix, True, sel_gate, successor, sel_weights, top_k,
+            bias_code, bias_proj)
+        ctx.h_dtype, ctx.selector_backward, ctx.bias = h.dtype, selector_backward_fn, bias
+        ctx.bias_dtypes = None if bias is None else (bias_code.dtype, bias_proj.dtype)
         if selector is None:
             ctx.save_for_backward(grad_h)
             sel_terms = terms.new_zeros(0)
@@ -161,18 +182,23 @@ class _ChunkLoss(torch.autograd.Function):
             head, successor, gate, dscores, ids = selector
             sel_h, grad_gate, grad_successor = ctx.selector_backward(head, successor, gate, ids, dscores, grad_sel)
             grad_h = grad_h + sel_h.float()
+        grad_code = grad_proj = None
+        if ctx.bias is not None:  # the projection's: one scalar for all rows (draft/logit_bias.py)
+            grad_code = (ctx.bias[0] * grad_terms[:, None]).to(ctx.bias_dtypes[0])
+            grad_proj = (ctx.bias[1] * grad_terms.mean()).to(ctx.bias_dtypes[1])
         return (grad_h.to(ctx.h_dtype), None, None, None, None, None, None, None, None, grad_gate, grad_successor,
-                None, None)
+                None, None, grad_code, grad_proj)
 
 
 def _run_chunk(chunk_loss, h, head, labels, weights, target_h, target_logits_fn, mix: LossMix,
-               selector: tuple | None = None, backward=selector_backward):
+               selector: tuple | None = None, backward=selector_backward, bias: tuple | None = None):
     """One chunk's (per-row losses, selector losses, correct, probability of the checked token): with
-    their gradient when `h` needs one. `selector`: the chunk's (gate, successor, weights, top_k)."""
-    sel = selector or (None, None, None, 0)
+    their gradient when `h` needs one. `selector`: the chunk's (gate, successor, weights, top_k);
+    `bias`: its logit bias (code, proj)."""
+    sel = (*(selector or (None, None, None, 0)), *(bias or (None, None)))
     if h.requires_grad:
         return _ChunkLoss.apply(h, head, labels, weights, target_h, target_logits_fn, mix, chunk_loss, backward, *sel)
-    terms, correct, q, _, out = chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix, False, *sel)
+    terms, correct, q, _, out, _ = chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix, False, *sel)
     return terms, terms.new_zeros(0) if out is None else out[0], correct, q
 
 
@@ -233,21 +259,6 @@ def chunk_rows(rows: int, max_rows: int) -> int:
     return min(max_rows, -(-even // align) * align)
 
 
-@dataclass
-class BlockLoss:
-    weighted_ce_sum: torch.Tensor
-    """sum_k w_k * loss_k over this micro-batch: divide by the GLOBAL weight sum before backward."""
-    correct_per_slot: torch.Tensor
-    """[B] correct predictions per block slot (slot 0 always 0): the drafter's argmax equals the
-    target's when the target's logits are computed, else the data token."""
-    counted_per_slot: torch.Tensor
-    """[B] predictions that count per slot."""
-    accepted_per_slot: torch.Tensor
-    """[B] entry k >= 1: blocks whose slots 1..k are all correct (a round started at that anchor
-    would accept k drafted tokens); entry 0: blocks whose slot 1 counts. Unlike the per-slot
-    accuracies, this keeps the slots' errors together as real verification sees them."""
-
-
 def block_loss(
     hidden_BQH: torch.Tensor,
     lm_head,
@@ -262,6 +273,7 @@ def block_loss(
     kernel: str = "chunked",
     even_chunks: bool = False,
     selector: SelectorInputs | None = None,
+    bias: LogitBias | None = None,
 ) -> BlockLoss:
     """`lm_head`: the target's frozen head, its weight [V, H] or an `Fp8Head` (chunked kernel only).
     `target_hidden_BQH`: the target's final-normed hidden state at the position that predicts
@@ -271,7 +283,8 @@ def block_loss(
     rows split into the fewest even chunks of at most `chunk_size` (`chunk_rows`); for row counts that
     repeat (length buckets: one compiled graph per bucket). Otherwise every compiled chunk is padded
     to `chunk_size`: one graph for any row count. `selector`: DFlash2's path selector, its loss
-    formed in the same chunks (draft/selector_loss.py); the statistics then count its picks."""
+    formed in the same chunks (draft/selector_loss.py); the statistics then count its picks. `bias`: a
+    logit bias per row (DSpark's Markov head, draft/logit_bias.py), added to the logits every term reads."""
     if mix.needs_target and (target_hidden_BQH is None or target_logits_fn is None):
         raise ValueError("the loss mix distils from the target: pass its hidden states and logits function")
     h = hidden_BQH.reshape(-1, hidden_BQH.shape[-1])
@@ -282,7 +295,7 @@ def block_loss(
         raise ValueError("the LM head is the target's, frozen: the loss gives no gradient for it")
     counted = (weights > 0).float()
     if kernel != "chunked":
-        if mix.needs_target or compiled or mix.dpace_alpha is not None or selector is not None:
+        if mix.needs_target or compiled or mix.dpace_alpha is not None or selector is not None or bias is not None:
             raise ValueError(f"train.ce_kernel={kernel} computes the CE loss only, uncompiled and decay-weighted: set "
                              "objective.loss to ce, objective.slot_weights to decay and train.compile_loss to "
                              "false, or use train.ce_kernel=chunked")
@@ -290,12 +303,17 @@ def block_loss(
             raise ValueError(f"train.ce_kernel={kernel} runs the head in bf16: use train.ce_kernel=chunked with "
                              "train.fp8_lm_head")
         total, correct = fused_ce(kernel, h, lm_head, labels, weights, chunk_size)
-        return _block_loss(mix.ce * total, correct * counted, counted, block_size)
+        return block_statistics(mix.ce * total, correct * counted, counted, block_size)
     if selector is not None and not isinstance(lm_head, torch.Tensor):
         raise ValueError("DFlash2's selector loss reads rows of the head's weight: train without train.fp8_lm_head")
-    per_row = [h, labels, weights, t_h, None, None]
+    if bias is not None and mix.dpace_alpha is not None:
+        raise ValueError("D-PACE weighs rows after their chunk ran, which a logit bias's projection gradient "
+                         "cannot follow (draft/logit_bias.py): set objective.slot_weights=decay")
+    per_row = [h, labels, weights, t_h, None, None, None]
     if selector is not None:
-        per_row[4:] = selector.gate.reshape(rows, -1), selector.weights.reshape(-1)
+        per_row[4:6] = selector.gate.reshape(rows, -1), selector.weights.reshape(-1)
+    if bias is not None:
+        per_row[6] = bias.code.reshape(rows, -1)
     kept = None
     if not compiled and h.device.type == "cpu":
         # Zero-weight rows (slot 0, labels past the response, invalid anchors) add nothing to the loss:
@@ -315,11 +333,12 @@ def block_loss(
         total = total + h.sum() * 0  # stays differentiable even when no row counts
     correct, terms, sel_terms, q_reference = [], [], [], []  # all but the first kept for D-PACE only
     for start in range(0, per_row[0].shape[0], chunk_size):
-        h_c, labels_c, weights_c, t_h_c, gate_c, sel_w_c = (None if x is None else x[start : start + chunk_size]
-                                                             for x in per_row)
+        h_c, labels_c, weights_c, t_h_c, gate_c, sel_w_c, code_c = (
+            None if x is None else x[start : start + chunk_size] for x in per_row)
         sel = None if selector is None else (gate_c, selector.successor, sel_w_c, selector.top_k)
+        bias_c = None if bias is None else (code_c, bias.proj)
         t, s, c, q = _run_chunk(chunk_loss, h_c, lm_head, labels_c, weights_c, t_h_c, target_logits_fn, mix, sel,
-                                backward)
+                                backward, bias_c)
         correct.append(c.detach())
         if mix.dpace_alpha is None:
             total = total + t.sum()
@@ -340,7 +359,7 @@ def block_loss(
         total = total + (torch.cat(terms)[:n] * slot_weights).sum()
         if sel_terms:
             total = total + (torch.cat(sel_terms)[:n] * slot_weights).sum()
-    return _block_loss(total, _full_rows(correct, kept, rows) * counted, counted, block_size)
+    return block_statistics(total, _full_rows(correct, kept, rows) * counted, counted, block_size)
 
 
 def _full_rows(values: torch.Tensor, kept: torch.Tensor | None, rows: int) -> torch.Tensor:
@@ -349,49 +368,3 @@ def _full_rows(values: torch.Tensor, kept: torch.Tensor | None, rows: int) -> to
     if kept is not None:
         return values.new_zeros(rows).index_copy_(0, kept, values)
     return values[:rows]
-
-
-def _block_loss(total: torch.Tensor, correct: torch.Tensor, counted: torch.Tensor, block_size: int) -> BlockLoss:
-    """The per-slot statistics of per-row `correct` and `counted` [rows] (zeros where nothing counts)."""
-    blocks = correct.view(-1, block_size)
-    anchors = counted.view(-1, block_size)[:, 1:2]
-    accepted = torch.cat([anchors, torch.cumprod(blocks[:, 1:], 1) * anchors], 1).sum(0)
-    return BlockLoss(
-        weighted_ce_sum=total,
-        correct_per_slot=blocks.sum(0),
-        counted_per_slot=counted.view(-1, block_size).sum(0),
-        accepted_per_slot=accepted,
-    )
-
-
-class LossTally:
-    """Sums of `BlockLoss` over micro-batches, on the device (no host sync): the weighted loss
-    (detached) and the per-slot correct, counted and accepted predictions."""
-
-    def __init__(self, block_size: int, device: torch.device):
-        self.loss_sum = torch.zeros((), device=device)
-        self.correct = torch.zeros(block_size, device=device)
-        self.counted = torch.zeros(block_size, device=device)
-        self.accepted = torch.zeros(block_size, device=device)
-
-    def add(self, out: BlockLoss) -> None:
-        self.loss_sum += out.weighted_ce_sum.detach()
-        self.correct += out.correct_per_slot
-        self.counted += out.counted_per_slot
-        self.accepted += out.accepted_per_slot
-
-
-def acceptance_metrics(correct_per_slot: torch.Tensor, counted_per_slot: torch.Tensor,
-                       accepted_per_slot: torch.Tensor) -> dict:
-    """Per-slot accuracy acc_k (k = 1..B-1), tau_hat = 1 + sum_k prod_{j<=k} acc_j, and tau_accept.
-
-    tau_hat estimates tokens per block (incl. the bonus token) if slot errors were independent;
-    tau_accept is the mean of 1 + the accepted prefix over the blocks themselves: what a round
-    started at each anchor would give, teacher-forced. Real decoding starts its rounds where the
-    last one ended, not at random anchors, so it can read lower where acceptance varies along an answer.
-    """
-    acc = (correct_per_slot[1:] / counted_per_slot[1:].clamp(min=1)).double().cpu()
-    tau_hat = 1.0 + torch.cumprod(acc, 0).sum().item()
-    accepted = accepted_per_slot.double().cpu()
-    tau_accept = 1.0 + (accepted[1:].sum() / accepted[0].clamp(min=1)).item()
-    return {"acc": [round(a, 5) for a in acc.tolist()], "tau_hat": tau_hat, "tau_accept": tau_accept}

@@ -44,11 +44,13 @@ class DraftModelConfig:
     max_position_embeddings: int = 32768
     layer_types: list[str] = field(default_factory=list)
     family: str = "dflash"
-    """dflash, or dflash2 (draft/dflash2.py: in-block convolutions and a top-k path selector)."""
+    """dflash, dflash2 (draft/dflash2.py: in-block convolutions and a top-k path selector) or dspark
+    (draft/dspark.py: a Markov head)."""
     conv_kernel_size: int = 0
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
+    markov_rank: int = 0
 
     def __post_init__(self):
         if not self.layer_types:
@@ -273,6 +275,10 @@ class DFlashDraftModel(nn.Module):
             h = layer(h, ctx, rope_q, rope_k, mask, cache, i, block_size)
         return self.norm(h)
 
+    def reset_own_parts(self) -> None:
+        """Reset what its family adds to DFlash so that it drafts as the DFlash drafter whose weights it
+        holds (a warm start, `draft.init_from`); DFlash itself adds nothing."""
+
     def block_length(self, q: int) -> int:
         """Tokens per block in a forward over `q` block tokens (only DFlash2's convolutions need it)."""
         return self.config.block_size
@@ -282,3 +288,8 @@ class DFlashDraftModel(nn.Module):
         """The drafted tokens [b, Q-1] of blocks [b, Q] at temperature 0 (final hidden states of
         `forward`): each slot's argmax over the target's LM head."""
         return (hidden_BQH[:, 1:] @ lm_head_weight.T).argmax(-1)
+
+    def logit_bias(self, block_ids_BQ: torch.Tensor, labels_BQ: torch.Tensor):
+        """A bias its family adds to the slots' logits in the loss (draft/logit_bias.py `LogitBias`,
+        DSpark's Markov head), or None."""
+        return None

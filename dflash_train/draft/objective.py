@@ -14,7 +14,8 @@ import torch
 from dflash_train.config_model import ObjectiveConfig
 from dflash_train.draft import masks
 from dflash_train.draft.dflash2 import selector_inputs
-from dflash_train.draft.loss import BlockLoss, LossMix, block_loss
+from dflash_train.draft.acceptance import BlockLoss
+from dflash_train.draft.loss import LossMix, block_loss
 from dflash_train.draft.model import DFlashDraftModel
 
 
@@ -112,9 +113,10 @@ def draft_loss(
         pos = masks.label_source_positions(task.anchors, cfg.block_size, task.input_ids.shape[1])
         target_hidden = final.gather(1, pos[..., None].expand(-1, -1, final.shape[-1]))
     selector = None
+    block_ids = masks.block_inputs(task.input_ids, task.anchors, cfg.block_size, cfg.mask_token_id)
     if mix.selector > 0:
-        block_ids = masks.block_inputs(task.input_ids, task.anchors, cfg.block_size, cfg.mask_token_id)
         weights = task.weights if mix.selector_slot_weighted else (task.weights > 0).float()
         selector = selector_inputs(drafter, hidden, block_ids, task.labels, mix.selector * weights)
     return block_loss(hidden, lm_head, task.labels, task.weights, cfg.block_size, ce_chunk_size, mix, target_hidden,
-                      target_logits_fn, compiled_loss, ce_kernel, even_chunks, selector=selector)
+                      target_logits_fn, compiled_loss, ce_kernel, even_chunks, selector=selector,
+                      bias=drafter.logit_bias(block_ids, task.labels))

@@ -87,6 +87,7 @@ def export_config(cfg: DraftModelConfig, mask_token: str | None = None) -> dict:
         # target's layer *inputs* it captures, so our layer outputs shifted by one
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
         "dflash_config": dflash,
+        **dict(spec.export_keys),
     }
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dflash_train.families.dflash import DFLASH
 from dflash_train.families.dflash2 import DFLASH2
+from dflash_train.families.dspark import DSPARK
 from dflash_train.families.spec import FamilySpec
 
 __all__ = ["FAMILIES", "FamilySpec", "by_architecture", "family", "owner_of_size", "term_owner"]
 
-FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (DFLASH, DFLASH2)}
+FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (DFLASH, DFLASH2, DSPARK)}
 
 
 def family(name: str) -> FamilySpec:

@@ -29,11 +29,18 @@ class FamilySpec:
     that it drafts as the one it holds."""
     fp8_drafter: bool = True
     """draft.fp8 is tested with its layers."""
+    logit_bias: bool = False
+    """Its drafter adds a bias to the slots' logits in the loss (`logit_bias`, draft/logit_bias.py): only
+    the chunked kernel forms it, and without D-PACE (the bias's projection gradient is summed over a
+    chunk's rows before D-PACE's weights exist)."""
     spec_type: str = "draft-dflash"
     """llama.cpp's `--spec-type` that serves it."""
     remote_code: bool = True
     """The export's transformers modeling file (eval/hf_modeling_dflash.py) defines `architecture`, so
     `AutoModel.from_pretrained(export, trust_remote_code=True)` builds it (config.json's auto_map)."""
+    export_keys: tuple[tuple[str, Any], ...] = ()
+    """Top-level keys of its export's config.json that the engines' converters read (beyond the
+    sizes), as (key, value) pairs."""
 
     def starts_from(self, saved_family: str) -> bool:
         """Whether a trained drafter of `saved_family` can warm-start this one."""

@@ -4,7 +4,7 @@
    as `eval` measures acceptance (decode/batched.py), giving each answer and its rounds.
 2. The engine's side: the target and the drafter's export converted to GGUF with llama.cpp's own
    converter, then llama-server decodes the same token prompts greedily, once with the target alone
-   and once with the drafter (`--spec-type draft-dflash`).
+   and once with the drafter (its family's `--spec-type`: draft-dflash, or draft-dspark for DSpark).
 3. The table: lossless (every speculative answer equal to the engine's target-only answer), the
    engine's mean accepted length against our tau on the same prompts, tokens/s with and without
    the drafter at each requested draft length (draft_lengths.py), and the fastest lossless one.
@@ -30,6 +30,7 @@ from dflash_train.eval.report import encode, stop_token_ids
 from dflash_train.eval.served_speed import first_difference
 from dflash_train.decode.batched import batched_speculative
 from dflash_train.decode.spec_decode import SpecResult
+from dflash_train.families import family
 from dflash_train.serve.draft_lengths import (best_row, draft_lengths_for, format_rows, median_tokens_per_s,
                                               speed_row, tokens_per_s)
 from dflash_train.serve.gguf import convert
@@ -125,10 +126,10 @@ def counted_as_engine(lengths: list[int], answer: list[int], stop_ids: set[int],
 
 def _engine_answers(llama: LlamaCpp, target_gguf: Path, drafter_gguf: Path | None, block_size: int,
                     prompt_ids: list[list[int]], settings: ServeCheckSettings, log_name: str,
-                    draft_length: int | None = None) -> list[Completion]:
+                    draft_length: int | None = None, spec_type: str = "draft-dflash") -> list[Completion]:
     with LlamaServer(llama, target_gguf, drafter_gguf, block_size, settings.out / log_name,
                      threads=settings.threads, exact=settings.gguf_type == "f32",
-                     draft_length=draft_length) as server:
+                     draft_length=draft_length, spec_type=spec_type) as server:
         server.complete(prompt_ids[0], 8)  # warm-up: the first request pays one-time set-up
         return [server.complete(ids, settings.max_new_tokens) for ids in prompt_ids]
 
@@ -245,7 +246,7 @@ def serve_check(llama: LlamaCpp, settings: ServeCheckSettings) -> dict:
         log.info("serve-check: llama-server with the drafter, drafting %d", length)
         name = "server_drafter.log" if length == cfg.block_size - 1 else f"server_drafter_n{length}.log"
         by_length[length] = _engine_answers(llama, target_gguf, drafter_gguf, cfg.block_size, prompt_ids, settings,
-                                            name, draft_length=length)
+                                            name, draft_length=length, spec_type=family(cfg.family).spec_type)
     spec = by_length[cfg.block_size - 1]
     results = [PromptResult(id=p.id, prompt_tokens=len(ids), ours=o.tokens, ours_lengths=o.acceptance_lengths,
                             target_only=b, speculative=s)

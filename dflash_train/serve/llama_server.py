@@ -68,7 +68,8 @@ class LlamaServer:
     step, so a near-tie can flip): an f32 model then computes as a float32 reference does."""
 
     def __init__(self, llama: LlamaCpp, target: Path, drafter: Path | None, block_size: int, log_file: Path,
-                 context: int = 4096, threads: int | None = None, exact: bool = False, draft_length: int | None = None):
+                 context: int = 4096, threads: int | None = None, exact: bool = False, draft_length: int | None = None,
+                 spec_type: str = "draft-dflash"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = log_file
@@ -84,7 +85,7 @@ class LlamaServer:
         if drafter is not None:
             # llama.cpp drafts block_size - 1 tokens a round at most (slot 0 is the verified token); a shorter
             # draft_length runs the drafter over draft_length + 1 tokens
-            cmd += ["-md", str(drafter), "--spec-type", "draft-dflash",
+            cmd += ["-md", str(drafter), "--spec-type", spec_type,
                     "--spec-draft-n-max", str(draft_length or block_size - 1), "-ctkd", kv_type, "-ctvd", kv_type]
             if llama.cuda:
                 cmd += ["-ngld", GPU_LAYERS]

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Protocol
 import torch
 
 from dflash_train.config import RunConfig
-from dflash_train.draft.loss import BlockLoss, LossTally
+from dflash_train.draft.acceptance import BlockLoss, LossTally
 from dflash_train.draft.objective import BlockTask, make_task
 from dflash_train.train.batches import anchor_seed, collate_as_trained, take
 from dflash_train.train.build import RunParts

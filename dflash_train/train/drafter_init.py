@@ -88,9 +88,9 @@ def warm_start(drafter: DFlashDraftModel, path: str) -> None:
     if upgrades(saved, drafter.config):
         missing, unexpected = drafter.load_state_dict(state, strict=False)
         assert not unexpected, unexpected
-        drafter.reset_dflash2()  # identity convolutions, zero successor codebook: it drafts as `path` did
-        log.info("draft.init_from: the dflash2 drafter starts as the dflash drafter %s (%d new tensors)",
-                 path, len(missing))
+        drafter.reset_own_parts()  # e.g. identity convolutions, a zero codebook: it drafts as `path` did
+        log.info("draft.init_from: the %s drafter starts as the %s drafter %s (%d new tensors)",
+                 drafter.config.family, saved.family, path, len(missing))
         return
     drafter.load_state_dict(state, strict=True)
     log.info("draft.init_from: warm-started the drafter from %s", path)

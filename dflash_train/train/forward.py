@@ -15,7 +15,8 @@ import torch
 
 from dflash_train.config import RunConfig
 from dflash_train.draft.fp8_head import Fp8Head
-from dflash_train.draft.loss import BlockLoss, LossMix, loss_chunk_rows
+from dflash_train.draft.acceptance import BlockLoss
+from dflash_train.draft.loss import LossMix, loss_chunk_rows
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.draft.objective import BlockTask, draft_loss
 from dflash_train.targets.model import Target

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from dflash_train.config import RunConfig
 from dflash_train.data.batching import make_batches
 from dflash_train.data.dataset import TokenizedDataset, tokenize_files
-from dflash_train.draft.loss import LossTally, acceptance_metrics
+from dflash_train.draft.acceptance import LossTally, acceptance_metrics
 from dflash_train.draft.objective import make_task
 from dflash_train.eval.replay import replayed_rounds
 from dflash_train.train.accumulate import MicroBatch, accumulate

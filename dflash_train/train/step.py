@@ -16,7 +16,7 @@ import time
 import torch
 
 from dflash_train.config import RunConfig
-from dflash_train.draft.loss import LossTally
+from dflash_train.draft.acceptance import LossTally
 from dflash_train.draft.objective import make_task
 from dflash_train.errors import UserError
 from dflash_train.targets.model import warm_up_compiled

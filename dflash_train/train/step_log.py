@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from dflash_train.checks.guard import ThroughputGuard
 from dflash_train.config import RunConfig
-from dflash_train.draft.loss import acceptance_metrics
+from dflash_train.draft.acceptance import acceptance_metrics
 from dflash_train.targets.model import synced_time
 from dflash_train.train.build import RunParts
 from dflash_train.train.metrics import MetricsFile

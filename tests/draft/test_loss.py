@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from dflash_train.config import ConfigError, build_config
 from dflash_train.config_model import ObjectiveConfig
-from dflash_train.draft.loss import LossMix, acceptance_metrics, block_loss, chunk_rows
+from dflash_train.draft.acceptance import acceptance_metrics
+from dflash_train.draft.loss import LossMix, block_loss, chunk_rows
 from dflash_train.draft.objective import BlockTask, draft_loss, make_task
 from draft.helpers_draft import tiny_drafter
 

@@ -1,4 +1,4 @@
-"""Target-distilled losses (objective.loss: target_argmax, kl, mixes) vs float64 references written from
+"""Target-distilled losses (objective.loss: target_argmax, kl, l1, mixes) vs float64 references written from
 their definitions; the label positions the target's hidden states are read at; the feature stream."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def reference(hidden, head, labels, weights, target_hidden, target_head, mix: Lo
     t = mix.temperature
     p_t, q_t = torch.softmax(p_logits / t, -1), torch.softmax(q_logits / t, -1)
     total += mix.kl * t * t * (p_t * torch.log(p_t / q_t)).sum(-1)
+    total += mix.l1 * (q - torch.softmax(p_logits, -1)).abs().sum(-1)
     return (weights.double().reshape(-1) * total).sum(), q_logits.argmax(-1) == p_logits.argmax(-1)
 
 
@@ -42,6 +43,8 @@ MIXES = [
     LossMix(ce=0, kl=1),
     LossMix(ce=0, kl=1, temperature=2.0),
     LossMix(ce=0.3, target_argmax=0.2, kl=0.5, temperature=0.7),
+    LossMix(ce=0, l1=1),
+    LossMix(ce=0.1, l1=0.9),  # SpecForge's DSpark recipe
 ]
 
 
@@ -111,7 +114,8 @@ def test_split_features():
 
 @pytest.mark.parametrize("even_chunks", [False, True])
 @pytest.mark.parametrize("mix", [LossMix(), LossMix(ce=0.3, target_argmax=0.2, kl=0.5, temperature=0.7),
-                                 LossMix(ce=0.3, target_argmax=0.2, kl=0.5, temperature=0.7, dpace_alpha=0.5)], ids=str)
+                                 LossMix(ce=0.3, target_argmax=0.2, kl=0.5, temperature=0.7, dpace_alpha=0.5),
+                                 LossMix(ce=0.1, l1=0.9)], ids=str)
 def test_compiled_chunks_equal_eager(mix, even_chunks, monkeypatch):
     """compiled=True pads the last chunk with zero-weight rows and runs each chunk compiled: the same
     loss, accuracy counts and gradients as eager (here 40 rows in chunks of at most 24: 24 + 16 and 8

@@ -4,6 +4,7 @@ tests run; elsewhere they say how to get it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -12,8 +13,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dflash_train.config_model import TargetConfig
+from dflash_train.data.prompts import load_prompts
+from dflash_train.decode.spec_decode import target_greedy
+from dflash_train.draft.dspark import DSparkDraftModel
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
-from dflash_train.eval.export import export_config
+from dflash_train.eval.export import draft_config_from_export, export_config
+from dflash_train.eval.report import encode, stop_token_ids
+from dflash_train.targets.model import load_target
 from dflash_train.serve.check import ServeCheckSettings, counted_as_engine, format_summary, serve_check
 from dflash_train.serve.llama_cpp import LlamaCppError, find_llama_cpp
 from dflash_train.serve.llama_server import ServerError
@@ -100,3 +107,41 @@ def test_an_export_without_target_layer_ids_fails_in_one_line(llama, smollm2_exp
     with pytest.raises(ServerError, match="target_layers") as err:
         serve_check(llama, settings(smollm2_export, work, export=str(broken)))
     assert "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def dspark_export(smollm2_export, tmp_path_factory):
+    """A DSpark drafter that drafts by its Markov chain alone: a zero final norm makes every backbone
+    logit 0, and the head holds the target's own greedy bigrams on the test's prompts (a previous
+    token's code picks the token that followed it). Its drafts are right only where the engine
+    follows the same chain, slot after slot, so no acceptance at all would show a head left out."""
+    target = load_target(TargetConfig(path="smollm2", dtype="float32"), torch.device("cpu"))
+    bigrams: dict[int, int] = {}
+    for prompt in load_prompts("mt-bench", 2):
+        ids = encode(target, prompt.messages([]))
+        answer = target_greedy(target, ids, 12, stop_token_ids(target)).tokens
+        seq = [int(ids[0, -1]), *answer]
+        for prev, nxt in zip(seq, seq[1:]):
+            bigrams.setdefault(prev, nxt)
+    cfg = dataclasses.replace(draft_config_from_export(smollm2_export), family="dspark", markov_rank=64)
+    model = DSparkDraftModel(cfg)
+    with torch.no_grad():
+        model.norm.weight.zero_()
+        head = model.markov_head
+        head.markov_w1.weight.zero_()
+        for i, (prev, nxt) in enumerate(bigrams.items()):
+            head.markov_w1.weight[prev, i] = 1.0
+            head.markov_w2.weight[nxt, i] = 8.0
+    out = tmp_path_factory.mktemp("dspark")
+    (out / "config.json").write_text(json.dumps(export_config(cfg, mask_token="<jupyter_start>")))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}, out / "model.safetensors")
+    return out
+
+
+@pytest.mark.slow(seconds=90)
+def test_llama_cpp_drafts_the_dspark_chain_round_for_round(llama, dspark_export, work):
+    summary = serve_check(llama, settings(dspark_export, work))
+    print(format_summary(summary))
+    assert summary["passed"], format_summary(summary)
+    assert summary["same_steps_and_accepted"] == {"matches": 2, "total": 2}
+    assert summary["engine_accepted"] > 0  # the chain's drafts, accepted on both sides
