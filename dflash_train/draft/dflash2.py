@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.draft import masks
 from dflash_train.draft.model import DFlashDraftModel, DFlashLayer, DraftModelConfig
 from dflash_train.draft.selector_loss import SelectorInputs
 
@@ -155,7 +156,6 @@ def selector_inputs(drafter: DFlash2DraftModel, hidden_BQH: torch.Tensor, block_
     conditioned on its true previous token: the block's given token for slot 1, the label before it
     for the others. `weights_BQ`: each slot's selector weight (0: no loss)."""
     sel = drafter.candidate_selector
-    slot = torch.arange(labels_BQ.shape[1], device=labels_BQ.device) % drafter.config.block_size
-    prev = torch.where(slot == 1, block_ids_BQ.roll(1, 1), labels_BQ.roll(1, 1)).clamp(min=0)
+    prev = masks.true_predecessors(block_ids_BQ, labels_BQ, drafter.config.block_size)
     gate = sel.predecessor_codebook[prev] * sel.hidden_projection(hidden_BQH)
     return SelectorInputs(gate.flatten(0, 1), sel.successor_codebook, weights_BQ.flatten(), sel.top_k)

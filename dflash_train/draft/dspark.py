@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflash_train.draft import masks
 from dflash_train.draft.logit_bias import LogitBias
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 
@@ -79,6 +80,5 @@ class DSparkDraftModel(DFlashDraftModel):
         """The Markov head's bias over the blocks' slots for the chunked loss (draft/logit_bias.py), each
         slot conditioned on its true previous token: the block's given token for slot 1, the label
         before it for the others (slot 0 carries no loss)."""
-        slot = torch.arange(labels_BQ.shape[1], device=labels_BQ.device) % self.config.block_size
-        prev = torch.where(slot == 1, block_ids_BQ.roll(1, 1), labels_BQ.roll(1, 1)).clamp(min=0)
+        prev = masks.true_predecessors(block_ids_BQ, labels_BQ, self.config.block_size)
         return LogitBias(self.markov_head.markov_w1(prev).flatten(0, 1), self.markov_head.markov_w2.weight)

@@ -87,6 +87,15 @@ def block_inputs(
     return ids.flatten(1)
 
 
+def true_predecessors(block_ids: torch.Tensor, labels: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Each block slot's true previous token [b, N*B]: the block's given token for slot 1, the label
+    before it for the others (slot 0 carries no loss). What a family whose slots draft one after the
+    other is conditioned on in training: a round's later slots count only while the earlier ones were
+    right, and then their previous tokens are the true ones."""
+    slot = torch.arange(labels.shape[1], device=labels.device) % block_size
+    return torch.where(slot == 1, block_ids.roll(1, 1), labels.roll(1, 1)).clamp(min=0)
+
+
 def block_labels(
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,

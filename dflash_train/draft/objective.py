@@ -62,13 +62,16 @@ def attention_mask_for(task: BlockTask, block_size: int, context_len: int, use_f
 
 
 def draft_hidden(
-    drafter: DFlashDraftModel, task: BlockTask, features: torch.Tensor, embed_weight: torch.Tensor, use_flex: bool
+    drafter: DFlashDraftModel, task: BlockTask, features: torch.Tensor, embed_weight: torch.Tensor, use_flex: bool,
+    block_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Final hidden states [b, N*B, H] of every anchor's block, each attending to the context
-    strictly before its anchor and to its own block."""
+    strictly before its anchor and to its own block. `block_ids`: the blocks' tokens
+    (`masks.block_inputs`), where the caller has them already."""
     cfg = drafter.config
     b, t = task.input_ids.shape
-    block_ids = masks.block_inputs(task.input_ids, task.anchors, cfg.block_size, cfg.mask_token_id)
+    if block_ids is None:
+        block_ids = masks.block_inputs(task.input_ids, task.anchors, cfg.block_size, cfg.mask_token_id)
     ctx_pos = torch.arange(t, device=features.device).expand(b, t)
     blk_pos = masks.block_positions(task.anchors, cfg.block_size)
     mask = attention_mask_for(task, cfg.block_size, t, use_flex)
@@ -107,13 +110,13 @@ def draft_loss(
     features, final = split_features(stream, len(cfg.target_layer_ids), cfg.hidden_size)
     if mix.needs_target and final is None:
         raise ValueError("the loss distils from the target but the feature stream has no final hidden states")
-    hidden = draft_hidden(drafter, task, features, embed_weight, use_flex)
+    block_ids = masks.block_inputs(task.input_ids, task.anchors, cfg.block_size, cfg.mask_token_id)
+    hidden = draft_hidden(drafter, task, features, embed_weight, use_flex, block_ids)
     target_hidden = None
     if mix.needs_target:
         pos = masks.label_source_positions(task.anchors, cfg.block_size, task.input_ids.shape[1])
         target_hidden = final.gather(1, pos[..., None].expand(-1, -1, final.shape[-1]))
     selector = None
-    block_ids = masks.block_inputs(task.input_ids, task.anchors, cfg.block_size, cfg.mask_token_id)
     if mix.selector > 0:
         weights = task.weights if mix.selector_slot_weighted else (task.weights > 0).float()
         selector = selector_inputs(drafter, hidden, block_ids, task.labels, mix.selector * weights)
