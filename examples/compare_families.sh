@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# DFlash against DFlash2 at equal device-minutes on one GPU, on one shared regeneration (SmolLM2 by
+# DFlash against DFlash2 (and DSpark) at equal device-minutes on one GPU, on one shared regeneration (SmolLM2 by
 # default: examples/smollm2_h200.sh's stages and recipe). Arms:
 #   dflash    BUDGET minutes of DFlash
 #   dflash2   BUDGET minutes of DFlash2 from scratch
 #   warm      BUDGET/2 minutes of DFlash, then BUDGET/2 of DFlash2 started from it (draft.init_from)
+#   dspark    BUDGET minutes of DSpark (DFlash's layers and a Markov head) from scratch
 # Each arm's training is one `train` with train.time_budget_minutes (compilation before its clock),
 # exported, then every arm is evaluated side by side (fp32, greedy, lossless-checked) on the held-out
 # ShareGPT prompts, HumanEval and MT-Bench. The table at the end reads each arm's reports.
@@ -14,6 +15,7 @@ ROOT=${ROOT:-runs/families}
 BUDGET=${BUDGET:-4}
 ARMS=${ARMS:-dflash dflash2 warm}
 FAMILY_ARGS=${FAMILY_ARGS:-"objective.loss.ce=1 objective.loss.selector=1"}  # DFlash2's loss (more overrides welcome)
+DSPARK_ARGS=${DSPARK_ARGS:-}       # DSpark's overrides (e.g. objective.loss.l1=0.9 objective.loss.ce=0.1)
 COMMON_ARGS=${COMMON_ARGS:-}       # overrides every arm takes (e.g. objective.slot_weights=dpace objective.gamma=7.0)
 export DATA=${DATA:-$ROOT/data}
 CHAIN=(bash "$(dirname "$0")/smollm2_h200.sh")
@@ -40,7 +42,9 @@ train() {
         train_arm "$ROOT/warm-dflash" "$half"
         # shellcheck disable=SC2086
         train_arm "$ROOT/warm" "$half" draft.family=dflash2 draft.init_from="$ROOT/warm-dflash/export" $FAMILY_ARGS ;;
-      *) echo "unknown arm '$arm' in ARMS (dflash, dflash2, warm)" >&2; return 2 ;;
+      # shellcheck disable=SC2086
+      dspark) train_arm "$ROOT/dspark" "$BUDGET" draft.family=dspark $DSPARK_ARGS ;;
+      *) echo "unknown arm '$arm' in ARMS (dflash, dflash2, warm, dspark)" >&2; return 2 ;;
     esac
   done
 }

@@ -1,4 +1,4 @@
-"""examples/compare_families.sh, DFlash against DFlash2 at equal minutes, keeps working: the same
+"""examples/compare_families.sh, DFlash against DFlash2 and DSpark at equal minutes, keeps working: the same
 script on CPU with a dozen prompts, two training steps an arm, and one prompt per eval set."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def test_the_family_comparison_runs_every_arm_on_cpu(tmp_path):
         "ROOT": str(root), "DEVICE": "cpu", "NUM_PROMPTS": "6", "HELDOUT": "1", "ANSWER_TOKENS": "10",
         "BATCH": "8", "EVAL_BATCH": "2", "NEW_TOKENS": "6", "EVAL_PROMPTS": "1", "EVERY_PROMPTS": "8",
         "CODE_PROMPTS": "0", "MULTI_PROMPTS": "0", "MAX_CHARS": "200", "ENGINE": "static",
+        "ARMS": "dflash dflash2 warm dspark",
         "COMMON_ARGS": "target.dtype=auto train.time_budget_minutes=null train.max_steps=2 objective.num_anchors=4 "
                        "data.length_bucket=0 data.max_length=256 data.token_budget=256 train.compile=false "
                        "train.compile_loss=false draft.num_layers=1 draft.num_target_features=2 "
@@ -32,7 +33,8 @@ def test_the_family_comparison_runs_every_arm_on_cpu(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "examples" / "compare_families.sh"), "all"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1100)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for arm, family in (("dflash", "DFlashDraftModel"), ("dflash2", "DFlash2DraftModel"), ("warm", "DFlash2DraftModel")):
+    for arm, family in (("dflash", "DFlashDraftModel"), ("dflash2", "DFlash2DraftModel"), ("warm", "DFlash2DraftModel"),
+                         ("dspark", "DSparkDraftModel")):
         assert json.loads((root / arm / "summary.json").read_text())["steps"] == 2
         assert json.loads((root / arm / "export" / "config.json").read_text())["architectures"] == [family]
         for name in ("sharegpt", "humaneval", "mt-bench"):
@@ -40,5 +42,5 @@ def test_the_family_comparison_runs_every_arm_on_cpu(tmp_path):
             assert report["lossless"]["matches"] == report["lossless"]["total"] > 0, (arm, name)
     assert "init_from: " in (root / "warm" / "config.yaml").read_text()
     table = done.stdout.splitlines()
-    assert [line.split()[0] for line in table if line.split() and line.split()[0] in ("dflash", "dflash2", "warm")] \
-        == ["dflash", "dflash2", "warm"]
+    assert [line.split()[0] for line in table if line.split() and line.split()[0] in ("dflash", "dflash2", "warm", "dspark")] \
+        == ["dflash", "dflash2", "warm", "dspark"]
