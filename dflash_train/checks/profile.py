@@ -84,7 +84,7 @@ def summarize(prof: torch.profiler.profile, steps: int, wall_s: float, device: t
         "launches": per_step(sum(1 for e in events if LAUNCH.match(e.name))),
         "host_syncs": per_step(sum(1 for e in events if SYNC.search(e.name)) - (device.type == "cuda")),
         "families_ms": {k: round(v, 3) for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
-        "top_ms": [[round(ms, 3), name] for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]],
+        "top_ms": [[round(ms, 3), name] for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:25]],
     }
 
 
