@@ -90,6 +90,14 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _window_holds_a_block(self) -> RunConfig:
+        window, block = self.draft.sliding_window, self.objective.block_size
+        if window is not None and window < block:
+            raise ValueError(f"draft.sliding_window={window} is shorter than objective.block_size={block}: "
+                             "a block's last slots would see no context; use a window of at least a block")
+        return self
+
+    @model_validator(mode="after")
     def _loss_fits_the_family(self) -> RunConfig:
         spec = family(self.draft.family)
         for term, weight in self.objective.loss.items():

@@ -58,6 +58,11 @@ class DraftConfig(Section):
     init_layers_from: list[int] | None = None
     """Start each drafter layer as a copy of a target decoder layer (0-based ids, one per drafter layer;
     -1 = the last) instead of noise; needs the target's widths (no draft.intermediate_size)."""
+    sliding_window: int | None = Field(None, ge=1)
+    """The drafter's context window W, in every layer: a block slot at position p sees the target's
+    features at positions above p - W only, in training and decoding, as llama.cpp serves it
+    (`sliding_window` and `layer_types` in the export; docs/design.md#the-drafters-context-window).
+    At least objective.block_size. None, the default: the whole context."""
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     """auto = flex_attention on CUDA, SDPA with a dense mask on CPU (flex has no CPU backward)."""
     fp8: Literal["off", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = "off"

@@ -125,3 +125,10 @@ def test_the_loss_chunk_adapts_to_large_vocabularies():
     assert [loss_chunk_rows(None, v) for v in (49_152, 151_936, 262_144)] == [4096, 4096, 2368]
     assert 2368 * 262_144 <= CHUNK_LOGITS < (2368 + 64) * 262_144
     assert loss_chunk_rows(24_576, 262_144) == 24_576
+
+
+def test_a_window_shorter_than_a_block_is_refused():
+    with pytest.raises(ConfigError, match="sliding_window=4 is shorter than objective.block_size=8"):
+        build_config(overrides=["draft.sliding_window=4", "objective.block_size=8"])
+    assert build_config(overrides=["draft.sliding_window=8", "objective.block_size=8"]).draft.sliding_window == 8
+    assert build_config().draft.sliding_window is None

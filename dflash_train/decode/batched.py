@@ -21,6 +21,7 @@ from functools import partial
 
 import torch
 
+from dflash_train.draft import masks
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.decode.engines import Engine
 from dflash_train.decode.ragged_cache import RaggedCache, RaggedDraftCache
@@ -48,9 +49,7 @@ def _draft(drafter: DFlashDraftModel, target: Target, context: torch.Tensor, con
     block = torch.full((rows, block_size), drafter.config.mask_token_id, dtype=torch.long, device=device)
     block[:, 0] = last
     width = context.shape[1] if cache is None else int(starts.max())
-    visible = torch.cat([torch.arange(width, device=device)[None, :] < starts[:, None],
-                         torch.ones_like(block, dtype=torch.bool)], dim=1)
-    mask = visible[:, None, None, :].expand(rows, 1, block_size, width + block_size)
+    mask = masks.decode_mask(starts, width, block_size, drafter.config.sliding_window)
     positions = starts[:, None] + torch.arange(block_size, device=device)
     return drafter(context, target.embed_weight[block], context_positions, positions, mask=mask, cache=cache), block
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from dflash_train.draft import masks
 from dflash_train.draft.model import DFlashDraftModel, DraftKVCache
 from dflash_train.decode.rounds import decode_rows
 from dflash_train.decode.sampling import emit_tokens
@@ -131,13 +132,15 @@ def draft_block(
     """The drafter's final hidden states [1, B, H] of the block at positions start..start+B-1.
 
     `context_new` [1, C, K*H] holds the features of positions cache.length .. start-1: every
-    context token precedes the block, so no mask is needed.
+    context token precedes the block, so no mask is needed, but for a drafter's sliding window.
     """
     device = block_ids.device
     ctx_positions = torch.arange(cache.length, start, device=device)[None]
     block_positions = torch.arange(start, start + block_ids.shape[0], device=device)[None]
     assert ctx_positions.shape[1] == context_new.shape[1], "context features out of step with positions"
-    return drafter(context_new, target.embed_weight[block_ids][None], ctx_positions, block_positions, mask=None,
+    window = drafter.config.sliding_window
+    mask = None if window is None else masks.decode_mask(block_positions[:, 0], start, block_ids.shape[0], window)
+    return drafter(context_new, target.embed_weight[block_ids][None], ctx_positions, block_positions, mask=mask,
                    cache=cache)
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 from dflash_train.device_clock import DeviceClock
+from dflash_train.draft import masks
 from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.decode.rounds import decode_rows
 from dflash_train.decode.spec_decode import DecodeResult, SpecResult, check_budget
@@ -113,9 +114,7 @@ class StaticDecoder:
     def _draft(self, feats, ctx_pos):
         """Proposals for slots 1..B-1 into verify_ids; `feats` at `ctx_pos` join the drafter's cache."""
         self.draft_cache.positions = ctx_pos
-        ctx_visible = torch.arange(self.draft_len, device=ctx_pos.device) < self.block_pos[:, :1]
-        visible = torch.cat([ctx_visible, torch.ones_like(self.block_pos, dtype=torch.bool)], dim=1)
-        mask = visible[:, None, None, :].expand(-1, 1, self.block_size, -1)
+        mask = masks.decode_mask(self.block_pos[:, 0], self.draft_len, self.block_size, self.drafter.config.sliding_window)
         embeds = self.target.embed_weight[self.draft_ids]
         hidden = self.drafter(feats, embeds, ctx_pos, self.block_pos, mask=mask, cache=self.draft_cache)
         self.verify_ids[:, 0] = self.draft_ids[:, 0]

@@ -6,8 +6,11 @@ Layout of one training sequence (length T, N anchors, block size B):
 Block j is `[token[a_j], MASK x (B-1)]` at positions a_j .. a_j+B-1; slot k (>= 1) predicts
 token[a_j + k]. A query of block j sees context keys with position STRICTLY below a_j (at inference
 the target has not yet run on the anchor token, so its features do not exist) and every key of its
-own block (bidirectional), never another block. Everything mask-related lives in this file so the
-dense (CPU) and flex (GPU) paths cannot drift apart.
+own block (bidirectional), never another block. With a sliding window W (`draft.sliding_window`),
+as llama.cpp masks it (docs/design.md#the-drafters-context-window): a query at position p sees no key
+at a position k with p - k >= W, so slot k of block j sees the context in (a_j + k - W, a_j); a window
+is at least a block long, so a block always sees itself whole. Everything mask-related lives in this
+file so the dense (CPU) and flex (GPU) paths and the decoders cannot drift apart.
 """
 
 from __future__ import annotations
@@ -128,40 +131,54 @@ def block_labels(
     return labels, weights
 
 
-def dense_mask(anchors: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
+def _check_window(window: int | None, block_size: int) -> None:
+    assert window is None or window >= block_size, f"window {window} shorter than a block of {block_size}"
+
+
+def dense_mask(anchors: torch.Tensor, block_size: int, context_len: int, window: int | None = None) -> torch.Tensor:
     """Bool mask [b, 1, N*B, T + N*B] (True = attend) for SDPA."""
+    _check_window(window, block_size)
     b, n = anchors.shape
     q = n * block_size
     q_block = torch.arange(q, device=anchors.device) // block_size  # [Q]
     q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [b, Q]
     ctx = torch.arange(context_len, device=anchors.device)
     sees_ctx = ctx[None, None, :] < q_anchor[:, :, None]  # [b, Q, T]
+    if window is not None:
+        q_pos = q_anchor + torch.arange(q, device=anchors.device) % block_size
+        sees_ctx &= q_pos[:, :, None] - ctx[None, None, :] < window
     sees_block = (q_block[:, None] == q_block[None, :]).expand(b, q, q)  # [b, Q, Q]
     return torch.cat([sees_ctx, sees_block], dim=2)[:, None]
 
 
-def mask_mod_for(anchors: torch.Tensor, block_size: int, context_len: int):
+def mask_mod_for(anchors: torch.Tensor, block_size: int, context_len: int, window: int | None = None):
     """The same rule as `dense_mask`, as a flex_attention mask_mod (index arithmetic only)."""
+    _check_window(window, block_size)
 
     def mask_mod(b, h, q_idx, kv_idx):
         q_block = q_idx // block_size
         in_ctx = kv_idx < context_len
-        ctx_ok = kv_idx < anchors[b, q_block]
+        anchor = anchors[b, q_block]
+        ctx_ok = kv_idx < anchor
+        if window is not None:
+            ctx_ok = ctx_ok & (anchor + q_idx % block_size - kv_idx < window)
         block_ok = (kv_idx - context_len) // block_size == q_block
         return torch.where(in_ctx, ctx_ok, block_ok)
 
     return mask_mod
 
 
-def flex_block_mask(anchors: torch.Tensor, block_size: int, context_len: int) -> BlockMask:
+def flex_block_mask(anchors: torch.Tensor, block_size: int, context_len: int, window: int | None = None) -> BlockMask:
     """BlockMask for flex_attention, built on the anchors' device once per batch by tile arithmetic:
     the same tiles as `create_block_mask(mask_mod_for(...))` (tested), without evaluating the mask
     for every (query, key) pair. create_block_mask vmaps the mask_mod over the whole grid, ~19 ms of
     host time a batch even at tiny shapes (2.13, CPU): a large part of a small training step.
 
-    A query row of block j sees the context [0, a_j) and the block keys [T + jB, T + (j+1)B). A tile
-    (128 rows x 128 keys) is listed if any of its rows sees any of its keys, and as full if every
-    row sees every key; like create_block_mask, tiles cut by the end of Q or KV are never full."""
+    A query row of block j, slot k, sees the context [lo, a_j) (lo = 0, or a_j + k - W + 1 in a
+    window W) and the block keys [T + jB, T + (j+1)B). A tile (128 rows x 128 keys) is listed if any
+    of its rows sees any of its keys, and as full if every row sees every key; like
+    create_block_mask, tiles cut by the end of Q or KV are never full."""
+    _check_window(window, block_size)
     b, n = anchors.shape
     q_len = n * block_size
     kv_len = context_len + q_len
@@ -171,11 +188,14 @@ def flex_block_mask(anchors: torch.Tensor, block_size: int, context_len: int) ->
     real = q < q_len  # the last query tile's padding rows
     block = q // block_size
     anchor = anchors[:, block.clamp(max=n - 1)][..., None]  # [b, rows, 1]
+    reach = kv_len + 1 if window is None else window  # keys this far below a row's position are masked
+    row_lo = anchor + (q % block_size)[:, None] - reach + 1  # each row's lowest context key
     lo = torch.arange(nk, device=device) * TILE  # each key tile [lo, lo + TILE)
     hi = lo + TILE
     has_ctx = lo < context_len
-    ctx_any = has_ctx & (anchor > lo)
-    ctx_all = ~has_ctx | (anchor >= hi.clamp(max=context_len))
+    ctx_hi = hi.clamp(max=context_len)
+    ctx_any = has_ctx & (torch.maximum(row_lo, lo) < torch.minimum(anchor, ctx_hi))
+    ctx_all = ~has_ctx | ((anchor >= ctx_hi) & (row_lo <= lo))
     k_lo, k_hi = lo.clamp(min=context_len), hi.clamp(max=kv_len)  # the tile's block keys
     has_blk = k_lo < k_hi
     r_lo = (context_len + block * block_size)[:, None]  # each row's own block keys [r_lo, r_lo + B)
@@ -186,8 +206,26 @@ def flex_block_mask(anchors: torch.Tensor, block_size: int, context_len: int) ->
     sees_all = (ctx_all & blk_all & real[:, None]).view(b, nq, TILE, nk).all(dim=2) & (hi <= kv_len)
     partial, full = _ordered(sees_any & ~sees_all), _ordered(sees_all)
     return BlockMask.from_kv_blocks(*partial, *full, BLOCK_SIZE=TILE,
-                                    mask_mod=mask_mod_for(anchors, block_size, context_len),
+                                    mask_mod=mask_mod_for(anchors, block_size, context_len, window),
                                     seq_lengths=(q_len, kv_len))
+
+
+def decode_mask(starts: torch.Tensor, width: int, block_size: int, window: int | None) -> torch.Tensor:
+    """The decoders' mask [R, 1, B, width + B] (True = attend): row r's block at positions
+    starts_r .. starts_r+B-1 over context key columns that hold positions 0..width-1 (column c =
+    position c), then the block's own keys. The block sees the context below its start (in a window,
+    each slot only the keys less than `window` positions below it) and itself whole. Device work
+    only: a captured step replays it."""
+    _check_window(window, block_size)
+    cols = torch.arange(width, device=starts.device)
+    sees_ctx = (cols[None, :] < starts[:, None])[:, None, :]  # [R, 1, width]
+    if window is None:
+        sees_ctx = sees_ctx.expand(-1, block_size, -1)
+    else:
+        q_pos = starts[:, None] + torch.arange(block_size, device=starts.device)  # [R, B]
+        sees_ctx = sees_ctx & (q_pos[:, :, None] - cols < window)
+    sees_block = torch.ones(1, 1, 1, dtype=torch.bool, device=starts.device).expand(len(starts), block_size, block_size)
+    return torch.cat([sees_ctx, sees_block], dim=2)[:, None]
 
 
 def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

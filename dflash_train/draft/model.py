@@ -43,6 +43,9 @@ class DraftModelConfig:
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 32768
     layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    """Every layer's keys in a window: a query at position p sees no key at p - W or below (draft/masks.py);
+    None: the whole context. Its layer_types are then all `sliding_attention`, as llama.cpp reads them."""
     family: str = "dflash"
     """dflash, dflash2 (draft/dflash2.py: in-block convolutions and a top-k path selector) or dspark
     (draft/dspark.py: a Markov head)."""
@@ -53,8 +56,14 @@ class DraftModelConfig:
     markov_rank: int = 0
 
     def __post_init__(self):
+        kind = "full_attention" if self.sliding_window is None else "sliding_attention"
         if not self.layer_types:
-            self.layer_types = ["full_attention"] * self.num_hidden_layers
+            self.layer_types = [kind] * self.num_hidden_layers
+        if set(self.layer_types) != {kind}:
+            raise ValueError(f"layer_types {sorted(set(self.layer_types))} with sliding_window {self.sliding_window}: "
+                             f"every layer is {kind} (one window for all layers)")
+        if self.sliding_window is not None and self.sliding_window < self.block_size:
+            raise ValueError(f"sliding_window {self.sliding_window} is shorter than a block of {self.block_size}")
         for i in self.target_layer_ids:
             if not 0 <= i < self.num_target_layers:
                 raise ValueError(

@@ -55,10 +55,10 @@ def task_from_keys(input_ids: torch.Tensor, loss_mask: torch.Tensor, keys: torch
     return BlockTask(input_ids, anchors, valid, labels, weights, seed)
 
 
-def attention_mask_for(task: BlockTask, block_size: int, context_len: int, use_flex: bool):
+def attention_mask_for(task: BlockTask, block_size: int, context_len: int, use_flex: bool, window: int | None = None):
     if use_flex:
-        return masks.flex_block_mask(task.anchors, block_size, context_len)
-    return masks.dense_mask(task.anchors, block_size, context_len)
+        return masks.flex_block_mask(task.anchors, block_size, context_len, window)
+    return masks.dense_mask(task.anchors, block_size, context_len, window)
 
 
 def draft_hidden(
@@ -74,7 +74,7 @@ def draft_hidden(
         block_ids = masks.block_inputs(task.input_ids, task.anchors, cfg.block_size, cfg.mask_token_id)
     ctx_pos = torch.arange(t, device=features.device).expand(b, t)
     blk_pos = masks.block_positions(task.anchors, cfg.block_size)
-    mask = attention_mask_for(task, cfg.block_size, t, use_flex)
+    mask = attention_mask_for(task, cfg.block_size, t, use_flex, cfg.sliding_window)
     return drafter(features, embed_weight[block_ids], ctx_pos, blk_pos, mask)
 
 

@@ -75,8 +75,9 @@ def export_config(cfg: DraftModelConfig, mask_token: str | None = None) -> dict:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        # llama.cpp's converter reads these three: a window on the layers layer_types calls sliding
+        "use_sliding_window": cfg.sliding_window is not None,
+        "sliding_window": cfg.sliding_window,
         "max_window_layers": cfg.num_hidden_layers,
         "initializer_range": 0.02,
         "use_cache": True,
@@ -115,6 +116,7 @@ def draft_config_from_export(path: str | Path) -> DraftModelConfig:
         rope_theta=rope_theta,
         max_position_embeddings=c["max_position_embeddings"],
         layer_types=list(c.get("layer_types") or []),
+        sliding_window=c.get("sliding_window") if c.get("use_sliding_window") else None,
         **extra,
     )
 

@@ -36,6 +36,7 @@ def draft_model_config(cfg: RunConfig, target: Target) -> DraftModelConfig:
         rms_norm_eps=tc.rms_norm_eps,
         rope_theta=rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)),
         max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
+        sliding_window=cfg.draft.sliding_window,
         **family_fields(cfg.draft),
     )
 

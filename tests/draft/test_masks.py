@@ -11,19 +11,24 @@ from torch.nn.attention.flex_attention import create_block_mask, create_mask
 from dflash_train.draft import masks
 
 
-def reference_mask(anchors: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
-    """Query of block j sees context key p iff p < a_j; every key of its own block; nothing else."""
+def reference_mask(anchors: torch.Tensor, block_size: int, context_len: int, window: int | None = None) -> torch.Tensor:
+    """Query of block j sees context key p iff p < a_j; every key of its own block; nothing else. In a
+    window W, llama.cpp's rule on top (is_masked_swa, standard): no key at a position p_k with
+    p_q - p_k >= W, whatever the key."""
     b, n = anchors.shape
     q = n * block_size
     out = torch.zeros(b, 1, q, context_len + q, dtype=torch.bool)
     for bi in range(b):
         for qi in range(q):
             j = qi // block_size
+            q_pos = int(anchors[bi, j]) + qi % block_size
             for kv in range(context_len + q):
                 if kv < context_len:
-                    out[bi, 0, qi, kv] = kv < int(anchors[bi, j])
+                    seen, k_pos = kv < int(anchors[bi, j]), kv
                 else:
-                    out[bi, 0, qi, kv] = (kv - context_len) // block_size == j
+                    seen = (kv - context_len) // block_size == j
+                    k_pos = int(anchors[bi, (kv - context_len) // block_size]) + (kv - context_len) % block_size
+                out[bi, 0, qi, kv] = seen and (window is None or q_pos - k_pos < window)
     return out
 
 
@@ -38,27 +43,29 @@ def random_loss_mask(b: int, t: int, gen: torch.Generator) -> torch.Tensor:
     return lm
 
 
-@pytest.mark.parametrize("block_size,context_len", [(4, 13), (3, 9), (8, 8)])
-def test_dense_and_flex_masks_equal_brute_force(block_size, context_len):
+@pytest.mark.parametrize("block_size,context_len,window", [(4, 13, None), (3, 9, None), (8, 8, None), (4, 13, 4),
+                                                            (3, 40, 5), (2, 60, 7), (8, 8, 9)])
+def test_dense_and_flex_masks_equal_brute_force(block_size, context_len, window):
     gen = torch.Generator().manual_seed(block_size * 100 + context_len)
     anchors = torch.randint(0, context_len, (3, 4), generator=gen)
     anchors[1, 2:] = 0  # padded / invalid anchors sit at position 0
     anchors[2, 0] = context_len - 1
-    ref = reference_mask(anchors, block_size, context_len)
-    dense = masks.dense_mask(anchors, block_size, context_len)
+    ref = reference_mask(anchors, block_size, context_len, window)
+    dense = masks.dense_mask(anchors, block_size, context_len, window)
     assert dense.dtype == torch.bool
     assert torch.equal(dense, ref)
     q = anchors.shape[1] * block_size
     flex = create_mask(
-        masks.mask_mod_for(anchors, block_size, context_len), 3, None, q, context_len + q, device="cpu"
+        masks.mask_mod_for(anchors, block_size, context_len, window), 3, None, q, context_len + q, device="cpu"
     )
     assert torch.equal(flex.expand_as(ref), ref)
 
 
-def reference_tiles(anchors: torch.Tensor, block_size: int, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_tiles(anchors: torch.Tensor, block_size: int, context_len: int,
+                    window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(listed, full) [b, q tiles, key tiles] from the dense mask: a tile is listed if any pair in it
     is visible, full if all are (a tile cut by the end of Q or KV has padding, never visible)."""
-    dense = masks.dense_mask(anchors, block_size, context_len)[:, 0]
+    dense = masks.dense_mask(anchors, block_size, context_len, window)[:, 0]
     b, q, kv = dense.shape
     t = masks.TILE
     padded = torch.zeros(b, -(-q // t) * t, -(-kv // t) * t, dtype=torch.bool)
@@ -71,7 +78,8 @@ def reference_tiles(anchors: torch.Tensor, block_size: int, context_len: int) ->
     (2, 8, 16, 128), (3, 16, 16, 256), (2, 9, 16, 300), (1, 40, 16, 700), (3, 13, 10, 260), (2, 30, 4, 129),
     (2, 3, 2, 5), (2, 2, 128, 200),
 ])
-def test_flex_block_mask_lists_the_tiles_of_the_dense_mask(b, n, block_size, context_len):
+@pytest.mark.parametrize("window", [None, 130, 40])
+def test_flex_block_mask_lists_the_tiles_of_the_dense_mask(b, n, block_size, context_len, window):
     """The tile-arithmetic BlockMask against the dense mask's tiles and against create_block_mask
     over the same mask_mod (the pair-by-pair construction it replaces)."""
     gen = torch.Generator().manual_seed(b * 1000 + n * 10 + block_size)
@@ -81,8 +89,10 @@ def test_flex_block_mask_lists_the_tiles_of_the_dense_mask(b, n, block_size, con
     if b > 2:  # anchors on tile edges: the context tile [0, 128) is all visible from anchor 128 on
         anchors[1] = torch.tensor([masks.TILE * (1 + j % 2) for j in range(n)]).clamp(max=context_len - 1)
     anchors = anchors.sort(dim=1).values
-    mask = masks.flex_block_mask(anchors, block_size, context_len)
-    listed, full = reference_tiles(anchors, block_size, context_len)
+    if window is not None and window < block_size:
+        pytest.skip("a window is at least a block")
+    mask = masks.flex_block_mask(anchors, block_size, context_len, window)
+    listed, full = reference_tiles(anchors, block_size, context_len, window)
     for num, idx, want in ((mask.kv_num_blocks, mask.kv_indices, listed & ~full),
                            (mask.full_kv_num_blocks, mask.full_kv_indices, full)):
         assert torch.equal(num[:, 0], want.sum(-1).int())
@@ -91,8 +101,9 @@ def test_flex_block_mask_lists_the_tiles_of_the_dense_mask(b, n, block_size, con
                 k = int(num[bi, 0, qi])
                 assert idx[bi, 0, qi, :k].tolist() == want[bi, qi].nonzero().flatten().tolist()
     assert (listed & ~full).any()
-    assert full.any() == (n * block_size >= masks.TILE and context_len > masks.TILE)  # checked where they can occur
-    ref = create_block_mask(masks.mask_mod_for(anchors, block_size, context_len), b, None, n * block_size,
+    if window is None:  # checked where they can occur
+        assert full.any() == (n * block_size >= masks.TILE and context_len > masks.TILE)
+    ref = create_block_mask(masks.mask_mod_for(anchors, block_size, context_len, window), b, None, n * block_size,
                             context_len + n * block_size, device="cpu")
     for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
                   "q_indices", "full_q_num_blocks", "full_q_indices"):
@@ -207,3 +218,15 @@ def test_block_inputs_and_positions():
     anchors = torch.tensor([[1, 3]])
     assert masks.block_inputs(ids, anchors, 3, 99).tolist() == [[6, 99, 99, 8, 99, 99]]
     assert masks.block_positions(anchors, 3).tolist() == [[1, 2, 3, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("block_size,width,window", [(4, 30, None), (4, 30, 4), (3, 50, 7), (8, 20, 64)])
+def test_decode_mask_is_the_training_rule_at_each_row_start(block_size, width, window):
+    """The decoders' mask (context column c = position c, then the block) is a training block's row
+    of `reference_mask` with its anchor at the row's start; the columns at or past the start see nothing."""
+    starts = torch.tensor([0, 1, width // 2, width])
+    got = masks.decode_mask(starts, width, block_size, window)
+    assert got.shape == (4, 1, block_size, width + block_size)
+    for r, start in enumerate(starts.tolist()):
+        ref = reference_mask(torch.tensor([[start]]), block_size, width, window)[0, 0]
+        assert torch.equal(got[r, 0], ref), (start, window)

@@ -143,3 +143,14 @@ def test_config_rejects_bad_layer_ids_and_mask_token():
         tiny_draft_config(target_layer_ids=[0, 4])
     with pytest.raises(ValueError, match="mask_token_id"):
         tiny_draft_config(mask_token_id=61)
+
+
+def test_a_window_is_one_for_every_layer():
+    cfg = tiny_draft_config(sliding_window=8)
+    assert cfg.layer_types == ["sliding_attention"] * cfg.num_hidden_layers
+    with pytest.raises(ValueError, match="one window for all layers"):
+        tiny_draft_config(sliding_window=8, layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(ValueError, match="one window for all layers"):
+        tiny_draft_config(layer_types=["sliding_attention"] * 2)
+    with pytest.raises(ValueError, match="shorter than a block"):
+        tiny_draft_config(sliding_window=2)

@@ -127,3 +127,22 @@ def test_tensor_shapes_must_match_the_config(target, trained, tmp_path):
     save_file(state, ckpt / "model.safetensors")
     with pytest.raises(ValueError, match=r"fc.weight has shape \[64, 128\], config implies \[64, 192\]"):
         load_drafter(ckpt, target)
+
+
+def test_a_windowed_drafter_exports_the_keys_llama_cpp_reads(target, tmp_path):
+    drafter = tiny_drafter(target, layer_ids=(0, 1, 3), sliding_window=6)
+    out = export_drafter(save_checkpoint(drafter, tmp_path / "ckpt"), tmp_path / "export")
+    c = json.loads((out / "config.json").read_text())
+    assert (c["use_sliding_window"], c["sliding_window"]) == (True, 6)
+    assert c["layer_types"] == ["sliding_attention"] * drafter.config.num_hidden_layers
+    # conversion/qwen.py (DFlash): the window, and a pattern flag per layer from layer_types
+    assert [t == "sliding_attention" for t in c["layer_types"]] == [True] * drafter.config.num_hidden_layers
+    assert draft_config_from_export(out).to_dict() == drafter.config.to_dict()
+    assert load_drafter(out, target).config.sliding_window == 6
+    assert AutoConfig.from_pretrained(out).sliding_window == 6
+
+
+def test_a_full_context_export_writes_no_window(trained, tmp_path):
+    _, ckpt = trained
+    c = json.loads((export_drafter(ckpt, tmp_path / "export") / "config.json").read_text())
+    assert (c["use_sliding_window"], c["sliding_window"]) == (False, None)

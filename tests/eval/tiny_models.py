@@ -12,7 +12,8 @@ def tiny_target(vocab_size: int = 256, num_layers: int = 4, hidden_size: int = 6
     return _tiny_target(num_layers, hidden_size, vocab_size, seed, tokenizer, initializer_range=0.1, eager=True)
 
 
-def tiny_drafter(target: Target, block_size: int = 4, layer_ids=(0, 2), num_layers: int = 2, seed: int = 1):
+def tiny_drafter(target: Target, block_size: int = 4, layer_ids=(0, 2), num_layers: int = 2, seed: int = 1,
+                 sliding_window: int | None = None):
     torch.manual_seed(seed)
     cfg = DraftModelConfig(
         hidden_size=target.hidden_size,
@@ -26,5 +27,6 @@ def tiny_drafter(target: Target, block_size: int = 4, layer_ids=(0, 2), num_laye
         target_layer_ids=list(layer_ids),
         num_target_layers=target.num_layers,
         mask_token_id=target.vocab_size - 1,
+        sliding_window=sliding_window,
     )
     return DFlashDraftModel(cfg).eval().requires_grad_(False)
