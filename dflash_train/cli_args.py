@@ -119,10 +119,11 @@ def quickstart_args(p: argparse.ArgumentParser, show_all: bool) -> None:
 def prompts_args(p: argparse.ArgumentParser, show_all: bool) -> None:
     p.add_argument("--source", default="sharegpt", help="sharegpt (first turns), "
                    "sharegpt-conversations (every user turn), mt-bench, humaneval, python-stubs (code requests "
-                   "from the standard library's functions) or a JSONL file")
+                   "from the standard library's functions), long (conversations of long requests, 4K-7K tokens; "
+                   "with --multi-turn 8 --max-chars 6000) or a JSONL file")
     p.add_argument("--num", type=int, required=True, help="distinct prompts in all (held-out ones included)")
     p.add_argument("--heldout", type=int, required=True, help="the last N go to heldout_prompts.jsonl "
-                   "(0: a training-only set)")
+                   "(0: a training-only set; --num: a held-out-only set)")
     p.add_argument("--exclude", nargs="*", default=[], help="prompt sets or files (e.g. humaneval, "
                    "heldout_prompts.jsonl) whose turns must not be chosen (case and whitespace ignored)")
     p.add_argument("--max-chars", dest="max_chars", type=int, default=2000, help="skip longer first turns")

@@ -155,7 +155,7 @@ def cmd_prompts(args) -> int:
         chosen = (Prompt(id=p.id, turns=p.turns[:1], system=p.system) for p in source)
     prompts = first_turns(chosen, args.num, args.max_chars, exclude)
     train, heldout = split_prompt_files(prompts, args.out, args.heldout)
-    print(json.dumps({"train": str(train), "train_prompts": len(prompts) - args.heldout,
+    print(json.dumps({"train": train and str(train), "train_prompts": len(prompts) - args.heldout,
                       "heldout": heldout and str(heldout), "heldout_prompts": args.heldout}, indent=2))
     return 0
 

@@ -176,7 +176,7 @@ class EvalConfig(Section):
     every: int = Field(0, ge=0)
     """Real speculative-decoding eval every N steps on held-out prompts (0 = off)."""
     prompts: str | None = None
-    """Prompt set of that eval: mt-bench, humaneval, sharegpt or a JSONL file."""
+    """Prompt set of that eval: mt-bench, humaneval, sharegpt, long or a JSONL file."""
     num_prompts: int = Field(8, ge=1)
     """Its first N prompts."""
     max_new_tokens: int = Field(64, ge=1)

@@ -24,7 +24,8 @@
 #        (default: all; eval = eval-sets, eval-curve (tau at 1/3 and 2/3 of training), then speedup)
 # Each stage reads what the one before wrote under $RUN; each can be rerun (generate resumes).
 # The eval stages are independent: on two GPUs, run them side by side with CUDA_VISIBLE_DEVICES
-# (EVAL_SETS picks the sets of eval-sets).
+# (EVAL_SETS picks the sets of eval-sets; EVAL_SETS=long adds tau by context length to 4K-8K tokens,
+# 205 conversations of the `long` set: docs/design.md#data-formats).
 # The variables below shrink it (CI runs it on CPU with a dozen prompts: tests/test_examples.py);
 # TARGET, CONFIG and GEN_CONFIG run the same chain for another target (examples/gemma3_h200.sh).
 set -euo pipefail
@@ -116,9 +117,9 @@ eval_sets() {  # the trained drafter on the sets, in one process (target and dra
   local names=() sets=() set out="$RUN/eval"
   for set in $EVAL_SETS; do
     case $set in
-      humaneval|mt-bench) sets+=(--prompts "$set") ;;
+      humaneval|mt-bench|long) sets+=(--prompts "$set") ;;
       sharegpt) sets+=(--prompts "sharegpt=$DATA/heldout_prompts.jsonl") ;;
-      *) echo "unknown eval set '$set' in EVAL_SETS (humaneval, sharegpt, mt-bench)" >&2; return 2 ;;
+      *) echo "unknown eval set '$set' in EVAL_SETS (humaneval, sharegpt, mt-bench, long)" >&2; return 2 ;;
     esac
     names+=("$set")
   done

@@ -36,14 +36,14 @@ _DEFAULT = object()
 
 def tiny_target(
     num_layers: int = 4, hidden: int = 64, vocab: int = 272, seed: int = 0, tokenizer=_DEFAULT,
-    initializer_range: float = 0.02, eager: bool = False,
+    initializer_range: float = 0.02, eager: bool = False, max_positions: int = 2048,
 ) -> Target:
     """A random Qwen3 target. A wide init (initializer_range 0.1) makes its next-token distributions
     peaked, like a real LM's; eager attention avoids CPU SDPA's thread spin-up on tiny shapes."""
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=2048,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=max_positions,
         tie_word_embeddings=False, initializer_range=initializer_range,
     )
     if eager:

@@ -145,6 +145,51 @@ def sharegpt() -> Iterator[Prompt]:
         yield Prompt(id=conversation.id, turns=conversation.turns[:1])
 
 
+LONG_TURN_CHARS = (2000, 6000)
+"""A long conversation's turns: over 2,000 characters, the prompts command's default --max-chars, so no
+training set it writes at that bound or below holds one of them."""
+LONG_CHARS = 20_000
+"""Most characters of a long conversation's user turns: 3,000 to 5,700 SmolLM2 tokens in the set, so
+with answers of 256 tokens the longest conversation ends by 7,300 of SmolLM2's 8,192 (tests/data/
+test_long_prompts.py)."""
+PROSE_SHARE = 0.85
+"""Least share of letters and spaces in a long turn: tables, code and logs of a few characters a token
+would make a character bound no token bound."""
+
+
+def long_turns() -> Iterator[tuple[str, str]]:
+    """(id, text) of each distinct English-prose ShareGPT user turn of LONG_TURN_CHARS, in file order."""
+    seen = set()
+    for conversation in sharegpt_conversations():
+        for k, turn in enumerate(conversation.turns):
+            shortest, longest = LONG_TURN_CHARS
+            if not shortest < len(turn) <= longest or sum(c.isascii() for c in turn) < 0.99 * len(turn):
+                continue
+            if sum(c.isalpha() or c == " " for c in turn) < PROSE_SHARE * len(turn):
+                continue
+            if (key := normalise_text(turn)) not in seen:
+                seen.add(key)
+                yield f"{conversation.id}/turn{k + 1}", turn
+
+
+def long_conversations() -> Iterator[Prompt]:
+    """Long-context conversations (205): ShareGPT's long prose requests (long_turns: pasted
+    articles, stories, essays, each with its request), taken in file order and asked one after another
+    in one conversation until the next would take its user turns past LONG_CHARS characters. Each turn
+    is asked after the evaluated model's own answers to the ones before, so the context grows from the
+    first request's 350-1,600 tokens to 4K-7K for SmolLM2: every context bucket of eval up to 4K-8K
+    fills. No training set the prompts command writes at --max-chars 2,000 or below holds their turns."""
+    turns, ids = [], []
+    for turn_id, text in long_turns():
+        if sum(map(len, turns)) + len(text) > LONG_CHARS:
+            yield Prompt(id=f"long/{ids[0]}", turns=turns)
+            turns, ids = [], []
+        turns.append(text)
+        ids.append(turn_id)
+    if sum(map(len, turns)) > LONG_CHARS - LONG_TURN_CHARS[1]:  # the rest, when as long as the others
+        yield Prompt(id=f"long/{ids[0]}", turns=turns)
+
+
 def jsonl(path: str | Path) -> Iterator[Prompt]:
     """`{"prompt": str}` rows, or `messages`/`conversations` rows whose user turns are asked in order
     (their assistant turns are dropped: the evaluated model answers for itself)."""
@@ -168,6 +213,7 @@ PROMPT_SETS = {
     "sharegpt": sharegpt,
     "sharegpt-conversations": sharegpt_conversations,
     "python-stubs": python_stubs,
+    "long": long_conversations,
 }
 
 
@@ -260,12 +306,14 @@ def write_prompts(path: str | Path, prompts: Iterable[Prompt]) -> Path:
     return Path(path)
 
 
-def split_prompt_files(prompts: list[Prompt], out_dir: str | Path, heldout: int) -> tuple[Path, Path | None]:
+def split_prompt_files(prompts: list[Prompt], out_dir: str | Path, heldout: int) -> tuple[Path | None, Path | None]:
     """train_prompts.jsonl (all but the last `heldout`) and heldout_prompts.jsonl in `out_dir`
-    (none when `heldout` is 0: a training-only set)."""
-    if not 0 <= heldout < len(prompts):
+    (none when `heldout` is 0: a training-only set; no train_prompts.jsonl when it is all of them: a
+    held-out-only set, such as `long`)."""
+    if not 0 <= heldout <= len(prompts) or not prompts:
         raise ValueError(f"cannot hold out {heldout} of {len(prompts)} prompts")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    train = write_prompts(out_dir / "train_prompts.jsonl", prompts[: len(prompts) - heldout])
-    return train, write_prompts(out_dir / "heldout_prompts.jsonl", prompts[-heldout:]) if heldout else None
+    kept = len(prompts) - heldout
+    train = write_prompts(out_dir / "train_prompts.jsonl", prompts[:kept]) if kept else None
+    return train, write_prompts(out_dir / "heldout_prompts.jsonl", prompts[kept:]) if heldout else None

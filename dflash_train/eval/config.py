@@ -51,7 +51,8 @@ class EvalJobConfig(Section):
     drafter: str
     """A training checkpoint dir or an export dir (with -c: default the run's newest checkpoint)."""
     prompts: list[str] = Field(default_factory=lambda: ["mt-bench"])
-    """Prompt sets: mt-bench, humaneval, sharegpt or a JSONL file, LABEL=SET to name one; the flag
+    """Prompt sets: mt-bench, humaneval, sharegpt, long (conversations to 4K-7K tokens) or a JSONL
+    file, LABEL=SET to name one; the flag
     once per set. Several are evaluated one after another, the target and drafter loaded once."""
     num_prompts: int | None = Field(None, ge=1)
     """The first N prompts of each set; default: all."""

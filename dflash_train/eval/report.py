@@ -217,7 +217,7 @@ def periodic_evaluator(prompts: str | list[Prompt], num_prompts: int | None, max
 def check_periodic_eval(ec: EvalConfig) -> bool:
     """Whether `eval.every` is on; refused without `eval.prompts` (checked before anything loads)."""
     if ec.every and not ec.prompts:
-        raise ValueError("eval.every is set but eval.prompts is not (mt-bench, humaneval, sharegpt or a JSONL)")
+        raise ValueError("eval.every is set but eval.prompts is not (mt-bench, humaneval, sharegpt, long or a JSONL)")
     return bool(ec.every)
 
 

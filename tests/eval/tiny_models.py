@@ -7,9 +7,11 @@ from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 from dflash_train.targets.model import Target
 
 
-def tiny_target(vocab_size: int = 256, num_layers: int = 4, hidden_size: int = 64, seed: int = 0, tokenizer=None):
+def tiny_target(vocab_size: int = 256, num_layers: int = 4, hidden_size: int = 64, seed: int = 0, tokenizer=None,
+                max_positions: int = 2048):
     """Eval's tiny target: peaked distributions (so drafts sometimes match), no tokenizer needed."""
-    return _tiny_target(num_layers, hidden_size, vocab_size, seed, tokenizer, initializer_range=0.1, eager=True)
+    return _tiny_target(num_layers, hidden_size, vocab_size, seed, tokenizer, initializer_range=0.1, eager=True,
+                        max_positions=max_positions)
 
 
 def tiny_drafter(target: Target, block_size: int = 4, layer_ids=(0, 2), num_layers: int = 2, seed: int = 1,
