@@ -52,7 +52,8 @@ def test_a_row_counts_speed_acceptance_and_losslessness():
     assert row["tokens_per_s"] == 8.0 and row["tokens_per_s_all_prompts"] == pytest.approx(8 / 1.75)
     assert row["speedup"] == pytest.approx(8.0 / 2.0)  # median prompt against median prompt
     assert row["mean_accepted_length"] == pytest.approx(1 + 3 / 4)
-    assert row["lossless"] == {"matches": 2, "total": 3}
+    assert row["lossless"] == {"matches": 2, "total": 3, "near_ties": 0}
+    assert best_row([row]) is None and best_row([speed_row(3, spec, base, near_ties=1)])["draft_length"] == 3
 
 
 def test_a_stalled_prompt_moves_the_median_little():
