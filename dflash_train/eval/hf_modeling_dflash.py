@@ -14,7 +14,11 @@ holds the context's positions, then the block's.
 Design (one drafter layer):
 - Keys and values are k_proj/v_proj of [context ; block], queries come from the block only; only
   block tokens flow through the residual stream. k_norm applies to context and block keys alike.
-- RoPE at absolute positions (rotate-half convention); every token sees every other (no mask).
+- RoPE at absolute positions (rotate-half convention); every token sees every other (no mask), but
+  for a sliding window W (`sliding_window` when `use_sliding_window`, on the layers `layer_types`
+  calls `sliding_attention`): a query at position p sees no key at position p - W or below, inside
+  the block too, as llama.cpp masks it. Keys cached in `past_key_values` sit at the positions just
+  below the first of `position_ids` (z-lab's use: the cache holds the context from position 0).
 - DFlash2 adds a grouped convolution along the block's positions before and after each sublayer,
   with per-token coefficients, and a candidate selector over each position's top-k drafts.
 """
@@ -35,6 +39,27 @@ def _dflash_config(config: Qwen3Config) -> dict:
 def _rope_theta(config: Qwen3Config) -> float:
     parameters = getattr(config, "rope_parameters", None) or {}  # transformers 5 moves rope_theta here
     return float(parameters.get("rope_theta") or getattr(config, "rope_theta", None) or 1_000_000.0)
+
+
+def _sliding_window(config: Qwen3Config) -> int | None:
+    return config.sliding_window if getattr(config, "use_sliding_window", False) else None
+
+
+def window_mask(position_ids: torch.Tensor, num_cached: int, q_len: int, window: int) -> torch.Tensor:
+    """Bool [b, 1, Q, num_cached + S] (True = attend) for positions [b, S] whose last Q are the block's:
+    a query sees a key fewer than `window` positions below it (the cached keys precede position_ids)."""
+    cached = position_ids[:, :1] - num_cached + torch.arange(num_cached, device=position_ids.device)
+    keys = torch.cat([cached, position_ids], dim=1)
+    return (position_ids[:, -q_len:, None] - keys[:, None, :] < window)[:, None]
+
+
+def with_window(attention_mask: torch.Tensor | None, window: torch.Tensor) -> torch.Tensor:
+    """The caller's mask (bool, or additive floats) narrowed to the window."""
+    if attention_mask is None:
+        return window
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & window
+    return attention_mask.masked_fill(~window, float("-inf"))
 
 
 class DFlashRMSNorm(nn.Module):
@@ -142,6 +167,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         self.target_layer_ids = list(_dflash_config(config)["target_layer_ids"])
         self.block_size = int(getattr(config, "block_size", None) or _dflash_config(config).get("block_size", 16))
         self.mask_token_id = _dflash_config(config).get("mask_token_id")
+        self.sliding_window = _sliding_window(config)
+        layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+        self.layer_slides = [self.sliding_window is not None and t == "sliding_attention" for t in layer_types]
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(self.decoder_layer(config, i) for i in range(config.num_hidden_layers))
@@ -159,9 +187,14 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         target_hidden = self.hidden_norm(self.fc(target_hidden))
         head_dim = self.layers[0].self_attn.head_dim
         position_embeddings = rotary_cos_sin(position_ids, head_dim, _rope_theta(self.config), hidden_states.dtype)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, target_hidden, position_embeddings, attention_mask,
-                                  past_key_values if use_cache else None)
+        cache = past_key_values if use_cache else None
+        masks = {False: attention_mask}
+        if any(self.layer_slides):
+            num_cached = cache.get_seq_length() if cache is not None else 0
+            window = window_mask(position_ids, num_cached, hidden_states.shape[1], self.sliding_window)
+            masks[True] = with_window(attention_mask, window)
+        for layer, slides in zip(self.layers, self.layer_slides):
+            hidden_states = layer(hidden_states, target_hidden, position_embeddings, masks[slides], cache)
         return self.norm(hidden_states)
 
 
