@@ -171,6 +171,9 @@ def serve_check_args(p: argparse.ArgumentParser, show_all: bool) -> None:
     p.add_argument("--draft-lengths", dest="draft_lengths", type=draft_lengths, metavar="N,N,..",
                    help="llama.cpp's --spec-draft-n-max values to measure tokens/s at, e.g. 1,3,7,15; the fastest "
                    "lossless one is reported (default: the block's full length, block size - 1, always measured)")
+    p.add_argument("--draft-p-min", dest="draft_p_min", type=float, default=0.0, help="llama.cpp's "
+                   "--spec-draft-p-min, and ours alike: a DSpark draft stops at its first slot whose confidence "
+                   "head reads below it (default: 0, off)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where llama.cpp serves: "
                    "cuda needs a CUDA build (--build-llama-cpp builds one for this GPU) and puts every layer "
                    "of target and drafter on the GPU (default: auto, cuda when an NVIDIA GPU is visible)")

@@ -88,6 +88,10 @@ class DraftConfig(Section):
     markov_rank: int = Field(64, ge=1)
     """dspark: rank of the Markov head (the previous token's code, vocabulary x rank, projected back
     to a bias on the vocabulary)."""
+    confidence_head: bool = False
+    """dspark: llama.cpp's optional confidence head (`confidence_head.proj`: sigmoid of the final hidden
+    state and the previous token's Markov code), which `--spec-draft-p-min` reads to cut a draft short;
+    trained by objective.loss.confidence (docs/design.md#dspark)."""
 
     @model_validator(mode="after")
     def _one_layer_choice(self) -> DraftConfig:
@@ -130,14 +134,16 @@ class ObjectiveConfig(Section):
     dpace_alpha: float = Field(0.5, ge=0, le=1)
     """D-PACE's smoothing: a slot's probability q enters as (1 - alpha) q + alpha (slot_weights: dpace;
     SpecForge's default 0.5). 1: every slot counts by its position alone."""
-    loss: dict[Literal["ce", "target_argmax", "kl", "l1", "selector"], float] = Field(
+    loss: dict[Literal["ce", "target_argmax", "kl", "l1", "selector", "confidence"], float] = Field(
         default_factory=lambda: {"ce": 1.0})
     """Per-slot loss as a weighted mix: `ce` on the data tokens, `target_argmax` (CE on the target's greedy
     token), `kl` to the target's distribution, `l1` (sum |q - p|, twice the total variation to the target's
     distribution; SpecForge trains DSpark with {ce: 0.1, l1: 0.9}); the target kinds make text the target
     did not write usable.
     `selector` (draft.family=dflash2): CE of the path selector choosing the data token among the slot's
-    top-k candidates after the true previous token (docs/design.md#dflash2)."""
+    top-k candidates after the true previous token (docs/design.md#dflash2).
+    `confidence` (draft.confidence_head): BCE of DSpark's confidence head against each slot's greedy
+    acceptance, weighted as the slot (docs/design.md#dspark)."""
     selector_outside_top_k: Literal["join", "skip"] = "join"
     """loss.selector, a slot whose token is not among the top-k: join (it joins the candidates, so the
     drafter learns to rank it in; speculators') or skip (no selector loss there; SpecForge's)."""

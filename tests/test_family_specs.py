@@ -18,7 +18,8 @@ from dflash_train.eval.export import draft_config_from_export, export_config
 from dflash_train.families import FAMILIES, by_architecture, family
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dflash_train"
-SIZES = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 2, "markov_rank": 3}
+SIZES = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 2, "markov_rank": 3,
+         "confidence_head": True}
 
 
 def config_of(spec) -> DraftModelConfig:

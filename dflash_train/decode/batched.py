@@ -26,7 +26,8 @@ from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.decode.engines import Engine
 from dflash_train.decode.ragged_cache import RaggedCache, RaggedDraftCache
 from dflash_train.decode.rounds import decode_rows
-from dflash_train.decode.spec_decode import SpecResult, accept_sampled, check_budget, propose, sample_tokens
+from dflash_train.decode.spec_decode import (SpecResult, accept_sampled, check_budget, draft_limits, propose,
+                                             sample_tokens)
 from dflash_train.decode.sampling import emit_tokens
 from dflash_train.targets.model import Target
 
@@ -62,11 +63,13 @@ def _verify(target: Target, rows: list[list[int]], starts: torch.Tensor, block_s
     return target.logits(hidden.gather(1, at)), features
 
 
-def _accept(proposals, draft_logits, target_logits, temperature, generator) -> list[tuple[int, int]]:
-    """Per row: (accepted proposals n, the target's token after them), as `speculative_generate` decides."""
+def _accept(proposals, draft_logits, target_logits, temperature, generator, limits=None) -> list[tuple[int, int]]:
+    """Per row: (accepted proposals n, the target's token after them), as `speculative_generate` decides;
+    `limits` [R]: proposals drafted per row (`draft_limits`), None: all."""
     if temperature == 0:
         choice = target_logits.argmax(-1)  # [R, B]: choice[:, k] checks proposal k (slot k+1)
         n = (proposals == choice[:, :-1]).long().cumprod(1).sum(1)
+        n = n if limits is None else torch.minimum(n, limits)
         return list(zip(n.tolist(), choice.gather(1, n[:, None])[:, 0].tolist()))
     q = torch.softmax(draft_logits.float() / temperature, dim=-1)
     p = torch.softmax(target_logits.float() / temperature, dim=-1)
@@ -78,11 +81,11 @@ class BatchedSpeculative:
     decode/rounds.py); `cached`: the target through the ragged KV cache, else cache-free."""
 
     def __init__(self, target: Target, drafter: DFlashDraftModel, max_new_tokens: int, stop_ids: set[int],
-                 temperature: float, block_size: int, generator, cached: bool):
+                 temperature: float, block_size: int, generator, cached: bool, draft_p_min: float = 0.0):
         self.target, self.drafter, self.device = target, drafter, target.device
         self.max_new_tokens, self.stop_ids, self.temperature = max_new_tokens, stop_ids, temperature
         self.block_size, self.generator, self.cached = block_size, generator, cached
-        self.layer_ids = drafter.config.target_layer_ids
+        self.layer_ids, self.draft_p_min = drafter.config.target_layer_ids, draft_p_min
 
     def prefill(self, prompts: list[list[int]]) -> list[int]:
         """The first token, and the prompt's features as the first context."""
@@ -126,6 +129,7 @@ class BatchedSpeculative:
             positions = torch.arange(self.context.shape[1], device=device).expand(len(active), -1)
             hidden, block = _draft(self.drafter, self.target, self.context, positions, starts, last, b)
         proposals, draft_logits = propose(self.drafter, self.target, hidden, block, self.temperature, self.generator)
+        limits = draft_limits(self.drafter, hidden, block, proposals, self.draft_p_min)
         drafted = proposals.tolist()
         if ragged:
             hidden, features = ragged.extend(torch.cat([last[:, None], proposals], dim=1))
@@ -135,10 +139,12 @@ class BatchedSpeculative:
                 self.target, [self.seqs[i] + drafted[r] for r, i in enumerate(active)], starts, b, self.layer_ids
             )
         still, kept = [], []
-        decisions = _accept(proposals, draft_logits, target_logits, self.temperature, self.generator)
+        decisions = _accept(proposals, draft_logits, target_logits, self.temperature, self.generator, limits)
+        limited = [b - 1] * len(active) if limits is None else limits.tolist()
         for r, (i, (n, token)) in enumerate(zip(active, decisions)):
             result = self.results[i]
             result.acceptance_lengths.append(n + 1)
+            result.draft_lengths.append(limited[r])
             for k in range(n):
                 result.position_accepts[k] += 1
             self.seqs[i] += drafted[r][:n] + [token]
@@ -165,10 +171,12 @@ def batched_speculative(
     generator: torch.Generator | None = None,
     batch_size: int = 64,
     cached: bool | None = None,
+    draft_p_min: float = 0.0,
 ) -> list[SpecResult]:
     """`speculative_generate` for each token-id prompt, `batch_size` rows at a time (BatchedSpeculative;
     no timings: decode_seconds stays 0). `cached`: through the target's ragged KV cache (default: when the
-    target supports it, `RaggedCache.supports`), else cache-free."""
+    target supports it, `RaggedCache.supports`), else cache-free. `draft_p_min`: a DSpark drafter's draft
+    stops at its first slot of confidence below it, as llama.cpp's --spec-draft-p-min (0: off)."""
     check_budget(max_new_tokens)
     if not prompts or min(map(len, prompts)) < 1:
         raise ValueError("batched_speculative needs at least one prompt, each of at least one token")
@@ -178,7 +186,7 @@ def batched_speculative(
     cached = why_not is None if cached is None else cached
     block_size = block_size or drafter.config.block_size
     decoder = BatchedSpeculative(target, drafter, max_new_tokens, set(stop_ids), temperature, block_size, generator,
-                                 cached)
+                                 cached, draft_p_min)
     with torch.no_grad():
         return [result for i in range(0, len(prompts), batch_size)
                 for result in decode_rows(decoder, prompts[i : i + batch_size])[0]]

@@ -44,6 +44,8 @@ class SpecResult(DecodeResult):
     max_new_tokens budget or a stop token cut the round's emitted tokens short."""
     position_accepts: list[int] = field(default_factory=list)
     """[B-1]: number of rounds in which proposal k (slot k+1) was accepted."""
+    draft_lengths: list[int] = field(default_factory=list)
+    """Per round: proposals drafted, B-1 but where decode.draft_p_min cut the draft (`draft_limits`)."""
 
     @property
     def num_rounds(self) -> int:
@@ -158,13 +160,24 @@ def propose(drafter: DFlashDraftModel, target: Target, hidden: torch.Tensor, blo
     return sample_tokens(logits, temperature, generator), logits
 
 
-def accept_greedy(proposals: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """(accepted proposals n, the target's token after them) at temperature 0.
+def draft_limits(drafter: DFlashDraftModel, hidden: torch.Tensor, block_ids: torch.Tensor, proposals: torch.Tensor,
+                 p_min: float) -> torch.Tensor | None:
+    """[b] proposals the draft keeps when it stops at the first slot of confidence below `p_min`
+    (llama.cpp's --spec-draft-p-min, DSpark's confidence head); None: 0, every proposal is drafted.
+    The target still checks the whole block; acceptance stops at the limit, so the decisions are a
+    shorter draft's (the target's token after the kept proposals does not read the ones past them)."""
+    return None if p_min <= 0 else drafter.draft_limits(hidden, block_ids, proposals, p_min)
+
+
+def accept_greedy(proposals: torch.Tensor, target_logits: torch.Tensor, limit: int | None = None) -> tuple[int, int]:
+    """(accepted proposals n, the target's token after them) at temperature 0; `limit`: at most that
+    many proposals were drafted (`draft_limits`).
 
     target_logits[k] predicts the token after block slot k, so it checks proposal k (slot k+1).
     """
     choice = target_logits.argmax(-1)  # [B]
     n = int((proposals == choice[:-1]).cumprod(0).sum())
+    n = n if limit is None else min(n, limit)
     return n, int(choice[n])
 
 
@@ -202,9 +215,11 @@ class OneRowSpeculative:
     it every token is a target sample (speculative sampling). `generator` lives on the target's device."""
 
     def __init__(self, target: Target, drafter: DFlashDraftModel, max_new_tokens: int, stop_ids=(),
-                 temperature: float = 0.0, block_size: int | None = None, generator: torch.Generator | None = None):
+                 temperature: float = 0.0, block_size: int | None = None, generator: torch.Generator | None = None,
+                 draft_p_min: float = 0.0):
         check_budget(max_new_tokens)
         self.target, self.drafter, self.device = target, drafter, target.device
+        self.draft_p_min = draft_p_min
         self.max_new_tokens, self.stop_ids = max_new_tokens, set(stop_ids)
         self.temperature, self.generator = temperature, generator
         self.block_size = block_size or drafter.config.block_size
@@ -234,9 +249,11 @@ class OneRowSpeculative:
         proposals, draft_logits = propose(self.drafter, self.target, hidden, block[None], self.temperature,
                                           self.generator)
         block[1:] = proposals[0]
+        limit = draft_limits(self.drafter, hidden, block[None], proposals, self.draft_p_min)
         target_logits, features = _target_forward(self.target, block[None], self.cache, self.layer_ids)
         if self.temperature == 0:
-            n, self.token = accept_greedy(block[1:], target_logits)
+            n, self.token = accept_greedy(block[1:], target_logits, None if limit is None else int(limit[0]))
+            result.draft_lengths.append(b - 1 if limit is None else int(limit[0]))
         else:
             q = torch.softmax(draft_logits[0].float() / self.temperature, dim=-1)
             p = torch.softmax(target_logits.float() / self.temperature, dim=-1)
@@ -267,10 +284,12 @@ def speculative_generate(
     temperature: float = 0.0,
     block_size: int | None = None,
     generator: torch.Generator | None = None,
+    draft_p_min: float = 0.0,
 ) -> SpecResult:
     """Decode `input_ids` [1, P] speculatively (OneRowSpeculative)."""
     assert input_ids.shape[0] == 1, "speculative decoding here is one sequence at a time"
-    decoder = OneRowSpeculative(target, drafter, max_new_tokens, stop_ids, temperature, block_size, generator)
+    decoder = OneRowSpeculative(target, drafter, max_new_tokens, stop_ids, temperature, block_size, generator,
+                                draft_p_min)
     (result,), seconds = decode_rows(decoder, input_ids.tolist())
     result.decode_seconds = seconds
     return result

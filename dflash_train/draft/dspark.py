@@ -17,7 +17,12 @@ converter's (conversion/qwen.py `DSparkModel`), so an export converts and serves
   chain's previous tokens are the true ones. The bias enters the chunked LM-head pass
   (draft/logit_bias.py), so every per-slot term (ce, target_argmax, kl) trains the head with the backbone.
 
-No confidence head: llama.cpp's is optional and only read with `--spec-draft-p-min` > 0.
+- **Confidence head** (optional, `draft.confidence_head`): `confidence_head.proj` [1, H + R] with a
+  bias; slot p's confidence is `sigmoid(proj . [h_p, markov_w1[prev]] + b)`, h_p the final-normed
+  hidden state. llama.cpp reads it with `--spec-draft-p-min P` > 0 and ends the draft at the first slot
+  below P (`draft_limits`). Trained with `objective.loss.confidence` (draft/loss.py): BCE against the
+  slot's greedy acceptance, from the features the Markov head's code already has.
+
 A DSpark drafter whose `markov_w2` is zero drafts exactly as the DFlash drafter it holds (warm start).
 """
 
@@ -42,10 +47,22 @@ class MarkovHead(nn.Module):
         return self.markov_w2(self.markov_w1(prev_ids))
 
 
+class ConfidenceHead(nn.Module):
+    def __init__(self, cfg: DraftModelConfig):
+        super().__init__()
+        self.proj = nn.Linear(cfg.hidden_size + cfg.markov_rank, 1)
+
+    def forward(self, hidden: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+        """[...] the confidence logits (before the sigmoid) of final hidden states [..., H] after
+        previous tokens of code [..., R]: llama.cpp's concatenation order, hidden state first."""
+        return self.proj(torch.cat([hidden, code.to(hidden.dtype)], dim=-1)).squeeze(-1)
+
+
 class DSparkDraftModel(DFlashDraftModel):
     def __init__(self, cfg: DraftModelConfig):
         super().__init__(cfg)
         self.markov_head = MarkovHead(cfg)
+        self.confidence_head = ConfidenceHead(cfg) if cfg.confidence_head else None
         self.reset_dspark()
 
     def reset_parameters(self, std: float = 0.02):
@@ -59,6 +76,9 @@ class DSparkDraftModel(DFlashDraftModel):
         with torch.no_grad():
             nn.init.normal_(self.markov_head.markov_w1.weight, std=0.02)
             self.markov_head.markov_w2.weight.zero_()
+            if self.confidence_head is not None:  # a confidence of one half until trained
+                self.confidence_head.proj.weight.zero_()
+                self.confidence_head.proj.bias.zero_()
 
     def reset_own_parts(self) -> None:
         self.reset_dspark()
@@ -75,6 +95,24 @@ class DSparkDraftModel(DFlashDraftModel):
             prev = biased.argmax(-1)
             path.append(prev)
         return torch.stack(path, dim=1)
+
+    @torch.no_grad()
+    def draft_limits(self, hidden_BQH: torch.Tensor, block_ids: torch.Tensor, proposals: torch.Tensor,
+                     p_min: float) -> torch.Tensor:
+        """[b] drafted tokens kept of `proposals` [b, Q-1] (the greedy chain): those before the first slot
+        whose confidence is below `p_min`, as llama.cpp's draft loop cuts them (common/speculative.cpp,
+        the `is_dspark` branch). Slot p's previous token is the chain's: the block's given token, then
+        the proposal before it."""
+        if self.confidence_head is None:
+            raise ValueError("decode.draft_p_min > 0 needs a DSpark drafter with a confidence head "
+                             "(draft.confidence_head=true), as llama.cpp refuses one without: set it to 0")
+        prev = torch.cat([block_ids[:, :1], proposals[:, :-1]], dim=1)
+        conf = torch.sigmoid(self.confidence_head(hidden_BQH[:, 1:], self.markov_head.markov_w1(prev)))
+        return (conf >= p_min).long().cumprod(1).sum(1)
+
+    def confidence_logits(self, hidden_RH: torch.Tensor, code_RR: torch.Tensor) -> torch.Tensor:
+        """[rows] the confidence head's logits of the loss's rows (hidden states and Markov codes)."""
+        return self.confidence_head(hidden_RH, code_RR)
 
     def logit_bias(self, block_ids_BQ: torch.Tensor, labels_BQ: torch.Tensor) -> LogitBias:
         """The Markov head's bias over the blocks' slots for the chunked loss (draft/logit_bias.py), each

@@ -43,6 +43,8 @@ class LossMix:
     temperature: float = 1.0
     l1: float = 0.0
     selector: float = 0.0
+    confidence: float = 0.0
+    """DSpark's confidence head: BCE against each slot's greedy acceptance (`block_loss`'s `confidence`)."""
     """DFlash2's path selector (draft/selector_loss.py), scored in the same chunked pass."""
     selector_join: bool = True
     """A checked token outside the selector's top-k joins the candidates (else: no selector loss there)."""
@@ -57,7 +59,7 @@ class LossMix:
                      selector_join: bool = True, selector_slot_weighted: bool = True) -> LossMix:
         return cls(ce=weights.get("ce", 0.0), target_argmax=weights.get("target_argmax", 0.0),
                    kl=weights.get("kl", 0.0), temperature=temperature, l1=weights.get("l1", 0.0),
-                   selector=weights.get("selector", 0.0),
+                   selector=weights.get("selector", 0.0), confidence=weights.get("confidence", 0.0),
                    dpace_alpha=dpace_alpha, selector_join=selector_join, selector_slot_weighted=selector_slot_weighted)
 
     @property
@@ -279,6 +281,7 @@ def block_loss(
     even_chunks: bool = False,
     selector: SelectorInputs | None = None,
     bias: LogitBias | None = None,
+    confidence: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> BlockLoss:
     """`lm_head`: the target's frozen head, its weight [V, H] or an `Fp8Head` (chunked kernel only).
     `target_hidden_BQH`: the target's final-normed hidden state at the position that predicts
@@ -289,7 +292,10 @@ def block_loss(
     repeat (length buckets: one compiled graph per bucket). Otherwise every compiled chunk is padded
     to `chunk_size`: one graph for any row count. `selector`: DFlash2's path selector, its loss
     formed in the same chunks (draft/selector_loss.py); the statistics then count its picks. `bias`: a
-    logit bias per row (DSpark's Markov head, draft/logit_bias.py), added to the logits every term reads."""
+    logit bias per row (DSpark's Markov head, draft/logit_bias.py), added to the logits every term reads.
+    `confidence`: ([rows] DSpark's confidence logits, [rows] their weights): `sum w * BCE(sigmoid(z),
+    label)` joins the loss, the label 1 where the row's drafted token is the one acceptance checks (the
+    statistics' `correct`, known once every chunk ran; through autograd: the head is one small product)."""
     if mix.needs_target and (target_hidden_BQH is None or target_logits_fn is None):
         raise ValueError("the loss mix distils from the target: pass its hidden states and logits function")
     h = hidden_BQH.reshape(-1, hidden_BQH.shape[-1])
@@ -364,7 +370,12 @@ def block_loss(
         total = total + (torch.cat(terms)[:n] * slot_weights).sum()
         if sel_terms:
             total = total + (torch.cat(sel_terms)[:n] * slot_weights).sum()
-    return block_statistics(total, _full_rows(correct, kept, rows) * counted, counted, block_size)
+    correct = _full_rows(correct, kept, rows) * counted
+    if confidence is not None:
+        logits, conf_weights = (x.reshape(-1) for x in confidence)
+        total = total + F.binary_cross_entropy_with_logits(logits.float(), correct, weight=conf_weights,
+                                                           reduction="sum")
+    return block_statistics(total, correct, counted, block_size)
 
 
 def _full_rows(values: torch.Tensor, kept: torch.Tensor | None, rows: int) -> torch.Tensor:

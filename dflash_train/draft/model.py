@@ -54,6 +54,7 @@ class DraftModelConfig:
     selector_rank: int = 0
     selector_top_k: int = 0
     markov_rank: int = 0
+    confidence_head: bool = False
 
     def __post_init__(self):
         kind = "full_attention" if self.sliding_window is None else "sliding_attention"
@@ -297,6 +298,12 @@ class DFlashDraftModel(nn.Module):
         """The drafted tokens [b, Q-1] of blocks [b, Q] at temperature 0 (final hidden states of
         `forward`): each slot's argmax over the target's LM head."""
         return (hidden_BQH[:, 1:] @ lm_head_weight.T).argmax(-1)
+
+    def draft_limits(self, hidden_BQH: torch.Tensor, block_ids: torch.Tensor, proposals: torch.Tensor,
+                     p_min: float) -> torch.Tensor:
+        """[b] proposals kept when drafting stops below confidence `p_min` (decode.draft_p_min): only a
+        drafter with a confidence head has one (DSpark's)."""
+        raise ValueError(f"decode.draft_p_min > 0: a {self.config.family} drafter has no confidence head; set it to 0")
 
     def logit_bias(self, block_ids_BQ: torch.Tensor, labels_BQ: torch.Tensor):
         """A bias its family adds to the slots' logits in the loss (draft/logit_bias.py `LogitBias`,

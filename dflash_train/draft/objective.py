@@ -120,6 +120,10 @@ def draft_loss(
     if mix.selector > 0:
         weights = task.weights if mix.selector_slot_weighted else (task.weights > 0).float()
         selector = selector_inputs(drafter, hidden, block_ids, task.labels, mix.selector * weights)
+    bias = drafter.logit_bias(block_ids, task.labels)
+    confidence = None
+    if mix.confidence > 0:  # DSpark's head reads the hidden states and the Markov codes the bias has
+        confidence = (drafter.confidence_logits(hidden.flatten(0, 1), bias.code), mix.confidence * task.weights)
     return block_loss(hidden, lm_head, task.labels, task.weights, cfg.block_size, ce_chunk_size, mix, target_hidden,
-                      target_logits_fn, compiled_loss, ce_kernel, even_chunks, selector=selector,
-                      bias=drafter.logit_bias(block_ids, task.labels))
+                      target_logits_fn, compiled_loss, ce_kernel, even_chunks, selector=selector, bias=bias,
+                      confidence=confidence)

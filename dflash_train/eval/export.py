@@ -99,7 +99,7 @@ def draft_config_from_export(path: str | Path) -> DraftModelConfig:
         raise ValueError(f"{path}/config.json has no dflash_config: not a DFlash drafter export")
     rope_theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
     spec = by_architecture((c.get("architectures") or [None])[0], f"{path}/config.json")
-    extra = {"family": spec.name, **{k: int(c["dflash_config"][k]) for k in spec.size_fields}}
+    extra = {"family": spec.name, **{k: int(c["dflash_config"].get(k, 0)) for k in spec.size_fields}}
     return DraftModelConfig(
         hidden_size=c["hidden_size"],
         num_attention_heads=c["num_attention_heads"],

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -131,7 +132,7 @@ def measure_speed(target: Target, drafter: DFlashDraftModel, prompts: list[Promp
                     "decode.speed_engine")
     ids = [encode(target, p.messages([]), settings.thinking)[0].tolist() for p in prompts]
     speed = chosen.engine.run(target, drafter, ids, settings.max_new_tokens, settings.temperature,
-                              stop_token_ids(target), block_size, generator)
+                              stop_token_ids(target), block_size, generator, settings.draft_p_min)
     return {"speed_engine": chosen.name, "static_unavailable": chosen.passed_over, **speed}
 
 
@@ -185,7 +186,7 @@ def evaluate(target: Target, drafter: DFlashDraftModel, prompts: list[Prompt],
                     "decode.acceptance_cache")
     t0 = synced_time(target.device)
     decoded = decode_turns(target, drafter, prompts, s.max_new_tokens, s.temperature, block_size, generator,
-                           s.batch_size, chosen.engine.run, s.thinking)
+                           s.batch_size, partial(chosen.engine.run, draft_p_min=s.draft_p_min), s.thinking)
     acceptance = {"acceptance_cache": chosen.name,
                   "ragged_unavailable": ACCEPTANCE_ENGINES["ragged"].problem(target, s.temperature),
                   "acceptance_seconds": round(synced_time(target.device) - t0, 2)}

@@ -106,8 +106,11 @@ def served_speed(target: Target, drafter: DFlashDraftModel, prompts: list[list[i
 
 
 def static_speed(target: Target, drafter: DFlashDraftModel, prompts: list[list[int]], max_new_tokens: int,
-                 temperature: float, stop_ids: list[int], block_size: int, generator) -> dict:
+                 temperature: float, stop_ids: list[int], block_size: int, generator, draft_p_min: float = 0.0) -> dict:
     """`served_speed` one row at a time; its tau is `speed_tau` (the report's tau is the acceptance set's)."""
+    if draft_p_min > 0:
+        raise ValueError("decode.draft_p_min: the static speed engine drafts whole blocks; set "
+                         "decode.speed_engine=eager or decode.speed_prompts=0")
     served = served_speed(target, drafter, prompts, max_new_tokens, stop_ids, 1, block_size)
     served["speed_tau"] = served.pop("tau")
     return served
@@ -118,7 +121,7 @@ def _decode_rate(tokens: int, seconds: float) -> float:
 
 
 def eager_speed(target: Target, drafter: DFlashDraftModel, prompts: list[list[int]], max_new_tokens: int,
-                temperature: float, stop_ids: list[int], block_size: int, generator) -> dict:
+                temperature: float, stop_ids: list[int], block_size: int, generator, draft_p_min: float = 0.0) -> dict:
     """Tokens/s of `speculative_generate` and `target_greedy` (transformers' dynamic cache: host-bound
     for small targets), one prompt at a time, after a short warm-up of both (kernels, allocator)."""
     ids = [torch.tensor([p], device=target.device) for p in prompts]
@@ -127,7 +130,7 @@ def eager_speed(target: Target, drafter: DFlashDraftModel, prompts: list[list[in
     spec_tokens = spec_seconds = base_tokens = base_seconds = 0
     for prompt_ids in ids:
         spec = speculative_generate(target, drafter, prompt_ids, max_new_tokens, stop_ids, temperature, block_size,
-                                    generator)
+                                    generator, draft_p_min)
         base = target_greedy(target, prompt_ids, max_new_tokens, stop_ids)
         # The first token comes from the prefill in both decodes; the timed part is the rest.
         spec_tokens, spec_seconds = spec_tokens + len(spec.tokens) - 1, spec_seconds + spec.decode_seconds

@@ -7,7 +7,7 @@ DFlash-style config for the anchor-first layout, whose slot 0 predicts too."""
 
 from dflash_train.families.spec import FamilySpec
 
-SIZES = ("markov_rank",)
+SIZES = ("markov_rank", "confidence_head")
 
 
 def check_sizes(cfg) -> None:

@@ -68,6 +68,9 @@ class ServeCheckSettings:
     draft_lengths: tuple[int, ...] | None = None
     """llama.cpp's --spec-draft-n-max values measured (draft_lengths.py); the block's full length
     always among them. Default: that one only."""
+    draft_p_min: float = 0.0
+    """llama.cpp's --spec-draft-p-min, our decode's draft_p_min alike: a DSpark draft stops at its first
+    slot of confidence below it (the drafter needs a confidence head). 0: off."""
 
 
 @dataclass
@@ -76,6 +79,7 @@ class PromptResult:
     prompt_tokens: int
     ours: list[int]
     ours_lengths: list[int]
+    ours_drafted: list[int]
     target_only: Completion
     speculative: Completion
     checks: dict = field(default_factory=dict)
@@ -105,21 +109,27 @@ def our_decodes(settings: ServeCheckSettings,
         weight.data = weight.data.to(torch.bfloat16).to(torch.float32)
     prompt_ids = [encode(target, p.messages([]))[0].tolist() for p in prompts]
     stop_ids = stop_token_ids(target)
-    decodes = batched_speculative(target, drafter, prompt_ids, settings.max_new_tokens, stop_ids)
+    decodes = batched_speculative(target, drafter, prompt_ids, settings.max_new_tokens, stop_ids,
+                                  draft_p_min=settings.draft_p_min)
     return prompt_ids, decodes, set(stop_ids)
 
 
 def counted_as_engine(lengths: list[int], answer: list[int], stop_ids: set[int], max_new_tokens: int,
-                      block_size: int) -> tuple[int, int]:
+                      block_size: int, drafted: list[int] | None = None) -> tuple[int, int]:
     """(verification steps, accepted drafts) of our rounds counted as llama.cpp counts them: it drafts
     at most `remaining - 1` tokens so a round never passes the budget (the drafter still runs the full
     block, so the proposals are ours), decodes the last token without a draft, and accepts no draft
-    past a stop token unless it is the round's last (common/sampling.cpp)."""
+    past a stop token unless it is the round's last (common/sampling.cpp). `drafted`: each round's
+    proposals where a confidence threshold cut them; a round that drafted none is a plain target step."""
     generated, steps, accepted = 1, 0, 0  # the prefill's token
-    for length in lengths:
+    for r, length in enumerate(lengths):
         drafts = min(block_size - 1, max_new_tokens - generated - 1)
         if drafts <= 0:
             break
+        if drafted is not None and drafted[r] == 0:
+            generated += 1
+            continue
+        drafts = drafts if drafted is None else min(drafts, drafted[r])
         taken = min(length - 1, drafts)
         stop = next((j for j in range(taken) if generated + j < len(answer) and answer[generated + j] in stop_ids),
                     None)
@@ -152,7 +162,7 @@ def _engine_answers(llama: LlamaCpp, target_gguf: Path, drafter_gguf: Path | Non
                     draft_length: int | None = None, spec_type: str = "draft-dflash") -> list[Completion]:
     with LlamaServer(llama, target_gguf, drafter_gguf, block_size, settings.out / log_name,
                      threads=settings.threads, exact=settings.gguf_type == "f32",
-                     draft_length=draft_length, spec_type=spec_type) as server:
+                     draft_length=draft_length, spec_type=spec_type, draft_p_min=settings.draft_p_min) as server:
         server.complete(prompt_ids[0], 8)  # warm-up: the first request pays one-time set-up
         return [server.complete(ids, settings.max_new_tokens) for ids in prompt_ids]
 
@@ -163,7 +173,7 @@ def summarize(results: list[PromptResult], settings: ServeCheckSettings, block_s
     `rows` (draft_lengths.speed_row, one per measured length) add the speed at each length."""
     rounds = sum(len(r.ours_lengths) for r in results)
     ours_tau = sum(sum(r.ours_lengths) for r in results) / max(1, rounds)
-    counted = [counted_as_engine(r.ours_lengths, r.ours, stop_ids, settings.max_new_tokens, block_size)
+    counted = [counted_as_engine(r.ours_lengths, r.ours, stop_ids, settings.max_new_tokens, block_size, r.ours_drafted)
                for r in results]
     lossless = sum(r.speculative.tokens == r.target_only.tokens for r in results)
     ties = near_ties([r.difference for r in results]) if device == "cuda" else 0
@@ -280,6 +290,7 @@ def serve_check(llama: LlamaCpp, settings: ServeCheckSettings) -> dict:
     spec = by_length[cfg.block_size - 1]
     differences = answer_differences(settings, prompt_ids, base, by_length)
     results = [PromptResult(id=p.id, prompt_tokens=len(ids), ours=o.tokens, ours_lengths=o.acceptance_lengths,
+                            ours_drafted=o.draft_lengths,
                             target_only=b, speculative=s, difference=d)
                for p, ids, o, b, s, d in zip(prompts, prompt_ids, ours, base, spec, differences[cfg.block_size - 1])]
     rows = [speed_row(length, answers, base, near_ties(differences[length]) if llama.cuda else 0)

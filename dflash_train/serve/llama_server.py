@@ -69,7 +69,7 @@ class LlamaServer:
 
     def __init__(self, llama: LlamaCpp, target: Path, drafter: Path | None, block_size: int, log_file: Path,
                  context: int = 4096, threads: int | None = None, exact: bool = False, draft_length: int | None = None,
-                 spec_type: str = "draft-dflash"):
+                 spec_type: str = "draft-dflash", draft_p_min: float = 0.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = log_file
@@ -87,6 +87,8 @@ class LlamaServer:
             # draft_length runs the drafter over draft_length + 1 tokens
             cmd += ["-md", str(drafter), "--spec-type", spec_type,
                     "--spec-draft-n-max", str(draft_length or block_size - 1), "-ctkd", kv_type, "-ctvd", kv_type]
+            if draft_p_min > 0:  # a DSpark draft stops at its first slot of lower confidence
+                cmd += ["--spec-draft-p-min", str(draft_p_min)]
             if llama.cuda:
                 cmd += ["-ngld", GPU_LAYERS]
         self.cmd = cmd

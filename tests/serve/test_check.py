@@ -109,12 +109,12 @@ def test_an_export_without_target_layer_ids_fails_in_one_line(llama, smollm2_exp
     assert "\n" not in str(err.value)
 
 
-@pytest.fixture(scope="module")
-def dspark_export(smollm2_export, tmp_path_factory):
+def chain_drafter(smollm2_export, confidence_head: bool = False) -> tuple[DraftModelConfig, DSparkDraftModel, int]:
     """A DSpark drafter that drafts by its Markov chain alone: a zero final norm makes every backbone
     logit 0, and the head holds the target's own greedy bigrams on the test's prompts (a previous
     token's code picks the token that followed it). Its drafts are right only where the engine
-    follows the same chain, slot after slot, so no acceptance at all would show a head left out."""
+    follows the same chain, slot after slot, so no acceptance at all would show a head left out.
+    Also returns the number of bigrams (code dimensions in use)."""
     target = load_target(TargetConfig(path="smollm2", dtype="float32"), torch.device("cpu"))
     bigrams: dict[int, int] = {}
     for prompt in load_prompts("mt-bench", 2):
@@ -123,7 +123,8 @@ def dspark_export(smollm2_export, tmp_path_factory):
         seq = [int(ids[0, -1]), *answer]
         for prev, nxt in zip(seq, seq[1:]):
             bigrams.setdefault(prev, nxt)
-    cfg = dataclasses.replace(draft_config_from_export(smollm2_export), family="dspark", markov_rank=64)
+    cfg = dataclasses.replace(draft_config_from_export(smollm2_export), family="dspark", markov_rank=64,
+                              confidence_head=confidence_head)
     model = DSparkDraftModel(cfg)
     with torch.no_grad():
         model.norm.weight.zero_()
@@ -132,10 +133,35 @@ def dspark_export(smollm2_export, tmp_path_factory):
         for i, (prev, nxt) in enumerate(bigrams.items()):
             head.markov_w1.weight[prev, i] = 1.0
             head.markov_w2.weight[nxt, i] = 8.0
-    out = tmp_path_factory.mktemp("dspark")
+    return cfg, model, len(bigrams)
+
+
+def save_export(cfg: DraftModelConfig, model: DSparkDraftModel, out):
     (out / "config.json").write_text(json.dumps(export_config(cfg, mask_token="<jupyter_start>")))
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}, out / "model.safetensors")
     return out
+
+
+@pytest.fixture(scope="module")
+def dspark_export(smollm2_export, tmp_path_factory):
+    cfg, model, _ = chain_drafter(smollm2_export)
+    return save_export(cfg, model, tmp_path_factory.mktemp("dspark"))
+
+
+@pytest.fixture(scope="module")
+def dspark_confidence_export(smollm2_export, tmp_path_factory):
+    """The chain drafter with a confidence head that reads the previous token's code alone (the hidden
+    state is 0): sure after every other bigram's first token (sigmoid(3)), unsure after the others
+    (sigmoid(-3)), one half after a token of no bigram. A threshold of 0.3 then cuts drafts at
+    places the chain decides, the first slot's included (an empty draft: a plain target step)."""
+    cfg, model, num_bigrams = chain_drafter(smollm2_export, confidence_head=True)
+    with torch.no_grad():
+        proj = model.confidence_head.proj
+        proj.weight.zero_()
+        proj.bias.zero_()
+        for i in range(num_bigrams):
+            proj.weight[0, cfg.hidden_size + i] = 3.0 if i % 2 == 0 else -3.0
+    return save_export(cfg, model, tmp_path_factory.mktemp("dspark_confidence"))
 
 
 @pytest.mark.slow(seconds=90)
@@ -145,3 +171,18 @@ def test_llama_cpp_drafts_the_dspark_chain_round_for_round(llama, dspark_export,
     assert summary["passed"], format_summary(summary)
     assert summary["same_steps_and_accepted"] == {"matches": 2, "total": 2}
     assert summary["engine_accepted"] > 0  # the chain's drafts, accepted on both sides
+
+
+@pytest.mark.slow(seconds=90)
+def test_llama_cpp_cuts_dspark_drafts_at_the_confidence_threshold_as_we_do(llama, dspark_confidence_export, work):
+    summary = serve_check(llama, settings(dspark_confidence_export, work, draft_p_min=0.3))
+    print(format_summary(summary))
+    assert summary["passed"], format_summary(summary)
+    assert summary["same_steps_and_accepted"] == {"matches": 2, "total": 2}
+    assert summary["engine_accepted"] > 0
+    assert summary["engine_drafted"] < 3 * summary["engine_verification_steps"]  # some drafts were cut
+
+
+def test_counted_as_engine_counts_a_round_cut_to_no_draft_as_no_step():
+    # rounds drafting 3, 0 (a plain target step) and 1 proposals: two verification steps
+    assert counted_as_engine([3, 1, 2], [9] * 20, set(), 20, 4, drafted=[3, 0, 1]) == (2, 3)
