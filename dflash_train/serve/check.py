@@ -79,9 +79,10 @@ class PromptResult:
     prompt_tokens: int
     ours: list[int]
     ours_lengths: list[int]
-    ours_drafted: list[int]
     target_only: Completion
     speculative: Completion
+    ours_drafted: list[int] | None = None
+    """Each round's proposals where a confidence threshold cut them (None: every round the full block)."""
     checks: dict = field(default_factory=dict)
     difference: dict | None = None
     """Where the speculative answer first leaves the target-only one, with our float32 target's top-2
