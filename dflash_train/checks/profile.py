@@ -34,6 +34,8 @@ FAMILIES = [  # first match wins; names are the kernels' own (cuBLAS, flash/flex
     ("copies / gathers / indexing", r"copy|gather|scatter|index|cat_|memcpy|memset|fill"),
     ("reductions", r"reduce|sum_|argmax|max_"),
 ]
+TOP_KERNELS = 25
+"""Kernels a summary names, costliest first."""
 LAUNCH = re.compile(r"^(cudaLaunch|cuLaunch|cudaGraphLaunch)")
 SYNC = re.compile(r"Synchronize$")
 
@@ -84,7 +86,7 @@ def summarize(prof: torch.profiler.profile, steps: int, wall_s: float, device: t
         "launches": per_step(sum(1 for e in events if LAUNCH.match(e.name))),
         "host_syncs": per_step(sum(1 for e in events if SYNC.search(e.name)) - (device.type == "cuda")),
         "families_ms": {k: round(v, 3) for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
-        "top_ms": [[round(ms, 3), name] for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:25]],
+        "top_ms": [[round(ms, 3), name] for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]],
     }
 
 

@@ -45,12 +45,14 @@ class GroupedConv(nn.Module):
     def convolve(self, x_BQH: torch.Tensor, coeff: torch.Tensor, side: int, block_size: int) -> torch.Tensor:
         b, q, h = x_BQH.shape
         blocks = x_BQH.view(b, q // block_size, block_size, self.num_groups, self.group_size)
-        weight = self.base_kernel[side].view(self.taps, self.num_groups, self.group_size).to(x_BQH.dtype)
-        weight = weight + coeff[:, :, side].view(b, q // block_size, block_size, self.taps, self.num_groups, 1)
-        out = weight[:, :, :, 0] * blocks
+        base = self.base_kernel[side].view(self.taps, self.num_groups, self.group_size).to(x_BQH.dtype)
+        coeff = coeff[:, :, side].reshape(b, q // block_size, block_size, self.taps, self.num_groups, 1)
+        # Tap by tap, the token's weights never stacked into one [tokens, taps, hidden] tensor: its
+        # gradient would be formed whole before its two reductions (to the base kernel and the coefficients).
+        out = (base[0] + coeff[:, :, :, 0]) * blocks
         for tap in range(1, min(self.taps, block_size)):  # a tap past the block reads only its left padding
             shifted = F.pad(blocks[:, :, :-tap], (0, 0, 0, 0, tap, 0))
-            out = out + weight[:, :, :, tap] * shifted
+            out = out + (base[tap] + coeff[:, :, :, tap]) * shifted
         return out.reshape(b, q, h)
 
 

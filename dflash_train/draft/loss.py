@@ -66,6 +66,12 @@ class LossMix:
     def needs_target(self) -> bool:
         return self.target_argmax > 0 or self.kl > 0 or self.l1 > 0
 
+    @property
+    def selector_shares_row_scale(self) -> bool:
+        """Whether each row's selector term reaches the total with the row's CE scale (so the backward
+        scales both alike): always, but with D-PACE on the CE alone."""
+        return self.dpace_alpha is None or self.selector_slot_weighted
+
 
 def _logits(head, h: torch.Tensor) -> torch.Tensor:
     """fp32 logits of `h` [rows, H] through the frozen head: a weight [V, H] (a matmul in its dtype,
@@ -144,6 +150,8 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
     if mix.l1:
         dlogits = dlogits + mix.l1 * q * (sign - (sign * q).sum(-1, keepdim=True))
     dlogits = dlogits * weights[:, None]
+    if selector is not None and mix.selector_shares_row_scale:
+        dlogits = _add_at(dlogits, ids, dscores)  # the selector's pull on the hidden state rides the head's product
     bias = None if bias_code is None else bias_grads(dlogits, bias_code, bias_proj)
     return terms, correct, q_reference, _input_grad(head, dlogits), selector, bias
 
@@ -158,6 +166,18 @@ def _minus_at(dlogits: torch.Tensor, index: torch.Tensor, amount: float) -> torc
     return dlogits.scatter_add(1, index[:, None], dlogits.new_full((index.shape[0], 1), -amount))
 
 
+def _add_at(dlogits: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`dlogits` plus `values` [rows, n] at each row's columns `index` [rows, n] (the selector's score
+    gradients at its candidates). Compiled, n comparisons with the column number, fused into the
+    gradient's kernel; eager, a scatter."""
+    if torch.compiler.is_compiling():
+        columns = torch.arange(dlogits.shape[1], device=dlogits.device)
+        for j in range(index.shape[1]):
+            dlogits = dlogits + values[:, j, None].to(dlogits.dtype) * (columns[None, :] == index[:, j, None])
+        return dlogits
+    return dlogits.scatter_add(1, index, values.to(dlogits.dtype))
+
+
 class _ChunkLoss(torch.autograd.Function):
     """A chunk's per-row losses (and a selector's, when it has one) whose backward only scales each
     row's gradient its forward formed (`_chunk_loss`): no logits are kept or recomputed, and the
@@ -170,6 +190,7 @@ class _ChunkLoss(torch.autograd.Function):
             h, head, labels, weights, target_h, target_logits_fn, mix, True, sel_gate, successor, sel_weights, top_k,
             bias_code, bias_proj)
         ctx.h_dtype, ctx.selector_backward, ctx.bias = h.dtype, selector_backward_fn, bias
+        ctx.selector_folded = mix.selector_shares_row_scale  # grad_h holds the selector's part (`_add_at`)
         ctx.bias_dtypes = None if bias is None else (bias_code.dtype, bias_proj.dtype)
         if selector is None:
             ctx.save_for_backward(grad_h)
@@ -187,8 +208,10 @@ class _ChunkLoss(torch.autograd.Function):
         grad_gate = grad_successor = None
         if selector:
             head, successor, gate, dscores, ids = selector
-            sel_h, grad_gate, grad_successor = ctx.selector_backward(head, successor, gate, ids, dscores, grad_sel)
-            grad_h = grad_h + sel_h.float()
+            sel_h, grad_gate, grad_successor = ctx.selector_backward(head, successor, gate, ids, dscores, grad_sel,
+                                                                     not ctx.selector_folded)
+            if sel_h is not None:
+                grad_h = grad_h + sel_h.float()
         grad_code = grad_proj = None
         if ctx.bias is not None:  # the projection's: one scalar for all rows (draft/logit_bias.py)
             grad_code = (ctx.bias[0] * grad_terms[:, None]).to(ctx.bias_dtypes[0])

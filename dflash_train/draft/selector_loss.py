@@ -16,7 +16,9 @@ The per-row loss is CE over the candidates; with `join`, a checked token outside
 them as one more candidate (every counted slot teaches the drafter to rank it first: ours and
 speculators'); with `skip` such a slot gives no selector loss (SpecForge's strict top-k). Its
 gradient is closed-form, d CE / d scores = softmax(scores) - onehot(target), which reaches:
-  the hidden states   through the candidates' logits: sum_c ds_c * W[id_c]  (k+1 rows of the head)
+  the hidden states   through the candidates' logits: sum_c ds_c * W[id_c]  (k+1 rows of the head;
+                      where the selector's row scale is the CE's, ds joins the logits' gradient at id_c
+                      and the head's one product carries both)
   the gate            sum_c ds_c * successor[id_c]
   the successor rows  ds_c * gate, added at id_c
 `selector_backward` forms these from the chunk's saved ids and score gradients, so the forward keeps
@@ -86,17 +88,34 @@ def tiled_top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if v % TILE:
         x = F.pad(x, (0, -v % TILE), value=float("-inf"))
     tiles = x.view(n, -1, TILE)
-    best = tiles.amax(-1).topk(k, dim=-1).indices  # [n, k]
-    values, where = tiles.gather(1, best[..., None].expand(-1, -1, TILE)).flatten(1).topk(k, dim=-1)
+    best = small_top_k(tiles.amax(-1), k)[1]  # [n, k]
+    values, where = small_top_k(tiles.gather(1, best[..., None].expand(-1, -1, TILE)).flatten(1), k)
     return values, best.gather(1, where // TILE) * TILE + where % TILE
 
 
+def small_top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.topk(k, -1)` of [n, m] for a small k. Compiled, k rounds of a row maximum, each masking the
+    column it took: a few fused passes over `x`, where `torch.topk` is a radix select of several
+    kernels (most of the top-k's time on a GPU). Ties go to the lower column; eager, `torch.topk`."""
+    if not torch.compiler.is_compiling():
+        return x.topk(k, dim=-1)
+    columns = torch.arange(x.shape[-1], device=x.device)
+    values, ids = [], []
+    for _ in range(k):
+        value, index = x.max(-1)
+        values.append(value)
+        ids.append(index)
+        x = x.masked_fill(columns == index[:, None], float("-inf"))
+    return torch.stack(values, 1), torch.stack(ids, 1)
+
+
 def selector_backward(head: torch.Tensor, successor: torch.Tensor, gate: torch.Tensor, ids: torch.Tensor,
-                      dscores: torch.Tensor, grad_terms: torch.Tensor):
+                      dscores: torch.Tensor, grad_terms: torch.Tensor, with_hidden: bool = True):
     """The gradients of a chunk's selector terms (scaled by `grad_terms` [n]) in the hidden states
-    [n, H], the gate [n, R] and the successor codebook [V, R]."""
+    [n, H] (None without `with_hidden`: the chunk added the score gradients to its logits' gradient,
+    which the head's product takes to the hidden states), the gate [n, R] and the successor codebook [V, R]."""
     ds = (dscores * grad_terms[:, None]).float()
-    grad_h = torch.bmm(ds[:, None, :].to(head.dtype), head[ids]).squeeze(1)
+    grad_h = torch.bmm(ds[:, None, :].to(head.dtype), head[ids]).squeeze(1) if with_hidden else None
     grad_gate = torch.bmm(ds[:, None, :], successor[ids].float()).squeeze(1)
     rows = (ds[..., None] * gate.float()[:, None, :]).flatten(0, 1)
     grad_successor = torch.zeros(successor.shape, dtype=torch.float32, device=successor.device)

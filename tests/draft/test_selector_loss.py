@@ -172,3 +172,19 @@ def test_the_one_pass_top_k_is_torchs_topk(vocab, k):
     torch.testing.assert_close(got[0], want[0])
     assert torch.equal(got[1][1:], want[1][1:])
     assert bool((x.gather(1, got[1]) == got[0]).all())
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_the_compiled_top_k_is_torchs_topk(k):
+    """Compiled, the tiles' and the candidates' top k are k rounds of a row maximum (`small_top_k`):
+    the same values and ids as `torch.topk`; where values tie, k distinct columns of the tied value."""
+    from dflash_train.draft.selector_loss import tiled_top_k
+
+    x = torch.randn(19, 49152, generator=torch.Generator().manual_seed(k))
+    x[0, :] = 0.0  # a padding row of the compiled chunk: every logit 0
+    got = torch.compile(tiled_top_k, dynamic=False)(x, k)
+    want = x.topk(k, dim=-1)
+    torch.testing.assert_close(got[0], want[0])
+    assert torch.equal(got[1][1:], want[1][1:])
+    assert bool((x.gather(1, got[1]) == got[0]).all())
+    assert all(len(set(row.tolist())) == k for row in got[1])
