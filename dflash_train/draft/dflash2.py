@@ -159,5 +159,7 @@ def selector_inputs(drafter: DFlash2DraftModel, hidden_BQH: torch.Tensor, block_
     for the others. `weights_BQ`: each slot's selector weight (0: no loss)."""
     sel = drafter.candidate_selector
     prev = masks.true_predecessors(block_ids_BQ, labels_BQ, drafter.config.block_size)
-    gate = sel.predecessor_codebook[prev] * sel.hidden_projection(hidden_BQH)
+    # an embedding, not an index: its backward sums a token's repeats in segments, where an index's
+    # backward (sorted, then row by row) serialises the many repeats of common tokens in real text
+    gate = F.embedding(prev, sel.predecessor_codebook) * sel.hidden_projection(hidden_BQH)
     return SelectorInputs(gate.flatten(0, 1), sel.successor_codebook, weights_BQ.flatten(), sel.top_k)

@@ -55,7 +55,10 @@ def test_graphed_engine_on_cuda_equals_the_padded_generate_in_fp32(attention, pr
     assert engine.prefills.graphs and engine.prefills.shapes, engine.prefills.graph_error
     if compile_prefill:  # compiled in each build (the cache regrew)
         assert engine.prefills.compiled is not None, engine.prefills.compile_error
-    assert all(getattr(shape, "graph", None) is not None for shape in engine.prefills.shapes.values())
+    # every shape an admission ran was captured; the build's warm-up shapes (`compile_now`: compiled on
+    # inert inputs) that no admission used never ran, so were never captured
+    ran = [shape for shape in engine.prefills.shapes.values() if shape.logits is not None]
+    assert ran and all(getattr(shape, "graph", None) is not None for shape in ran)
 
 
 @pytest.mark.parametrize("compile", [False, True])
