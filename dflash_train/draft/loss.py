@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.draft.acceptance import BlockLoss, block_statistics
+from dflash_train.draft.column_updates import add_at, minus_at
 from dflash_train.draft.fused_ce import fused_ce
 from dflash_train.draft.logit_bias import LogitBias, bias_grads, biased
 from dflash_train.draft.selector_loss import SelectorInputs, selector_backward, selector_chunk
@@ -142,40 +143,18 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
     hard = mix.ce + mix.target_argmax
     dlogits = hard * log_q.exp() if hard else torch.zeros_like(log_q)
     if mix.ce:
-        dlogits = _minus_at(dlogits, labels, mix.ce)
+        dlogits = minus_at(dlogits, labels, mix.ce)
     if mix.target_argmax:
-        dlogits = _minus_at(dlogits, reference, mix.target_argmax)
+        dlogits = minus_at(dlogits, reference, mix.target_argmax)
     if p_t is not None:
         dlogits = dlogits + (mix.kl * mix.temperature) * (log_q_t.exp() - p_t)
     if mix.l1:
         dlogits = dlogits + mix.l1 * q * (sign - (sign * q).sum(-1, keepdim=True))
     dlogits = dlogits * weights[:, None]
     if selector is not None and mix.selector_shares_row_scale:
-        dlogits = _add_at(dlogits, ids, dscores)  # the selector's pull on the hidden state rides the head's product
+        dlogits = add_at(dlogits, ids, dscores)  # the selector's pull on the hidden state rides the head's product
     bias = None if bias_code is None else bias_grads(dlogits, bias_code, bias_proj)
     return terms, correct, q_reference, _input_grad(head, dlogits), selector, bias
-
-
-def _minus_at(dlogits: torch.Tensor, index: torch.Tensor, amount: float) -> torch.Tensor:
-    """`dlogits` less `amount` at each row's column `index` (the one-hot of a CE target). Compiled, as
-    a comparison with the column number: a scatter ends the fused kernel, so the weighting and the
-    cast that follow would read and write the [rows, V] gradient once more; eager, the scatter."""
-    if torch.compiler.is_compiling():
-        columns = torch.arange(dlogits.shape[1], device=dlogits.device)
-        return dlogits - amount * (columns[None, :] == index[:, None]).to(dlogits.dtype)
-    return dlogits.scatter_add(1, index[:, None], dlogits.new_full((index.shape[0], 1), -amount))
-
-
-def _add_at(dlogits: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """`dlogits` plus `values` [rows, n] at each row's columns `index` [rows, n] (the selector's score
-    gradients at its candidates). Compiled, n comparisons with the column number, fused into the
-    gradient's kernel; eager, a scatter."""
-    if torch.compiler.is_compiling():
-        columns = torch.arange(dlogits.shape[1], device=dlogits.device)
-        for j in range(index.shape[1]):
-            dlogits = dlogits + values[:, j, None].to(dlogits.dtype) * (columns[None, :] == index[:, j, None])
-        return dlogits
-    return dlogits.scatter_add(1, index, values.to(dlogits.dtype))
 
 
 class _ChunkLoss(torch.autograd.Function):
@@ -190,7 +169,7 @@ class _ChunkLoss(torch.autograd.Function):
             h, head, labels, weights, target_h, target_logits_fn, mix, True, sel_gate, successor, sel_weights, top_k,
             bias_code, bias_proj)
         ctx.h_dtype, ctx.selector_backward, ctx.bias = h.dtype, selector_backward_fn, bias
-        ctx.selector_folded = mix.selector_shares_row_scale  # grad_h holds the selector's part (`_add_at`)
+        ctx.selector_folded = mix.selector_shares_row_scale  # grad_h holds the selector's part (`add_at`)
         ctx.bias_dtypes = None if bias is None else (bias_code.dtype, bias_proj.dtype)
         if selector is None:
             ctx.save_for_backward(grad_h)

@@ -7,7 +7,9 @@
    and once with the drafter (its family's `--spec-type`: draft-dflash, or draft-dspark for DSpark).
 3. The table: lossless (every speculative answer equal to the engine's target-only answer), the
    engine's mean accepted length against our tau on the same prompts, tokens/s with and without
-   the drafter at each requested draft length (draft_lengths.py), and the fastest lossless one.
+   the drafter at each requested draft length (draft_lengths.py), and the fastest lossless one;
+   beside it, our static decoder's speedup on the same prompts and device (eval/served_speed.py:
+   batch 1, the target in float32 on a CPU as the f32 GGUF, in bfloat16 on a GPU as served).
    The check fails (exit 1) when an answer differs at any length, the acceptance gap exceeds
    `max_tau_gap`, or (f32, where both compute alike) fewer than `min_identical` of the prompts agree
    round for round. Each differing answer is shown with our target's top-2 logits where it first
@@ -29,7 +31,7 @@ from dflash_train.config_model import TargetConfig
 from dflash_train.data.prompts import Prompt, load_prompts
 from dflash_train.eval.export import CHECKPOINT_CONFIG, export_drafter, load_drafter, read_drafter_config
 from dflash_train.eval.report import encode, stop_token_ids
-from dflash_train.eval.served_speed import difference_row, first_difference
+from dflash_train.eval.served_speed import difference_row, first_difference, served_speed
 from dflash_train.decode.batched import batched_speculative
 from dflash_train.decode.spec_decode import SpecResult
 from dflash_train.families import family
@@ -113,6 +115,23 @@ def our_decodes(settings: ServeCheckSettings,
     decodes = batched_speculative(target, drafter, prompt_ids, settings.max_new_tokens, stop_ids,
                                   draft_p_min=settings.draft_p_min)
     return prompt_ids, decodes, set(stop_ids)
+
+
+def our_speed(settings: ServeCheckSettings, prompt_ids: list[list[int]], stop_ids: set[int], cuda: bool) -> dict:
+    """Our static decoder's tokens/s with and without the drafter on the same prompts, one at a time, on
+    the engine's device (what `eval` reports as served); {"error": why} where it cannot run."""
+    if settings.draft_p_min > 0:
+        return {"error": "the static decoder drafts whole blocks (no --draft-p-min)"}
+    device = torch.device("cuda" if cuda else "cpu")
+    target = load_target(TargetConfig(path=settings.target, dtype="bfloat16" if cuda else "float32"), device)
+    drafter = load_drafter(settings.drafter, target, device)
+    try:
+        speed = served_speed(target, drafter, prompt_ids, settings.max_new_tokens, sorted(stop_ids))
+    except ValueError as e:  # a target the static caches cannot hold (static_cache_problem)
+        return {"error": str(e)}
+    keep = ("spec_tokens_per_s", "target_tokens_per_s", "speedup", "tau", "ms_per_round", "graphs", "compiled")
+    return {"device": device.type, "dtype": str(target.embed_weight.dtype).removeprefix("torch."),
+            **{k: speed[k] for k in keep}, "answers_differ": speed["differences"]["differ"]}
 
 
 def counted_as_engine(lengths: list[int], answer: list[int], stop_ids: set[int], max_new_tokens: int,
@@ -253,6 +272,11 @@ def format_summary(s: dict) -> str:
         ("llama.cpp tokens/s target only", f"{s['engine_tokens_per_s']['target_only']:.1f}"),
         ("speedup", "n/a" if s["engine_speedup"] is None else f"{s['engine_speedup']:.2f}x"),
     ]
+    ours = s.get("our_static_decoder")
+    if ours:
+        rows.append(("dflash-train's static decoder, same prompts", ours["error"] if "error" in ours else
+                     f"{ours['speedup']:.2f}x ({ours['spec_tokens_per_s']:.1f} / {ours['target_tokens_per_s']:.1f} "
+                     f"tokens/s, {ours['device']} {ours['dtype']}, batch 1)"))
     width = max(len(k) for k, _ in rows)
     head = (f"serve-check: llama.cpp on {s['device']}, {s['num_prompts']} {s['prompts']} prompts, "
             f"{s['max_new_tokens']} new tokens, greedy, {s['gguf_type']} GGUF; drafting {s['block_size'] - 1} "
@@ -297,6 +321,8 @@ def serve_check(llama: LlamaCpp, settings: ServeCheckSettings) -> dict:
     rows = [speed_row(length, answers, base, near_ties(differences[length]) if llama.cuda else 0)
             for length, answers in by_length.items()]
     summary = summarize(results, settings, cfg.block_size, stop_ids, rows, "cuda" if llama.cuda else "cpu")
+    log.info("serve-check: our static decoder on the same prompts, with and without the drafter")
+    summary["our_static_decoder"] = our_speed(settings, prompt_ids, stop_ids, llama.cuda)
     summary["seconds"] = round(time.monotonic() - t0, 1)
     write_json_atomic(out / "serve_check.json", summary)
     return summary

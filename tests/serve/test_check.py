@@ -95,6 +95,11 @@ def test_llama_cpp_serves_the_export_as_our_decoder_counts_it(llama, smollm2_exp
     assert rows[3]["verification_steps"] == summary["engine_verification_steps"]
     assert rows[1]["drafted"] <= rows[1]["verification_steps"]  # one draft a step at most
     assert summary["best_draft_length"] in summary["draft_lengths"] and summary["device"] == "cpu"
+    # beside the engine's: our static decoder on the same prompts, fp32 on the CPU, its answers the target's
+    ours = summary["our_static_decoder"]
+    assert ours["device"] == "cpu" and ours["dtype"] == "float32" and ours["answers_differ"] == 0
+    assert ours["speedup"] > 0 and ours["tau"] >= 1
+    assert "static decoder, same prompts" in format_summary(summary)
 
 
 @pytest.mark.slow(seconds=40)
@@ -182,6 +187,7 @@ def test_llama_cpp_cuts_dspark_drafts_at_the_confidence_threshold_as_we_do(llama
     assert summary["same_steps_and_accepted"] == {"matches": 2, "total": 2}
     assert summary["engine_accepted"] > 0
     assert summary["engine_drafted"] < 3 * summary["engine_verification_steps"]  # some drafts were cut
+    assert "whole blocks" in summary["our_static_decoder"]["error"]  # the static decoder cuts no draft
 
 
 def test_counted_as_engine_counts_a_round_cut_to_no_draft_as_no_step():
