@@ -3,6 +3,7 @@
 # lossless with llama.cpp's acceptance within 3% of our eval's on the same prompts; the same check
 # must fail on an export with one field broken (the captured target layers changed). Run by .ci/run
 # after the tests; needs llama.cpp (python -m dflash_train.serve.llama_cpp finds or builds it).
+# The checks after the first compare exports and rounds, not speed: --no-our-speed.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 BIN="$REPO/.venv/bin"
@@ -32,7 +33,7 @@ print(f"target_layer_ids {layers} -> {config['dflash_config']['target_layer_ids'
 PY
 set +e
 "$BIN/dflash-train" serve-check --target smollm2 --drafter "$ckpt" --export "$WORK/broken" --out "$WORK/served" \
-    --num-prompts 8 --max-new-tokens 64
+    --no-our-speed --num-prompts 8 --max-new-tokens 64
 rc=$?
 set -e
 if [ "$rc" -ne 1 ]; then
@@ -67,7 +68,7 @@ out.mkdir()
 save_file({k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}, out / "model.safetensors")
 PY
 "$BIN/dflash-train" serve-check --target smollm2 --drafter "$WORK/dflash2" --out "$WORK/served" --num-prompts 8 \
-    --max-new-tokens 128
+    --no-our-speed --max-new-tokens 128
 "$BIN/python" - "$WORK/served/serve_check.json" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
@@ -81,7 +82,7 @@ step "DSpark: warm-started from the quickstart's drafter, trained on its data, r
     > dspark_train.log 2>&1) || { tail -20 "$WORK/dspark_train.log"; exit 1; }
 dspark=$(ls -d "$WORK"/runs/dspark/checkpoints/step_* | sort | tail -1)
 "$BIN/dflash-train" serve-check --target smollm2 --drafter "$dspark" --out "$WORK/served" --num-prompts 8 \
-    --max-new-tokens 128
+    --no-our-speed --max-new-tokens 128
 "$BIN/python" - "$WORK/served/serve_check.json" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))

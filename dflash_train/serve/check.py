@@ -73,6 +73,8 @@ class ServeCheckSettings:
     draft_p_min: float = 0.0
     """llama.cpp's --spec-draft-p-min, our decode's draft_p_min alike: a DSpark draft stops at its first
     slot of confidence below it (the drafter needs a confidence head). 0: off."""
+    our_speed: bool = True
+    """Our static decoder's speed on the same prompts and device beside the engine's (`our_speed`)."""
 
 
 @dataclass
@@ -321,8 +323,9 @@ def serve_check(llama: LlamaCpp, settings: ServeCheckSettings) -> dict:
     rows = [speed_row(length, answers, base, near_ties(differences[length]) if llama.cuda else 0)
             for length, answers in by_length.items()]
     summary = summarize(results, settings, cfg.block_size, stop_ids, rows, "cuda" if llama.cuda else "cpu")
-    log.info("serve-check: our static decoder on the same prompts, with and without the drafter")
-    summary["our_static_decoder"] = our_speed(settings, prompt_ids, stop_ids, llama.cuda)
+    if settings.our_speed:
+        log.info("serve-check: our static decoder on the same prompts, with and without the drafter")
+        summary["our_static_decoder"] = our_speed(settings, prompt_ids, stop_ids, llama.cuda)
     summary["seconds"] = round(time.monotonic() - t0, 1)
     write_json_atomic(out / "serve_check.json", summary)
     return summary

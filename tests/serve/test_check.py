@@ -172,9 +172,10 @@ def dspark_confidence_export(smollm2_export, tmp_path_factory):
 
 @pytest.mark.slow(seconds=90)
 def test_llama_cpp_drafts_the_dspark_chain_round_for_round(llama, dspark_export, work):
-    summary = serve_check(llama, settings(dspark_export, work))
+    summary = serve_check(llama, settings(dspark_export, work, our_speed=False))
     print(format_summary(summary))
     assert summary["passed"], format_summary(summary)
+    assert "our_static_decoder" not in summary  # --no-our-speed
     assert summary["same_steps_and_accepted"] == {"matches": 2, "total": 2}
     assert summary["engine_accepted"] > 0  # the chain's drafts, accepted on both sides
 
