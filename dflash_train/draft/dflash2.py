@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.draft import masks
+from dflash_train.draft.grouped_conv_kernel import grouped_conv
 from dflash_train.draft.model import DFlashDraftModel, DFlashLayer, DraftModelConfig
 from dflash_train.draft.selector_loss import SelectorInputs
 
@@ -43,6 +44,14 @@ class GroupedConv(nn.Module):
         return self.kernel_projection(x_BQH).unflatten(-1, (2, self.taps, self.num_groups))
 
     def convolve(self, x_BQH: torch.Tensor, coeff: torch.Tensor, side: int, block_size: int) -> torch.Tensor:
+        b, q, h = x_BQH.shape
+        if x_BQH.is_cuda:  # one kernel each way (draft/grouped_conv_kernel.py); the ops below are its reference
+            coeff = coeff[:, :, side].reshape(b * q, self.taps, self.num_groups).contiguous()
+            return grouped_conv(x_BQH.reshape(b * q, h).contiguous(), coeff, self.base_kernel[side],
+                                block_size).view(b, q, h)
+        return self.convolve_ops(x_BQH, coeff, side, block_size)
+
+    def convolve_ops(self, x_BQH: torch.Tensor, coeff: torch.Tensor, side: int, block_size: int) -> torch.Tensor:
         b, q, h = x_BQH.shape
         blocks = x_BQH.view(b, q // block_size, block_size, self.num_groups, self.group_size)
         base = self.base_kernel[side].view(self.taps, self.num_groups, self.group_size).to(x_BQH.dtype)

@@ -34,6 +34,7 @@ from dflash_train.draft.column_updates import add_at, minus_at
 from dflash_train.draft.fused_ce import fused_ce
 from dflash_train.draft.logit_bias import LogitBias, bias_grads, biased
 from dflash_train.draft.selector_loss import SelectorInputs, selector_backward, selector_chunk
+from dflash_train.draft.vocab_tiles import log_softmax, row_argmax
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
     logits = _logits(head, h)
     if bias_code is not None:
         logits = biased(logits, bias_code, bias_proj)
-    log_q = F.log_softmax(logits, dim=-1)
+    log_q, tile_max = log_softmax(logits)
     per_row = logits.new_zeros(logits.shape[0])
     reference = labels
     p_t = None
@@ -132,10 +133,10 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
     selector = None
     if top_k:
         sel_terms, correct, dscores, ids = selector_chunk(logits, reference, sel_gate, successor, sel_weights, top_k,
-                                                          mix.selector_join)
+                                                          mix.selector_join, tile_max)
         selector = (sel_terms, dscores, ids)
     else:
-        correct = (logits.argmax(-1) == reference).float()
+        correct = (row_argmax(logits, tile_max) == reference).float()
     q_reference = log_q.gather(1, reference[:, None]).squeeze(1).exp()
     terms = per_row * weights
     if not with_grad:

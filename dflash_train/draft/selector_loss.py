@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash_train.draft.vocab_tiles import tiled_top_k
+
 
 @dataclass
 class SelectorInputs:
@@ -48,12 +50,13 @@ class SelectorInputs:
 
 
 def selector_chunk(logits: torch.Tensor, reference: torch.Tensor, gate: torch.Tensor, successor: torch.Tensor,
-                   weights: torch.Tensor, top_k: int, join: bool):
-    """One chunk's selector, from its fp32 logits [n, V] and checked tokens [n]: ([n] weighted CE,
+                   weights: torch.Tensor, top_k: int, join: bool, tile_max: torch.Tensor | None = None):
+    """One chunk's selector, from its fp32 logits [n, V] (and their tile maxima, draft/vocab_tiles.py,
+    where the chunk formed them) and checked tokens [n]: ([n] weighted CE,
     [n] 1.0 where the selector's pick after the true predecessor is the checked token, [n, k+1] the
     weighted gradient of the loss in the scores, [n, k+1] the candidates' ids)."""
     with torch.no_grad():
-        top_logits, top = tiled_top_k(logits, top_k)
+        top_logits, top = tiled_top_k(logits, top_k, tile_max)
     in_top = top == reference[:, None]
     found = in_top.any(1)
     ids = torch.cat([top, reference[:, None]], dim=1)
@@ -71,42 +74,6 @@ def selector_chunk(logits: torch.Tensor, reference: torch.Tensor, gate: torch.Te
     correct = (pick == reference).float()
     dscores = (log_p.exp() - F.one_hot(target, top_k + 1).float()) * weights[:, None]
     return terms, correct, dscores, ids
-
-
-TILE = 64
-"""Columns a tile of the vocabulary spans in `tiled_top_k`."""
-
-
-def tiled_top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x.topk(k, -1)` (sorted) of [n, V] in one pass over `x`: the k largest lie in the k tiles of
-    TILE columns with the largest maxima (a tile holding one of them has a maximum at least the k-th
-    largest, and at most k tiles do), so a row's tile maxima, then the top k of those k tiles. A
-    full-width topk reads a row many times (a radix select per slice); this reads it once."""
-    n, v = x.shape
-    if v <= k * TILE:
-        return x.topk(k, dim=-1)
-    if v % TILE:
-        x = F.pad(x, (0, -v % TILE), value=float("-inf"))
-    tiles = x.view(n, -1, TILE)
-    best = small_top_k(tiles.amax(-1), k)[1]  # [n, k]
-    values, where = small_top_k(tiles.gather(1, best[..., None].expand(-1, -1, TILE)).flatten(1), k)
-    return values, best.gather(1, where // TILE) * TILE + where % TILE
-
-
-def small_top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x.topk(k, -1)` of [n, m] for a small k. Compiled, k rounds of a row maximum, each masking the
-    column it took: a few fused passes over `x`, where `torch.topk` is a radix select of several
-    kernels (most of the top-k's time on a GPU). Ties go to the lower column; eager, `torch.topk`."""
-    if not torch.compiler.is_compiling():
-        return x.topk(k, dim=-1)
-    columns = torch.arange(x.shape[-1], device=x.device)
-    values, ids = [], []
-    for _ in range(k):
-        value, index = x.max(-1)
-        values.append(value)
-        ids.append(index)
-        x = x.masked_fill(columns == index[:, None], float("-inf"))
-    return torch.stack(values, 1), torch.stack(ids, 1)
 
 
 def selector_backward(head: torch.Tensor, successor: torch.Tensor, gate: torch.Tensor, ids: torch.Tensor,

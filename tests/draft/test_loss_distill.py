@@ -13,9 +13,9 @@ from dflash_train.draft.objective import split_features
 from draft.test_loss import B, problem as base_problem
 
 
-def problem(seed=0):
+def problem(seed=0, v=37):
     """test_loss's problem (drafter states, head, labels, weights) plus the target's states and head."""
-    hidden, head, labels, weights = base_problem(seed)
+    hidden, head, labels, weights = base_problem(seed, v=v)
     gen = torch.Generator().manual_seed(1000 + seed)
     target_hidden = torch.randn(hidden.shape, generator=gen)
     target_head = torch.randn(head.shape, generator=gen) * 0.7
@@ -116,11 +116,13 @@ def test_split_features():
 @pytest.mark.parametrize("mix", [LossMix(), LossMix(ce=0.3, target_argmax=0.2, kl=0.5, temperature=0.7),
                                  LossMix(ce=0.3, target_argmax=0.2, kl=0.5, temperature=0.7, dpace_alpha=0.5),
                                  LossMix(ce=0.1, l1=0.9)], ids=str)
-def test_compiled_chunks_equal_eager(mix, even_chunks, monkeypatch):
+@pytest.mark.parametrize("v", [37, 192])
+def test_compiled_chunks_equal_eager(mix, even_chunks, v, monkeypatch):
     """compiled=True pads the last chunk with zero-weight rows and runs each chunk compiled: the same
     loss, accuracy counts and gradients as eager (here 40 rows in chunks of at most 24: 24 + 16 and 8
-    padded rows, or with even_chunks 20 + 20 and none)."""
-    hidden, head, labels, weights, t_hidden, t_head = problem(seed=5)
+    padded rows, or with even_chunks 20 + 20 and none); a vocabulary of whole tiles (192) takes the
+    compiled statistics from them (vocab_tiles.py)."""
+    hidden, head, labels, weights, t_hidden, t_head = problem(seed=5, v=v)
     target_fn = lambda x: x @ t_head.t()  # noqa: E731
     chunks = []  # the rows of each chunk, as the loss runs them
     run_chunk = loss_module._run_chunk

@@ -10,7 +10,7 @@ import torch
 from dflash_train.draft.dflash2 import DFlash2DraftModel, selector_inputs
 from dflash_train.draft.loss import LossMix, block_loss
 from dflash_train.draft.model import DraftModelConfig
-from dflash_train.draft.selector_loss import tiled_top_k
+from dflash_train.draft.vocab_tiles import tiled_top_k
 from dflash_train.train.loop import Trainer
 
 from tiny import DFLASH2, GPU_RECIPE, no_host_sync, tiny_target, to_cuda  # tests/ is on sys.path (conftest.py)

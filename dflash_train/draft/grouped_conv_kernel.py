@@ -1,0 +1,130 @@
+"""DFlash2's in-block grouped convolution on a GPU: one Triton kernel forward, one backward.
+
+The convolution (draft/dflash2.py, `GroupedConv`) is a few multiply-adds per element, sixteen times a
+step (4 layers, 2 sublayers, before and after); its cost is the passes over the activations. In
+PyTorch ops, even compiled, its backward takes several: the input's gradient, the coefficients' (a
+sum over each group's channels), the base kernel's (a sum over every token, a column reduction), each
+a kernel that reads the activations again. Here each program takes a tile of tokens and one group's
+channels, reads the gradient and the input once, and writes the input's and the coefficients'
+gradients and its tile's share of the base kernel's (summed over the tiles afterwards, in a fixed
+order: deterministic, no atomics). The math is `GroupedConv.convolve`'s, in fp32:
+
+  out[t, c]       = sum_tap (base[tap, c] + coeff[t, tap, g(c)]) * x[t - tap, c]    (t - tap in t's block)
+  d x[t, c]       = sum_tap (base[tap, c] + coeff[t + tap, tap, g(c)]) * d out[t + tap, c]
+  d coeff[t, k, g] = sum_{c in g} d out[t, c] * x[t - k, c]
+  d base[k, c]    = sum_t d out[t, c] * x[t - k, c]
+
+A custom op (torch.library), so torch.compile calls the kernels as they are. CUDA only; the CPU and
+the tests' references run `GroupedConv.convolve`'s PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+TOKENS = 64
+"""Tokens a program covers (whole blocks of 16: a multiple of the block length)."""
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def forward(x_ptr, coeff_ptr, base_ptr, out_ptr, n, H: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
+                TAPS: tl.constexpr, BLOCK: tl.constexpr, TOK: tl.constexpr):
+        group = tl.program_id(1)
+        rows = tl.program_id(0) * TOK + tl.arange(0, TOK)
+        cols = group * GS + tl.arange(0, GS)
+        real = rows < n
+        pos = rows % BLOCK
+        acc = tl.zeros((TOK, GS), dtype=tl.float32)
+        for tap in tl.static_range(TAPS):
+            inside = real & (pos >= tap)
+            x = tl.load(x_ptr + (rows - tap)[:, None] * H + cols[None, :], mask=inside[:, None], other=0.0)
+            c = tl.load(coeff_ptr + rows * (TAPS * G) + tap * G + group, mask=real, other=0.0)
+            b = tl.load(base_ptr + tap * H + cols)
+            acc += (b.to(tl.float32)[None, :] + c.to(tl.float32)[:, None]) * x.to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=real[:, None])
+
+    @triton.jit
+    def backward(grad_ptr, x_ptr, coeff_ptr, base_ptr, grad_x_ptr, grad_coeff_ptr, grad_base_ptr, n,
+                 H: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, TAPS: tl.constexpr, BLOCK: tl.constexpr,
+                 TOK: tl.constexpr):
+        tile, group = tl.program_id(0), tl.program_id(1)
+        rows = tile * TOK + tl.arange(0, TOK)
+        cols = group * GS + tl.arange(0, GS)
+        real = rows < n
+        pos = rows % BLOCK
+        grad = tl.load(grad_ptr + rows[:, None] * H + cols[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+        grad_x = tl.zeros((TOK, GS), dtype=tl.float32)
+        for tap in tl.static_range(TAPS):
+            b = tl.load(base_ptr + tap * H + cols).to(tl.float32)
+            ahead = real & (pos + tap < BLOCK)  # the output tap places after this token, in its block
+            g = tl.load(grad_ptr + (rows + tap)[:, None] * H + cols[None, :], mask=ahead[:, None], other=0.0)
+            c = tl.load(coeff_ptr + (rows + tap) * (TAPS * G) + tap * G + group, mask=ahead, other=0.0)
+            grad_x += (b[None, :] + c.to(tl.float32)[:, None]) * g.to(tl.float32)
+            behind = real & (pos >= tap)  # the input this token's output reads at this tap
+            x = tl.load(x_ptr + (rows - tap)[:, None] * H + cols[None, :], mask=behind[:, None], other=0.0)
+            product = grad * x.to(tl.float32)
+            tl.store(grad_coeff_ptr + rows * (TAPS * G) + tap * G + group,
+                     tl.sum(product, axis=1).to(grad_coeff_ptr.dtype.element_ty), mask=real)
+            tl.store(grad_base_ptr + (tile * TAPS + tap) * H + cols, tl.sum(product, axis=0))
+        tl.store(grad_x_ptr + rows[:, None] * H + cols[None, :], grad_x.to(grad_x_ptr.dtype.element_ty),
+                 mask=real[:, None])
+
+    return forward, backward
+
+
+def _grid(n: int, groups: int) -> tuple[int, int]:
+    return (-(-n // TOKENS), groups)
+
+
+@torch.library.custom_op("dflash_train::grouped_conv", mutates_args=())
+def grouped_conv(x: torch.Tensor, coeff: torch.Tensor, base: torch.Tensor, block_size: int) -> torch.Tensor:
+    """x [n, H] (whole blocks of `block_size` tokens), coeff [n, taps, groups], base [taps, H]."""
+    n, h = x.shape
+    taps, groups = coeff.shape[1:]
+    out = torch.empty_like(x)
+    _kernels()[0][_grid(n, groups)](x, coeff, base, out, n, h, groups, h // groups, taps, block_size, TOKENS)
+    return out
+
+
+@grouped_conv.register_fake
+def _(x, coeff, base, block_size):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("dflash_train::grouped_conv_backward", mutates_args=())
+def grouped_conv_backward(grad: torch.Tensor, x: torch.Tensor, coeff: torch.Tensor, base: torch.Tensor,
+                          block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, h = x.shape
+    taps, groups = coeff.shape[1:]
+    grid = _grid(n, groups)
+    grad_x, grad_coeff = torch.empty_like(x), torch.empty_like(coeff)
+    tiles = torch.empty(grid[0], taps, h, device=x.device, dtype=torch.float32)  # each tile's base gradient
+    _kernels()[1][grid](grad, x, coeff, base, grad_x, grad_coeff, tiles, n, h, groups, h // groups, taps,
+                        block_size, TOKENS)
+    return grad_x, grad_coeff, tiles.sum(0).to(base.dtype)
+
+
+@grouped_conv_backward.register_fake
+def _(grad, x, coeff, base, block_size):
+    return torch.empty_like(x), torch.empty_like(coeff), torch.empty_like(base)
+
+
+def _setup(ctx, inputs, output):
+    x, coeff, base, ctx.block_size = inputs
+    ctx.save_for_backward(x, coeff, base)
+
+
+def _backward(ctx, grad):
+    x, coeff, base = ctx.saved_tensors
+    grad_x, grad_coeff, grad_base = grouped_conv_backward(grad.contiguous(), x, coeff, base, ctx.block_size)
+    return grad_x, grad_coeff, grad_base, None
+
+
+grouped_conv.register_autograd(_backward, setup_context=_setup)
