@@ -126,6 +126,7 @@ def test_metrics_on_a_filling_disk_name_the_file_and_a_cut_line_is_dropped(tmp_p
     with pytest.raises(DiskError, match=f"{tmp_path}/metrics.jsonl: no space left on device"):
         metrics.write({"step": 2, "loss": 1.0})
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1  # and a cut second line
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]  # a reader meanwhile sees only the whole one
     MetricsFile(tmp_path, resume_step=1).close()  # the resumed run drops the cut line
     assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]
 

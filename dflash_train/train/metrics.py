@@ -45,7 +45,10 @@ def _record(line: str) -> dict | None:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The run's records. A last line without its newline is not one yet: a running trainer may be
+    writing it as this reads (or a crash cut it short, which the resumed run drops)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    complete = path.read_text().split("\n")[:-1]
+    return [json.loads(line) for line in complete if line.strip()]
