@@ -1,6 +1,7 @@
 """On CUDA: DFlash2's grouped convolution kernel (draft/grouped_conv_kernel.py) against its PyTorch ops
 in float64 on the CPU: output and the gradients of the input, the base kernel and the coefficient
-projection, eager and compiled, at the SmolLM2 shape and at taps past the block's edge.
+projection, eager and compiled, at the SmolLM2 shape and at taps past the block's edge (and with a
+group that is not a power of two, where CUDA runs the ops).
 Run: `python -m pytest tests/gpu -m gpu`."""
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def conv_pair(conv, x, side_block):
     return conv.convolve(y, coeff, 1, side_block)
 
 
-@pytest.mark.parametrize("hidden,group,taps,block,tokens", [(576, 64, 2, 16, 48 * 16), (64, 16, 5, 4, 37 * 4)])
+@pytest.mark.parametrize("hidden,group,taps,block,tokens",
+                         [(576, 64, 2, 16, 48 * 16), (64, 16, 5, 4, 37 * 4), (144, 48, 2, 16, 9 * 16)])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_the_kernel_is_the_ops_in_float64(hidden, group, taps, block, tokens, compiled):
     cfg = DraftModelConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
