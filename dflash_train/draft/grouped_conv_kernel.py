@@ -25,7 +25,7 @@ import functools
 import torch
 
 TOKENS = 64
-"""Tokens a program covers (whole blocks of 16: a multiple of the block length)."""
+"""Tokens a program covers. Any count works: a tap's neighbour is read from memory, not from the tile."""
 
 
 @functools.cache
