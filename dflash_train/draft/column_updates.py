@@ -1,29 +1,25 @@
-"""Updates of a chunk's [rows, V] logit gradient at a few columns per row (a CE target's one-hot, the
-selector's candidates). Compiled, each is a comparison with the column number, fused into the kernel
-that forms the gradient: a scatter would end that kernel, and the weighting and the cast that follow
-would read and write the whole gradient once more. The column numbers are int32: an int64 comparison
-is several instructions a GPU repeats for each of the gradient's elements. Eager, a scatter."""
+"""A chunk's [rows, V] logit gradient updated at a few columns per row (a CE target's one-hot, the
+selector's candidates) and cast to the dtype the head's product reads.
+
+The gradient is the largest tensor a step writes. Written whole once, in the product's dtype: the few
+updated columns are summed apart, in the gradient's own precision, and written after the cast (a
+gather and a scatter of a few columns a row). Compiled, the whole-gradient pass is then the kernel
+that forms it; an update formed as a comparison with every column number costs that kernel one
+comparison per column and element, and a scatter before the cast would end the kernel and make the
+cast a pass of its own. Every element is rounded once, as if the updates were made before the cast.
+"""
 
 from __future__ import annotations
 
 import torch
 
 
-def minus_at(dlogits: torch.Tensor, index: torch.Tensor, amount: float) -> torch.Tensor:
-    """`dlogits` less `amount` at each row's column `index` (the one-hot of a CE target)."""
-    if torch.compiler.is_compiling():
-        columns = torch.arange(dlogits.shape[1], device=dlogits.device, dtype=torch.int32)
-        return dlogits - amount * (columns[None, :] == index[:, None].int()).to(dlogits.dtype)
-    return dlogits.scatter_add(1, index[:, None], dlogits.new_full((index.shape[0], 1), -amount))
-
-
-def add_at(dlogits: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """`dlogits` plus `values` [rows, n] at each row's columns `index` [rows, n] (the selector's score
-    gradients at its candidates)."""
-    if torch.compiler.is_compiling():
-        columns = torch.arange(dlogits.shape[1], device=dlogits.device, dtype=torch.int32)
-        index = index.int()
-        for j in range(index.shape[1]):
-            dlogits = dlogits + values[:, j, None].to(dlogits.dtype) * (columns[None, :] == index[:, j, None])
-        return dlogits
-    return dlogits.scatter_add(1, index, values.to(dlogits.dtype))
+def add_at(dlogits: torch.Tensor, index: torch.Tensor, amounts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`dlogits` [rows, V] plus `amounts` [rows, m] at each row's columns `index` [rows, m] (a column
+    named twice in a row takes both amounts), in `dtype`."""
+    if index.shape[1] == 0:
+        return dlogits.to(dtype)
+    amounts = amounts.to(dlogits.dtype)
+    same = index[:, :, None] == index[:, None, :]  # [rows, m, m]: a repeated column's totals agree
+    totals = dlogits.gather(1, index) + (same.to(amounts.dtype) * amounts[:, None, :]).sum(-1)
+    return dlogits.to(dtype).scatter(1, index, totals.to(dtype))

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.draft.acceptance import BlockLoss, block_statistics
-from dflash_train.draft.column_updates import add_at, minus_at
+from dflash_train.draft.column_updates import add_at
 from dflash_train.draft.fused_ce import fused_ce
 from dflash_train.draft.logit_bias import LogitBias, bias_grads, biased
 from dflash_train.draft.selector_loss import SelectorInputs, selector_backward, selector_chunk
@@ -143,17 +143,22 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
         return terms, correct, q_reference, None, selector, None
     hard = mix.ce + mix.target_argmax
     dlogits = hard * log_q.exp() if hard else torch.zeros_like(log_q)
-    if mix.ce:
-        dlogits = minus_at(dlogits, labels, mix.ce)
-    if mix.target_argmax:
-        dlogits = minus_at(dlogits, reference, mix.target_argmax)
     if p_t is not None:
         dlogits = dlogits + (mix.kl * mix.temperature) * (log_q_t.exp() - p_t)
     if mix.l1:
         dlogits = dlogits + mix.l1 * q * (sign - (sign * q).sum(-1, keepdim=True))
     dlogits = dlogits * weights[:, None]
+    columns, amounts = [], []  # the one-hots, and the selector's pull on the hidden state (it rides the head's product)
+    if mix.ce:
+        columns.append(labels[:, None]), amounts.append(-mix.ce * weights[:, None])
+    if mix.target_argmax:
+        columns.append(reference[:, None]), amounts.append(-mix.target_argmax * weights[:, None])
     if selector is not None and mix.selector_shares_row_scale:
-        dlogits = add_at(dlogits, ids, dscores)  # the selector's pull on the hidden state rides the head's product
+        columns.append(ids), amounts.append(dscores)
+    # the product's dtype, but fp32 where more than the head's product reads the gradient
+    dtype = head.dtype if isinstance(head, torch.Tensor) and bias_code is None else torch.float32
+    dlogits = add_at(dlogits, torch.cat(columns, 1) if columns else labels.new_zeros(labels.shape[0], 0),
+                     torch.cat(amounts, 1) if amounts else dlogits.new_zeros(labels.shape[0], 0), dtype)
     bias = None if bias_code is None else bias_grads(dlogits, bias_code, bias_proj)
     return terms, correct, q_reference, _input_grad(head, dlogits), selector, bias
 
