@@ -45,9 +45,7 @@ class GroupedConv(nn.Module):
 
     def convolve(self, x_BQH: torch.Tensor, coeff: torch.Tensor, side: int, block_size: int) -> torch.Tensor:
         b, q, h = x_BQH.shape
-        # one kernel each way (draft/grouped_conv_kernel.py), whose block spans a group's channels: a power
-        # of two, as Triton's blocks are; elsewhere the ops below, which are also its reference
-        if x_BQH.is_cuda and self.group_size & (self.group_size - 1) == 0:
+        if x_BQH.is_cuda:  # one kernel each way (draft/grouped_conv_kernel.py); the ops below are its reference
             coeff = coeff[:, :, side].reshape(b * q, self.taps, self.num_groups).contiguous()
             return grouped_conv(x_BQH.reshape(b * q, h).contiguous(), coeff, self.base_kernel[side],
                                 block_size).view(b, q, h)

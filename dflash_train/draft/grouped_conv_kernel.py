@@ -35,48 +35,60 @@ def _kernels():
 
     @triton.jit
     def forward(x_ptr, coeff_ptr, base_ptr, out_ptr, n, H: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
-                TAPS: tl.constexpr, BLOCK: tl.constexpr, TOK: tl.constexpr):
+                TAPS: tl.constexpr, BLOCK: tl.constexpr, TOK: tl.constexpr, COLS: tl.constexpr):
         group = tl.program_id(1)
         rows = tl.program_id(0) * TOK + tl.arange(0, TOK)
-        cols = group * GS + tl.arange(0, GS)
+        lane = tl.arange(0, COLS)  # COLS: GS rounded up to a power of two, as tl.arange needs
+        cols = group * GS + lane
         real = rows < n
         pos = rows % BLOCK
-        acc = tl.zeros((TOK, GS), dtype=tl.float32)
+        acc = tl.zeros((TOK, COLS), dtype=tl.float32)
         for tap in tl.static_range(TAPS):
             inside = real & (pos >= tap)
-            x = tl.load(x_ptr + (rows - tap)[:, None] * H + cols[None, :], mask=inside[:, None], other=0.0)
+            x = tl.load(x_ptr + (rows - tap)[:, None] * H + cols[None, :], mask=inside[:, None] & (lane < GS)[None, :],
+                        other=0.0)
             c = tl.load(coeff_ptr + rows * (TAPS * G) + tap * G + group, mask=real, other=0.0)
-            b = tl.load(base_ptr + tap * H + cols)
+            b = tl.load(base_ptr + tap * H + cols, mask=lane < GS, other=0.0)
             acc += (b.to(tl.float32)[None, :] + c.to(tl.float32)[:, None]) * x.to(tl.float32)
-        tl.store(out_ptr + rows[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=real[:, None])
+        tl.store(out_ptr + rows[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=real[:, None] & (lane < GS)[None, :])
 
     @triton.jit
     def backward(grad_ptr, x_ptr, coeff_ptr, base_ptr, grad_x_ptr, grad_coeff_ptr, grad_base_ptr, n,
                  H: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, TAPS: tl.constexpr, BLOCK: tl.constexpr,
-                 TOK: tl.constexpr):
+                 TOK: tl.constexpr, COLS: tl.constexpr):
         tile, group = tl.program_id(0), tl.program_id(1)
         rows = tile * TOK + tl.arange(0, TOK)
-        cols = group * GS + tl.arange(0, GS)
+        lane = tl.arange(0, COLS)
+        cols = group * GS + lane
         real = rows < n
         pos = rows % BLOCK
-        grad = tl.load(grad_ptr + rows[:, None] * H + cols[None, :], mask=real[:, None], other=0.0).to(tl.float32)
-        grad_x = tl.zeros((TOK, GS), dtype=tl.float32)
+        in_group = (lane < GS)[None, :]
+        grad = tl.load(grad_ptr + rows[:, None] * H + cols[None, :], mask=real[:, None] & in_group, other=0.0)
+        grad = grad.to(tl.float32)
+        grad_x = tl.zeros((TOK, COLS), dtype=tl.float32)
         for tap in tl.static_range(TAPS):
-            b = tl.load(base_ptr + tap * H + cols).to(tl.float32)
+            b = tl.load(base_ptr + tap * H + cols, mask=lane < GS, other=0.0).to(tl.float32)
             ahead = real & (pos + tap < BLOCK)  # the output tap places after this token, in its block
-            g = tl.load(grad_ptr + (rows + tap)[:, None] * H + cols[None, :], mask=ahead[:, None], other=0.0)
+            g = tl.load(grad_ptr + (rows + tap)[:, None] * H + cols[None, :], mask=ahead[:, None] & in_group,
+                        other=0.0)
             c = tl.load(coeff_ptr + (rows + tap) * (TAPS * G) + tap * G + group, mask=ahead, other=0.0)
             grad_x += (b[None, :] + c.to(tl.float32)[:, None]) * g.to(tl.float32)
             behind = real & (pos >= tap)  # the input this token's output reads at this tap
-            x = tl.load(x_ptr + (rows - tap)[:, None] * H + cols[None, :], mask=behind[:, None], other=0.0)
+            x = tl.load(x_ptr + (rows - tap)[:, None] * H + cols[None, :], mask=behind[:, None] & in_group, other=0.0)
             product = grad * x.to(tl.float32)
             tl.store(grad_coeff_ptr + rows * (TAPS * G) + tap * G + group,
                      tl.sum(product, axis=1).to(grad_coeff_ptr.dtype.element_ty), mask=real)
-            tl.store(grad_base_ptr + (tile * TAPS + tap) * H + cols, tl.sum(product, axis=0))
+            tl.store(grad_base_ptr + (tile * TAPS + tap) * H + cols, tl.sum(product, axis=0), mask=lane < GS)
         tl.store(grad_x_ptr + rows[:, None] * H + cols[None, :], grad_x.to(grad_x_ptr.dtype.element_ty),
-                 mask=real[:, None])
+                 mask=real[:, None] & in_group)
 
     return forward, backward
+
+
+def _lanes(group_size: int) -> int:
+    """A group's channels rounded up to a power of two (a Triton block's extent)."""
+    return 1 << (group_size - 1).bit_length()
 
 
 def _grid(n: int, groups: int) -> tuple[int, int]:
@@ -89,7 +101,8 @@ def grouped_conv(x: torch.Tensor, coeff: torch.Tensor, base: torch.Tensor, block
     n, h = x.shape
     taps, groups = coeff.shape[1:]
     out = torch.empty_like(x)
-    _kernels()[0][_grid(n, groups)](x, coeff, base, out, n, h, groups, h // groups, taps, block_size, TOKENS)
+    _kernels()[0][_grid(n, groups)](x, coeff, base, out, n, h, groups, h // groups, taps, block_size, TOKENS,
+                                    _lanes(h // groups))
     return out
 
 
@@ -107,7 +120,7 @@ def grouped_conv_backward(grad: torch.Tensor, x: torch.Tensor, coeff: torch.Tens
     grad_x, grad_coeff = torch.empty_like(x), torch.empty_like(coeff)
     tiles = torch.empty(grid[0], taps, h, device=x.device, dtype=torch.float32)  # each tile's base gradient
     _kernels()[1][grid](grad, x, coeff, base, grad_x, grad_coeff, tiles, n, h, groups, h // groups, taps,
-                        block_size, TOKENS)
+                        block_size, TOKENS, _lanes(h // groups))
     return grad_x, grad_coeff, tiles.sum(0).to(base.dtype)
 
 

@@ -1,7 +1,7 @@
 """On CUDA: DFlash2's grouped convolution kernel (draft/grouped_conv_kernel.py) against its PyTorch ops
 in float64 on the CPU: output and the gradients of the input, the base kernel and the coefficient
-projection, eager and compiled, at the SmolLM2 shape and at taps past the block's edge (and with a
-group that is not a power of two, where CUDA runs the ops).
+projection, eager and compiled, at the SmolLM2 shape, at taps past the block's edge, and with a
+group of 48 channels (the kernel's block rounded up to 64 and masked).
 Run: `python -m pytest tests/gpu -m gpu`."""
 
 from __future__ import annotations
