@@ -34,6 +34,7 @@ from dflash_train.draft.build import drafter_for
 from dflash_train.draft.fp8 import RECIPES, convert_to_fp8
 from dflash_train.draft.fp8_head import Fp8Head
 from dflash_train.draft.objective import draft_loss, make_task
+from dflash_train.families import FAMILIES, family
 from dflash_train.targets.fp8 import GRANULARITIES, quantize_decoder
 from dflash_train.targets.model import Target, compile_decoder
 from dflash_train.draft.loss import LossMix
@@ -183,8 +184,8 @@ def main(argv=None):
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--max-length", type=int, default=3072)
     ap.add_argument("--draft-layers", type=int, default=5)
-    ap.add_argument("--family", default="dflash", choices=["dflash", "dflash2"],
-                    help="the drafter's family (dflash2 trains its path selector too: loss ce + selector)")
+    ap.add_argument("--family", default="dflash", choices=list(FAMILIES),
+                    help="the drafter's family (with the loss terms only it trains, e.g. dflash2's selector)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the draft layers")
     ap.add_argument("--compile-loss", action="store_true", help="torch.compile the loss chunks (train.compile_loss)")
     ap.add_argument("--full-length", action="store_true", help="every sequence max_length long (the shape of docs/design.md#reference-figures)")
@@ -221,7 +222,7 @@ def main(argv=None):
     target = Target(model=model, tokenizer=_NoTokenizer(), name=f"{shape}-random", device=device)
     if args.compile_target:
         compile_decoder(target)  # as target.compile does in training
-    loss = {args.loss: 1.0, **({"selector": 1.0} if args.family == "dflash2" else {})}
+    loss = {args.loss: 1.0, **{term: 1.0 for term in family(args.family).loss_terms}}
     cfg = build_config({"device": device.type, "draft": {"num_layers": 2 if args.tiny else args.draft_layers,
                                                          "family": args.family},
                         "objective": {"block_size": 16, "mask_token_id": SHAPES[shape]["vocab_size"] - 1,

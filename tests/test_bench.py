@@ -13,6 +13,14 @@ from throughput import is_sync_warning, main  # noqa: E402
 
 
 @pytest.mark.slow(seconds=3)
+@pytest.mark.parametrize("family", ["dflash2", "dspark"])
+def test_throughput_benchmark_runs_each_family(family, tmp_path):
+    """Each drafting family's step with the loss terms only it trains (e.g. DFlash2's selector)."""
+    result = main(["--tiny", "--steps", "1", "--headline", "--family", family, "--out", str(tmp_path / "b.json")])
+    assert result["family"] == family and result["drafter_tokens_per_s"] > 0
+
+
+@pytest.mark.slow(seconds=3)
 def test_throughput_benchmark_cpu_mode(tmp_path):
     out = tmp_path / "bench.json"
     result = main(["--tiny", "--steps", "1", "--profile", "--out", str(out)])
