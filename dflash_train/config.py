@@ -108,9 +108,8 @@ class RunConfig(Section):
             if not self.objective.loss.get(term, 0.0) > 0:
                 raise ValueError(f"draft.family={spec.name} without objective.loss.{term} leaves its {term} "
                                  f"untrained: add {term} to objective.loss, e.g. {{ce: 1, {term}: 1}}")
-        if (self.objective.loss.get("confidence", 0.0) > 0) != self.draft.confidence_head:
-            raise ValueError("objective.loss.confidence trains DSpark's confidence head and the head needs it: set "
-                             "both or neither (draft.family=dspark draft.confidence_head=true)")
+        if spec.check_config:
+            spec.check_config(self)
         if spec.logit_bias and self.train.ce_kernel != "chunked":
             raise ValueError(f"train.ce_kernel={self.train.ce_kernel} with draft.family={spec.name}: only the chunked "
                              "kernel adds its logit bias; use train.ce_kernel=chunked")

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, create_model, model_validator
 
 from dflash_train.config_loader import Section
-from dflash_train.families import FAMILIES, family, owner_of_size
+from dflash_train.families import FAMILIES, owner_of_size
 
 
 class TargetConfig(Section):
@@ -77,31 +77,32 @@ class DraftConfig(Section):
     serve it (docs/design.md#dflash2); dspark: plus a Markov head biasing each slot's logits by the token
     before it, as llama.cpp serves it (docs/design.md#dspark). With `init_from` a dflash drafter, a
     dflash2 or dspark one starts as it."""
-    conv_kernel_size: int = Field(2, ge=1)
-    """dflash2: taps of each in-block convolution (the published drafters use 2)."""
-    conv_group_size: int = Field(64, ge=1)
-    """dflash2: channels sharing one per-token coefficient; must divide the hidden size."""
-    selector_rank: int = Field(64, ge=1)
-    """dflash2: rank of the selector's predecessor/successor codebooks (vocabulary x rank each)."""
-    selector_top_k: int = Field(4, ge=1)
-    """dflash2: candidates per position the selector chooses among."""
-    markov_rank: int = Field(64, ge=1)
-    """dspark: rank of the Markov head (the previous token's code, vocabulary x rank, projected back
-    to a bias on the vocabulary)."""
-    confidence_head: bool = False
-    """dspark: llama.cpp's optional confidence head (`confidence_head.proj`: sigmoid of the final hidden
-    state and the previous token's Markov code), which `--spec-draft-p-min` reads to cut a draft short;
-    trained by objective.loss.confidence (docs/design.md#dspark)."""
+    @model_validator(mode="before")
+    @classmethod
+    def _sizes_into_their_family_section(cls, data):
+        """A family's size given as `draft.<size>` (configs and checkpoints written before the sizes had
+        their family's section) is read into `draft.<family>.<size>`."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for key in [k for k in data if owner_of_size(k)]:
+            owner = owner_of_size(key).name
+            section = data.get(owner)
+            section = dict(section.model_dump() if isinstance(section, Section) else section or {})
+            if key in section and section[key] != data[key]:
+                raise ValueError(f"draft.{key}={data[key]!r} and draft.{owner}.{key}={section[key]!r}: set one")
+            section[key] = data.pop(key)
+            data[owner] = section
+        return data
 
     @model_validator(mode="after")
     def _one_layer_choice(self) -> DraftConfig:
         # another family's sizes changed from their defaults (a dumped config repeats every key's default)
-        spec = family(self.family)
-        foreign = sorted(k for k in type(self).model_fields if owner_of_size(k) not in (None, spec)
-                         and getattr(self, k) != type(self).model_fields[k].default)
-        if foreign:
-            raise ValueError(f"draft.{foreign[0]} belongs to draft.family={owner_of_size(foreign[0]).name} "
-                             f"(the family is {self.family})")
+        for spec in FAMILIES.values():
+            if spec.options and spec.name != self.family and getattr(self, spec.name) != spec.options():
+                changed = next(k for k, v in spec.sizes_of(self).items() if v != spec.options.model_fields[k].default)
+                raise ValueError(f"draft.{spec.name}.{changed} belongs to draft.family={spec.name} "
+                                 f"(the family is {self.family})")
         self._not_both("draft", "target_layer_ids", "num_target_features",
                        "the ids already fix which (and how many) target layers are captured; set one")
         if self.init_layers_from is not None and len(self.init_layers_from) != self.num_layers:
@@ -110,6 +111,14 @@ class DraftConfig(Section):
         self._not_both("draft", "init_layers_from", "intermediate_size",
                        "a copied target layer has the target's MLP width")
         return self
+
+
+DraftConfig = create_model(
+    "DraftConfig", __base__=DraftConfig, __module__=__name__, __doc__=DraftConfig.__doc__,
+    **{spec.name: (spec.options, Field(default_factory=spec.options, description=spec.options.__doc__))
+       for spec in FAMILIES.values() if spec.options})
+"""The drafter's section with each family's own section (`draft.<family>`, declared in its file under
+families/), so that a family's sizes never enter the shared fields."""
 
 
 class ObjectiveConfig(Section):
@@ -142,7 +151,7 @@ class ObjectiveConfig(Section):
     did not write usable.
     `selector` (draft.family=dflash2): CE of the path selector choosing the data token among the slot's
     top-k candidates after the true previous token (docs/design.md#dflash2).
-    `confidence` (draft.confidence_head): BCE of DSpark's confidence head against each slot's greedy
+    `confidence` (draft.dspark.confidence_head): BCE of DSpark's confidence head against each slot's greedy
     acceptance, weighted as the slot (docs/design.md#dspark)."""
     selector_outside_top_k: Literal["join", "skip"] = "join"
     """loss.selector, a slot whose token is not among the top-k: join (it joins the candidates, so the

@@ -78,7 +78,7 @@ print(f"DFlash2: {s['engine_accepted']} accepted in {s['engine_verification_step
 PY
 step "DSpark: warm-started from the quickstart's drafter, trained on its data, round for round"
 (cd "$WORK" && "$BIN/dflash-train" train -c "$REPO/dflash_train/configs/quickstart.yaml" device=cpu \
-    run_dir=runs/dspark draft.family=dspark draft.markov_rank=32 "draft.init_from=$ckpt" train.epochs=2 \
+    run_dir=runs/dspark draft.family=dspark draft.dspark.markov_rank=32 "draft.init_from=$ckpt" train.epochs=2 \
     > dspark_train.log 2>&1) || { tail -20 "$WORK/dspark_train.log"; exit 1; }
 dspark=$(ls -d "$WORK"/runs/dspark/checkpoints/step_* | sort | tail -1)
 "$BIN/dflash-train" serve-check --target smollm2 --drafter "$dspark" --out "$WORK/served" --num-prompts 8 \

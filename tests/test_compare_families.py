@@ -28,7 +28,7 @@ def test_the_family_comparison_runs_every_arm_on_cpu(tmp_path):
         "COMMON_ARGS": "target.dtype=auto train.time_budget_minutes=null train.max_steps=2 objective.num_anchors=4 "
                        "data.length_bucket=0 data.max_length=256 data.token_budget=256 train.compile=false "
                        "train.compile_loss=false draft.num_layers=1 draft.num_target_features=2 "
-                       "draft.conv_group_size=64 checkpoint.every=100",
+                       "draft.dflash2.conv_group_size=64 checkpoint.every=100",
     }
     done = subprocess.run(["bash", str(ROOT / "examples" / "compare_families.sh"), "all"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1100)

@@ -146,9 +146,9 @@ def test_the_whole_chain_works_on_every_family(family, tmp_path, capsys):
 
 
 DRAFTERS = {
-    "dflash2": (["draft.family=dflash2", "draft.conv_group_size=8", "draft.selector_rank=8", "draft.selector_top_k=3",
+    "dflash2": (["draft.family=dflash2", "draft.dflash2.conv_group_size=8", "draft.dflash2.selector_rank=8", "draft.dflash2.selector_top_k=3",
                  "objective.loss={ce: 1, selector: 1}"], "DFlash2DraftModel"),
-    "dspark": (["draft.family=dspark", "draft.markov_rank=8", "objective.loss={ce: 0.1, l1: 0.9}"], "DSparkDraftModel"),
+    "dspark": (["draft.family=dspark", "draft.dspark.markov_rank=8", "objective.loss={ce: 0.1, l1: 0.9}"], "DSparkDraftModel"),
 }
 """Drafting families beyond DFlash: (their train overrides, their export's architecture)."""
 

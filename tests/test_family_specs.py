@@ -69,3 +69,26 @@ def test_a_family_whose_export_names_remote_code_has_its_class_in_the_modeling_f
     for spec in FAMILIES.values():
         assert (spec.architecture in classes) == spec.remote_code, spec.name
         assert ("auto_map" in export_config(config_of(spec))) == spec.remote_code, spec.name
+
+
+def test_each_family_sizes_live_in_its_own_section_and_older_flat_keys_load(tmp_path):
+    """`draft.<family>.<size>`: declared in the family's file (families/), not among the shared draft
+    fields; a run config written before (every size flat under `draft`, as a checkpoint's config.yaml
+    holds them) loads into the sections, and a size given both ways differently is refused."""
+    from dflash_train.config import ConfigError, build_config, load_config
+    from dflash_train.config_model import DraftConfig
+
+    for spec in (s for s in FAMILIES.values() if s.options):
+        assert DraftConfig.model_fields[spec.name].annotation is spec.options
+        assert spec.options.__module__ == f"dflash_train.families.{spec.name}"
+        assert not set(spec.size_fields) & set(DraftConfig.model_fields)
+    old = tmp_path / "config.yaml"
+    old.write_text("draft:\n  family: dspark\n  conv_kernel_size: 2\n  conv_group_size: 64\n  selector_rank: 64\n"
+                   "  selector_top_k: 4\n  markov_rank: 8\n  confidence_head: false\n")
+    cfg = load_config(old)
+    assert cfg.draft.dspark.markov_rank == 8 and cfg.draft.dflash2.conv_group_size == 64
+    assert load_config(old, ["draft.dspark.markov_rank=8"]) == cfg
+    with pytest.raises(ConfigError, match=re.escape("draft.markov_rank=8 and draft.dspark.markov_rank=4: set one")):
+        load_config(old, ["draft.dspark.markov_rank=4"])
+    with pytest.raises(ConfigError, match=re.escape("draft.dspark.markov_rank belongs to draft.family=dspark")):
+        build_config({}, ["draft.markov_rank=8"])

@@ -56,8 +56,8 @@ def tiny_target(
 GPU_RECIPE = ["device=cuda", "target.dtype=bfloat16", "draft.attention=flex", "train.compile=true",
               "train.compile_loss=true", "data.length_bucket=32"]
 """Overrides of a tiny run config that train the way the GPU recipes do (a `to_cuda` target)."""
-DFLASH2 = ["draft.family=dflash2", "objective.loss={ce: 1, selector: 1}", "draft.conv_group_size=16",
-           "draft.selector_rank=8"]
+DFLASH2 = ["draft.family=dflash2", "objective.loss={ce: 1, selector: 1}", "draft.dflash2.conv_group_size=16",
+           "draft.dflash2.selector_rank=8"]
 """Overrides of a tiny run config that train a DFlash2 drafter (sizes that fit a tiny target)."""
 
 

@@ -17,7 +17,7 @@ converter's (conversion/qwen.py `DSparkModel`), so an export converts and serves
   chain's previous tokens are the true ones. The bias enters the chunked LM-head pass
   (draft/logit_bias.py), so every per-slot term (ce, target_argmax, kl) trains the head with the backbone.
 
-- **Confidence head** (optional, `draft.confidence_head`): `confidence_head.proj` [1, H + R] with a
+- **Confidence head** (optional, `draft.dspark.confidence_head`): `confidence_head.proj` [1, H + R] with a
   bias; slot p's confidence is `sigmoid(proj . [h_p, markov_w1[prev]] + b)`, h_p the final-normed
   hidden state. llama.cpp reads it with `--spec-draft-p-min P` > 0 and ends the draft at the first slot
   below P (`draft_limits`). Trained with `objective.loss.confidence` (draft/loss.py): BCE against the
@@ -105,7 +105,7 @@ class DSparkDraftModel(DFlashDraftModel):
         the proposal before it."""
         if self.confidence_head is None:
             raise ValueError("decode.draft_p_min > 0 needs a DSpark drafter with a confidence head "
-                             "(draft.confidence_head=true), as llama.cpp refuses one without: set it to 0")
+                             "(draft.dspark.confidence_head=true), as llama.cpp refuses one without: set it to 0")
         prev = torch.cat([block_ids[:, :1], proposals[:, :-1]], dim=1)
         conf = torch.sigmoid(self.confidence_head(hidden_BQH[:, 1:], self.markov_head.markov_w1(prev)))
         return (conf >= p_min).long().cumprod(1).sum(1)

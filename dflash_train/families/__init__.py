@@ -41,4 +41,4 @@ def owner_of_size(name: str) -> FamilySpec | None:
 
 def term_owner(term: str) -> FamilySpec | None:
     """The family a loss term belongs to (None: a per-slot term every family trains)."""
-    return next((spec for spec in FAMILIES.values() if term in spec.loss_terms), None)
+    return next((spec for spec in FAMILIES.values() if term in spec.loss_terms + spec.optional_loss_terms), None)

@@ -14,13 +14,18 @@ class FamilySpec:
     """"module:Class" of its drafter model (a DFlashDraftModel)."""
     architecture: str
     """`architectures[0]` of its export's config.json: what the engines' loaders and ours dispatch on."""
-    size_fields: tuple[str, ...] = ()
-    """Its own sizes, fields of DraftConfig and of the drafter's config alike, written to the export's
-    `dflash_config` (with `block_size`, which the engines' loaders of such a family read there)."""
+    options: type | None = None
+    """Its own section of the draft config, `draft.<name>` (a config Section, in the family's file): its
+    sizes, fields of the drafter's config too (draft/model.py), written to the export's `dflash_config`
+    (with `block_size`, which the engines' loaders of such a family read there)."""
     check_sizes: Callable[[Any], None] | None = None
     """Raises ValueError naming what is wrong with the drafter config's sizes for this family."""
     loss_terms: tuple[str, ...] = ()
     """objective.loss terms only this family trains; each is required (left out, its part stays untrained)."""
+    optional_loss_terms: tuple[str, ...] = ()
+    """objective.loss terms only this family trains, for parts it may leave out (`check_config` pairs them)."""
+    check_config: Callable[[Any], None] | None = None
+    """Raises ValueError naming what a run config (every section) asks of this family that it cannot do."""
     independent_slots: bool = True
     """Each slot's token is its own argmax or sample: sampled drafting and slot-by-slot replay apply.
     False: the block's tokens are one path (DFlash2's selector walk), greedy only."""
@@ -41,6 +46,15 @@ class FamilySpec:
     export_keys: tuple[tuple[str, Any], ...] = ()
     """Top-level keys of its export's config.json that the engines' converters read (beyond the
     sizes), as (key, value) pairs."""
+
+    @property
+    def size_fields(self) -> tuple[str, ...]:
+        """The names of its own sizes (its section's fields)."""
+        return tuple(self.options.model_fields) if self.options else ()
+
+    def sizes_of(self, draft) -> dict[str, Any]:
+        """Its sizes as set in a draft config section (`draft.<name>`)."""
+        return getattr(draft, self.name).model_dump() if self.options else {}
 
     def starts_from(self, saved_family: str) -> bool:
         """Whether a trained drafter of `saved_family` can warm-start this one."""

@@ -43,7 +43,7 @@ def draft_model_config(cfg: RunConfig, target: Target) -> DraftModelConfig:
 
 def family_fields(draft) -> dict:
     """The DraftModelConfig fields of `draft.family`: its name and its own sizes."""
-    return {"family": draft.family, **{k: getattr(draft, k) for k in family(draft.family).size_fields}}
+    return {"family": draft.family, **family(draft.family).sizes_of(draft)}
 
 
 def stream_layer_ids(cfg: RunConfig, target: Target) -> list[int]:

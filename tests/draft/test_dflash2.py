@@ -156,7 +156,7 @@ def test_training_the_selector_picks_the_successor_its_predecessor_calls_for():
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["draft.selector_rank=8"], "draft.selector_rank belongs to draft.family=dflash2"),
+    (["draft.dflash2.selector_rank=8"], "draft.dflash2.selector_rank belongs to draft.family=dflash2"),
     (["draft.family=dflash2"], "add selector to objective.loss"),
     (["objective.loss={ce: 1, selector: 1}"], "set draft.family=dflash2"),
     (["draft.family=dflash2", "objective.loss={ce: 1, selector: 1}", "train.fp8_lm_head=true"], "fp8_lm_head"),
@@ -167,4 +167,4 @@ def test_the_family_keys_are_read_or_refused_in_one_line(overrides, named):
 
     with pytest.raises(ConfigError, match=re.escape(named)):
         build_config({}, overrides)
-    build_config({}, ["draft.family=dflash2", "objective.loss={ce: 1, selector: 1}", "draft.selector_rank=8"])
+    build_config({}, ["draft.family=dflash2", "objective.loss={ce: 1, selector: 1}", "draft.dflash2.selector_rank=8"])

@@ -184,7 +184,7 @@ def test_bad_dspark_sizes_and_d_pace_are_refused_in_one_line():
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["draft.markov_rank=8"], "draft.markov_rank belongs to draft.family=dspark"),
+    (["draft.dspark.markov_rank=8"], "draft.dspark.markov_rank belongs to draft.family=dspark"),
     (["draft.family=dspark", "objective.loss={ce: 1, selector: 1}"], "set draft.family=dflash2"),
     (["draft.family=dspark", "objective.slot_weights=dpace"], "objective.slot_weights=decay"),
     (["draft.family=dspark", "train.ce_kernel=liger"], "only the chunked kernel adds its logit bias"),
@@ -194,4 +194,4 @@ def test_the_family_keys_are_read_or_refused_in_one_line(overrides, named):
 
     with pytest.raises(ConfigError, match=re.escape(named)):
         build_config({}, overrides)
-    build_config({}, ["draft.family=dspark", "draft.markov_rank=8"])
+    build_config({}, ["draft.family=dspark", "draft.dspark.markov_rank=8"])

@@ -153,8 +153,8 @@ def test_the_export_writes_llama_cpps_names_and_key(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["draft.confidence_head=true"], "draft.confidence_head belongs to draft.family=dspark"),
-    (["draft.family=dspark", "draft.confidence_head=true"], "objective.loss.confidence trains"),
+    (["draft.dspark.confidence_head=true"], "draft.dspark.confidence_head belongs to draft.family=dspark"),
+    (["draft.family=dspark", "draft.dspark.confidence_head=true"], "objective.loss.confidence trains"),
     (["draft.family=dspark", "objective.loss={ce: 1, confidence: 1}"], "objective.loss.confidence trains"),
     (["objective.loss={ce: 1, confidence: 1}"], "objective.loss.confidence trains"),
 ])
@@ -163,4 +163,4 @@ def test_the_head_and_its_term_are_refused_in_one_line_apart(overrides, named):
 
     with pytest.raises(ConfigError, match=re.escape(named)):
         build_config({}, overrides)
-    build_config({}, ["draft.family=dspark", "draft.confidence_head=true", "objective.loss={ce: 1, confidence: 1}"])
+    build_config({}, ["draft.family=dspark", "draft.dspark.confidence_head=true", "objective.loss={ce: 1, confidence: 1}"])

@@ -55,7 +55,7 @@ def test_init_from_another_setup_names_the_field(make_run_config, shared_tiny_ta
 def test_a_dspark_run_starts_as_the_dflash_drafter_it_holds(make_run_config, shared_tiny_target, trained):
     """A DFlash checkpoint warm-starts a DSpark drafter: its weights exactly, and a zero Markov
     projection, so the chain drafts as the DFlash drafter until trained."""
-    overrides = [f"draft.init_from={trained}", "draft.family=dspark", "draft.markov_rank=4"]
+    overrides = [f"draft.init_from={trained}", "draft.family=dspark", "draft.dspark.markov_rank=4"]
     trainer = Trainer(make_run_config("spark", overrides), target=shared_tiny_target)
     state = trainer.parts.drafter.state_dict()
     for name, t in load_file(trained / "model.safetensors").items():
