@@ -40,6 +40,22 @@ class TargetConfig(Section):
     (`bench/throughput.py --compile-target`). Not with target.tensor_parallel > 1; `eval` refuses it."""
 
 
+def sizes_into_family_sections(draft: dict) -> dict:
+    """`draft` (a config tree's draft section) with each family's size given as `draft.<size>`
+    (configs and checkpoints written before the sizes had their family's section) moved into
+    `draft.<family>.<size>`; a size given both ways differently is refused."""
+    draft = dict(draft)
+    for key in [k for k in draft if owner_of_size(k)]:
+        owner = owner_of_size(key).name
+        section = draft.get(owner)
+        section = dict(section.model_dump() if isinstance(section, Section) else section or {})
+        if key in section and section[key] != draft[key]:
+            raise ValueError(f"draft.{key}={draft[key]!r} and draft.{owner}.{key}={section[key]!r}: set one")
+        section[key] = draft.pop(key)
+        draft[owner] = section
+    return draft
+
+
 class DraftConfig(Section):
     """The DFlash drafter. Width, heads and vocabulary come from the target."""
 
@@ -80,20 +96,7 @@ class DraftConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _sizes_into_their_family_section(cls, data):
-        """A family's size given as `draft.<size>` (configs and checkpoints written before the sizes had
-        their family's section) is read into `draft.<family>.<size>`."""
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        for key in [k for k in data if owner_of_size(k)]:
-            owner = owner_of_size(key).name
-            section = data.get(owner)
-            section = dict(section.model_dump() if isinstance(section, Section) else section or {})
-            if key in section and section[key] != data[key]:
-                raise ValueError(f"draft.{key}={data[key]!r} and draft.{owner}.{key}={section[key]!r}: set one")
-            section[key] = data.pop(key)
-            data[owner] = section
-        return data
+        return sizes_into_family_sections(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _one_layer_choice(self) -> DraftConfig:

@@ -92,3 +92,21 @@ def test_each_family_sizes_live_in_its_own_section_and_older_flat_keys_load(tmp_
         load_config(old, ["draft.dspark.markov_rank=4"])
     with pytest.raises(ConfigError, match=re.escape("draft.dspark.markov_rank belongs to draft.family=dspark")):
         build_config({}, ["draft.markov_rank=8"])
+
+
+def test_a_drafters_entry_merges_into_its_family_section_size_by_size():
+    """`drafters[]` entries (several drafters on one target stream) set sizes flat or in the section;
+    the base's other sizes of that family carry over."""
+    from dflash_train.config import build_config
+    from dflash_train.distributed.layout import drafter_runs
+
+    base = {"draft": {"family": "dflash2", "dflash2": {"selector_top_k": 8}},
+            "objective": {"loss": {"ce": 1, "selector": 1}},
+            "drafters": [{"name": "flat", "draft": {"conv_group_size": 32}},
+                         {"name": "nested", "draft": {"dflash2": {"conv_group_size": 16}}},
+                         {"name": "spark", "draft": {"family": "dspark", "markov_rank": 32, "dflash2": {"selector_top_k": 4}},
+                          "objective": {"loss": {"ce": 1}}}]}
+    runs = dict(drafter_runs(build_config(base)))
+    assert (runs["flat"].draft.dflash2.conv_group_size, runs["flat"].draft.dflash2.selector_top_k) == (32, 8)
+    assert (runs["nested"].draft.dflash2.conv_group_size, runs["nested"].draft.dflash2.selector_top_k) == (16, 8)
+    assert runs["spark"].draft.dspark.markov_rank == 32

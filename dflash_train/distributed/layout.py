@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_train.config import RunConfig, build_config
+from dflash_train.config_model import sizes_into_family_sections
 
 
 LAYER_CHOICE = {"target_layer_ids", "num_target_features"}
@@ -34,7 +35,10 @@ def drafter_runs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
         tree = copy.deepcopy(base)
         if LAYER_CHOICE & set(spec.draft):  # a drafter's own choice of target layers replaces the base's
             tree["draft"].update(dict.fromkeys(LAYER_CHOICE))
-        tree["draft"].update(spec.draft)
+        for key, value in sizes_into_family_sections(spec.draft).items():
+            # a family's section merges key by key: the base's other sizes of that family stay
+            own = tree["draft"].get(key)
+            tree["draft"][key] = {**own, **value} if isinstance(own, dict) and isinstance(value, dict) else value
         tree["objective"].update(spec.objective)
         tree["train"].update(spec.train)
         tree["run_dir"] = str(Path(cfg.run_dir) / spec.name)
