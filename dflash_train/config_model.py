@@ -101,10 +101,10 @@ class DraftConfig(Section):
     @model_validator(mode="after")
     def _one_layer_choice(self) -> DraftConfig:
         # another family's sizes changed from their defaults (a dumped config repeats every key's default)
-        for spec in FAMILIES.values():
-            if spec.options and spec.name != self.family and getattr(self, spec.name) != spec.options():
-                changed = next(k for k, v in spec.sizes_of(self).items() if v != spec.options.model_fields[k].default)
-                raise ValueError(f"draft.{spec.name}.{changed} belongs to draft.family={spec.name} "
+        for spec in (s for s in FAMILIES.values() if s.name != self.family):
+            changed = [k for k, v in spec.sizes_of(self).items() if v != spec.options.model_fields[k].default]
+            if changed:
+                raise ValueError(f"draft.{spec.name}.{changed[0]} belongs to draft.family={spec.name} "
                                  f"(the family is {self.family})")
         self._not_both("draft", "target_layer_ids", "num_target_features",
                        "the ids already fix which (and how many) target layers are captured; set one")

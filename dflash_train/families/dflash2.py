@@ -20,11 +20,8 @@ class DFlash2Options(Section):
     """Candidates per position the selector chooses among."""
 
 
-SIZES = tuple(DFlash2Options.model_fields)
-
-
 def check_sizes(cfg) -> None:
-    sizes = tuple(getattr(cfg, k) for k in SIZES)
+    sizes = tuple(getattr(cfg, k) for k in DFlash2Options.model_fields)
     if min(sizes) < 1 or cfg.hidden_size % cfg.conv_group_size:
         raise ValueError(f"dflash2 needs positive conv_kernel_size, conv_group_size (dividing hidden_size "
                          f"{cfg.hidden_size}), selector_rank and selector_top_k; got {sizes}")
