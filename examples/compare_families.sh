@@ -5,6 +5,7 @@
 #   dflash2   BUDGET minutes of DFlash2 from scratch
 #   warm      BUDGET/2 minutes of DFlash, then BUDGET/2 of DFlash2 started from it (draft.init_from)
 #   dspark    BUDGET minutes of DSpark (DFlash's layers and a Markov head) from scratch
+#   ARM-dpace any arm above with D-PACE slot weights instead of the decay (objective.slot_weights=dpace)
 # Each arm's training is one `train` with train.time_budget_minutes (compilation before its clock),
 # exported, then every arm is evaluated side by side (fp32, greedy, lossless-checked) on the held-out
 # ShareGPT prompts, HumanEval and MT-Bench. The table at the end reads each arm's reports.
@@ -33,18 +34,22 @@ train_arm() {  # $1: run dir, $2: minutes, then overrides
 }
 
 train() {
+  local arm base extra
   for arm in $ARMS; do
-    case $arm in
-      dflash) train_arm "$ROOT/dflash" "$BUDGET" ;;
+    base=${arm%-dpace} extra=()
+    [ "$base" = "$arm" ] || extra=(objective.slot_weights=dpace)
+    case $base in
+      dflash) train_arm "$ROOT/$arm" "$BUDGET" "${extra[@]}" ;;
       # shellcheck disable=SC2086
-      dflash2) train_arm "$ROOT/dflash2" "$BUDGET" draft.family=dflash2 $FAMILY_ARGS ;;
+      dflash2) train_arm "$ROOT/$arm" "$BUDGET" draft.family=dflash2 $FAMILY_ARGS "${extra[@]}" ;;
       warm)
-        train_arm "$ROOT/warm-dflash" "$half"
+        train_arm "$ROOT/$base-dflash${arm#"$base"}" "$half" "${extra[@]}"
         # shellcheck disable=SC2086
-        train_arm "$ROOT/warm" "$half" draft.family=dflash2 draft.init_from="$ROOT/warm-dflash/export" $FAMILY_ARGS ;;
+        train_arm "$ROOT/$arm" "$half" draft.family=dflash2 draft.init_from="$ROOT/$base-dflash${arm#"$base"}/export" \
+          $FAMILY_ARGS "${extra[@]}" ;;
       # shellcheck disable=SC2086
-      dspark) train_arm "$ROOT/dspark" "$BUDGET" draft.family=dspark $DSPARK_ARGS ;;
-      *) echo "unknown arm '$arm' in ARMS (dflash, dflash2, warm, dspark)" >&2; return 2 ;;
+      dspark) train_arm "$ROOT/$arm" "$BUDGET" draft.family=dspark $DSPARK_ARGS "${extra[@]}" ;;
+      *) echo "unknown arm '$arm' in ARMS (dflash, dflash2, warm, dspark, each optionally with -dpace)" >&2; return 2 ;;
     esac
   done
 }
