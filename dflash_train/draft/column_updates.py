@@ -14,12 +14,16 @@ from __future__ import annotations
 import torch
 
 
-def add_at(dlogits: torch.Tensor, index: torch.Tensor, amounts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def add_at(dlogits: torch.Tensor, index: torch.Tensor, amounts: torch.Tensor, dtype: torch.dtype,
+           at_index: torch.Tensor | None = None) -> torch.Tensor:
     """`dlogits` [rows, V] plus `amounts` [rows, m] at each row's columns `index` [rows, m] (a column
-    named twice in a row takes both amounts), in `dtype`."""
+    named twice in a row takes both amounts), in `dtype`. `at_index`: `dlogits` at `index` where the
+    caller forms it from a few gathered numbers; compiled, a gather from `dlogits` itself makes the
+    whole gradient a buffer of its own in its precision beside the cast one."""
     if index.shape[1] == 0:
         return dlogits.to(dtype)
     amounts = amounts.to(dlogits.dtype)
+    at_index = dlogits.gather(1, index) if at_index is None else at_index.to(dlogits.dtype)
     same = index[:, :, None] == index[:, None, :]  # [rows, m, m]: a repeated column's totals agree
-    totals = dlogits.gather(1, index) + (same.to(amounts.dtype) * amounts[:, None, :]).sum(-1)
+    totals = at_index + (same.to(amounts.dtype) * amounts[:, None, :]).sum(-1)
     return dlogits.to(dtype).scatter(1, index, totals.to(dtype))

@@ -157,8 +157,12 @@ def _chunk_loss(h, head, labels, weights, target_h, target_logits_fn, mix: LossM
         columns.append(ids), amounts.append(dscores)
     # the product's dtype, but fp32 where more than the head's product reads the gradient
     dtype = head.dtype if isinstance(head, torch.Tensor) and bias_code is None else torch.float32
-    dlogits = add_at(dlogits, torch.cat(columns, 1) if columns else labels.new_zeros(labels.shape[0], 0),
-                     torch.cat(amounts, 1) if amounts else dlogits.new_zeros(labels.shape[0], 0), dtype)
+    index = torch.cat(columns, 1) if columns else labels.new_zeros(labels.shape[0], 0)
+    at_index = None
+    if hard and p_t is None and not mix.l1:  # the gradient at the columns from their log-probabilities alone
+        at_index = hard * log_q.gather(1, index).exp() * weights[:, None]
+    dlogits = add_at(dlogits, index, torch.cat(amounts, 1) if amounts else dlogits.new_zeros(labels.shape[0], 0),
+                     dtype, at_index)
     bias = None if bias_code is None else bias_grads(dlogits, bias_code, bias_proj)
     return terms, correct, q_reference, _input_grad(head, dlogits), selector, bias
 
