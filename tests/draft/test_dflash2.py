@@ -132,9 +132,12 @@ def test_training_the_selector_picks_the_successor_its_predecessor_calls_for():
     cfg = config(block_size=3, selector_top_k=2)
     model = DFlash2DraftModel(cfg)
     head = torch.zeros(cfg.vocab_size, cfg.hidden_size)
-    head[10, 0] = head[11, 0] = head[20, 0] = head[21, 0] = 1.0
+    # 10 and 11 tie as every slot's top 2; 20 and 21, a little lower, join slot 2 as its labels. Were all
+    # four tied, which two the top-k takes would decide whether 10 and 11 ever met in training
+    head[10, 0] = head[11, 0] = 1.01
+    head[20, 0] = head[21, 0] = 1.0
     hidden = torch.zeros(4, 3, cfg.hidden_size)
-    hidden[..., 0] = 1.0  # logits: 10, 11, 20, 21 tie at every slot
+    hidden[..., 0] = 1.0
     hidden[..., 1] = 1.0  # a constant gate input
     anchors = torch.tensor([1, 2, 1, 2])
     block_ids = torch.stack([anchors, torch.full_like(anchors, 3), torch.full_like(anchors, 3)], 1)
@@ -148,9 +151,6 @@ def test_training_the_selector_picks_the_successor_its_predecessor_calls_for():
         block_loss(hidden, head, labels, weights, 3, mix=LossMix(ce=0.0, selector=1.0), selector=inputs).weighted_ce_sum.backward()
         opt.step()
     with torch.no_grad():
-        # top-2 of the tied logits are two of the four; place the right ones there as the engines' top-k would
-        head[10, 0] = head[11, 0] = 1.01
-        head[20, 0] = head[21, 0] = 1.0
         path = model.propose_greedy(hidden, head, block_ids)
     assert path[:, 0].tolist() == [10, 11, 10, 11]
 
