@@ -188,6 +188,8 @@ def main(argv=None):
                     help="the drafter's family (with the loss terms only it trains, e.g. dflash2's selector)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the draft layers")
     ap.add_argument("--compile-loss", action="store_true", help="torch.compile the loss chunks (train.compile_loss)")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="recompute each draft layer in the backward (train.activation_checkpointing); MFU counts no recompute")
     ap.add_argument("--full-length", action="store_true", help="every sequence max_length long (the shape of docs/design.md#reference-figures)")
     ap.add_argument("--loss", default="ce", choices=["ce", "kl", "target_argmax"],
                     help="per-slot loss (objective.loss): the target kinds also run the target's last layers and head")
@@ -228,6 +230,7 @@ def main(argv=None):
                         "objective": {"block_size": 16, "mask_token_id": SHAPES[shape]["vocab_size"] - 1,
                                       "num_anchors": anchors, "loss": loss, "gamma": 7.0}})
     drafter = drafter_for(draft_model_config(cfg, target)).to(device)
+    drafter.recompute_layers = args.activation_checkpointing
     if args.fp8_draft != "off":
         convert_to_fp8(drafter, args.fp8_draft)
     if args.compile:
@@ -307,6 +310,7 @@ def main(argv=None):
         "torch": torch.__version__, "seq_tokens_per_step": tokens, "anchors": anchors, "block_size": 16,
         "family": args.family, "loss": args.loss, "ce_kernel": args.ce_kernel, "fp8_draft": args.fp8_draft, "fp8_target": args.fp8_target, "fp8_head": args.fp8_head, "compile_target": args.compile_target, "batch": args.batch, "steps_per_s": 1 / t_e2e, "drafter_steps_per_s": 1 / t_draft,
         "draft_layers": drafter.config.num_hidden_layers, "compile": args.compile, "compile_loss": args.compile_loss,
+        "activation_checkpointing": args.activation_checkpointing,
         "target_tokens_per_s": tokens / t_target, "drafter_tokens_per_s": tokens / t_draft,
         "e2e_tokens_per_s": tokens / t_e2e, "harmonic_tokens_per_s": harmonic,
         "e2e_vs_harmonic": (tokens / t_e2e) / harmonic,

@@ -104,6 +104,10 @@ class TrainConfig(Section):
     compile_loss: bool = False
     """torch.compile the loss chunks too (GPU); opt-in, as its compile adds to the warm-up
     (docs/benchmarks/throughput.md)."""
+    activation_checkpointing: bool = False
+    """Recompute each draft layer in the backward instead of keeping its activations: the drafter's
+    memory then grows with its layers' inputs only, for many anchors or long sequences (a step's block
+    tokens are anchors x block size); the layers' forward runs twice."""
     cuda_graphs: bool = False
     """Replay each bucket shape's drafter step as one CUDA graph (`train/step_graph.py`): single-process
     `train` on CUDA with data.length_bucket, grad_accum 1 and the chunked loss."""

@@ -15,9 +15,12 @@ from throughput import is_sync_warning, main  # noqa: E402
 @pytest.mark.slow(seconds=3)
 @pytest.mark.parametrize("family", ["dflash2", "dspark"])
 def test_throughput_benchmark_runs_each_family(family, tmp_path):
-    """Each drafting family's step with the loss terms only it trains (e.g. DFlash2's selector)."""
-    result = main(["--tiny", "--steps", "1", "--headline", "--family", family, "--out", str(tmp_path / "b.json")])
+    """Each drafting family's step with the loss terms only it trains (e.g. DFlash2's selector), the
+    layers recomputed in the backward for one of them."""
+    recompute = ["--activation-checkpointing"] if family == "dflash2" else []
+    result = main(["--tiny", "--steps", "1", "--headline", "--family", family, *recompute, "--out", str(tmp_path / "b.json")])
     assert result["family"] == family and result["drafter_tokens_per_s"] > 0
+    assert result["activation_checkpointing"] is bool(recompute)
 
 
 @pytest.mark.slow(seconds=3)

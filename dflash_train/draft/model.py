@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
+from torch.utils.checkpoint import checkpoint
 
 from dflash_train.config_model import DraftConfig
 from dflash_train.families import FAMILIES, family
@@ -240,6 +241,10 @@ class DFlashLayer(nn.Module):
 
 class DFlashDraftModel(nn.Module):
     layer_class = DFlashLayer
+    recompute_layers = False
+    """Keep only each layer's input for the backward and run the layer again there (`train.activation_checkpointing`):
+    a layer's activations grow with the block tokens of a step (anchors x block size), its input alone
+    is one [b, Q, H] tensor. Training only; set on the instance."""
 
     def __init__(self, cfg: DraftModelConfig):
         super().__init__()
@@ -281,8 +286,12 @@ class DFlashDraftModel(nn.Module):
         )
         h = block_embeds_BQH
         block_size = self.block_length(h.shape[1])
+        recompute = self.recompute_layers and torch.is_grad_enabled() and cache is None
         for i, layer in enumerate(self.layers):
-            h = layer(h, ctx, rope_q, rope_k, mask, cache, i, block_size)
+            if recompute:
+                h = checkpoint(layer, h, ctx, rope_q, rope_k, mask, None, i, block_size, use_reentrant=False)
+            else:
+                h = layer(h, ctx, rope_q, rope_k, mask, cache, i, block_size)
         return self.norm(h)
 
     def reset_own_parts(self) -> None:

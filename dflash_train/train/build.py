@@ -74,6 +74,7 @@ def build(cfg: RunConfig, target: Target | None = None, dataset: TokenizedDatase
         raise ValueError(f"train.fp8_lm_head: {problem}")
     device, target, dataset = load_inputs(cfg, target, dataset)
     drafter = build_drafter(cfg, target, device)  # seeds the RNG itself, right before its weights
+    drafter.recompute_layers = cfg.train.activation_checkpointing
     if cfg.draft.fp8 != "off":  # before the optimizer and torch.compile see the layers
         log.info("draft.fp8=%s: %d linear layers in FP8", cfg.draft.fp8, convert_to_fp8(drafter, cfg.draft.fp8))
     epoch_batches = epoch_plan(cfg, dataset.lengths)
