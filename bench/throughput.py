@@ -7,8 +7,9 @@ SmolLM2-135M-shaped target with the real-data run's step (about 40 sequences x 2
     python bench/throughput.py --shape smollm2 --batch 40 --max-length 1024 --anchors 256 --draft-layers 4
 CPU (kept working by CI): a tiny config.
     python bench/throughput.py --tiny --steps 3
-MFU counts 2 x params x tokens (x3 with backward) plus attention, against a bf16 matmul rate
-measured in the same run. Besides the three headline rates, each run measures levers side by side
+MFU counts every matmul over the tokens it runs and attention over the pairs its mask lets attend
+(bench/flops.py), against a bf16 matmul rate measured in the same run; `--recount RECORD` counts an
+older record's again from its rates. Besides the three headline rates, each run measures levers side by side
 on the same models: end-to-end with the next target forward on a second CUDA stream (overlap),
 the foreach instead of the fused AdamW, the host syncs of one end-to-end step, the drafter step
 with its block task (anchors, labels) drawn inside it as the training loop does, and the block
@@ -18,6 +19,7 @@ mask built from the anchors' tiles against torch's `create_block_mask` over the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -42,6 +44,7 @@ from dflash_train.checks.compile_settings import settings_for_manifest
 from dflash_train.checks.profile import profile_callable
 from dflash_train.train.shapes import draft_model_config, stream_layer_ids
 from dflash_train.train.optim import build_optimizer
+from flops import drafter_flops, target_flops  # noqa: E402  (bench/, beside this file)
 
 SHAPES = {
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -143,7 +146,7 @@ def make_batch(shape: str, batch: int, max_length: int, device, gen, full: bool 
     pos = torch.arange(t)[None]
     attn = (pos < lengths[:, None]).long()
     loss_mask = attn * (pos >= (0.15 * lengths[:, None]).long())
-    return ids.to(device), loss_mask.to(device), int(lengths.sum())
+    return ids.to(device), loss_mask.to(device), lengths.tolist()
 
 
 def measure_levers(args, device, cfg, drafter, target_step, draft_step, overlapped, ids, loss_mask, task, tokens) -> dict:
@@ -174,8 +177,48 @@ def progress(started: float, message: str) -> None:
     print(f"[{time.perf_counter() - started:.0f} s] {message}", file=sys.stderr, flush=True)
 
 
-def main(argv=None):
-    started = time.perf_counter()
+def build_models(args, shape: str, anchors: int, device: torch.device, dtype: torch.dtype):
+    """(the target's HF model, its Target, the run config, the drafter): random weights, seeded; on the
+    meta device, shapes alone (`--recount`)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(Qwen3Config(**SHAPES[shape], tie_word_embeddings=False, max_position_embeddings=32768))
+    model.to(dtype).eval().requires_grad_(False)
+    if args.fp8_target != "off":
+        quantize_decoder(model.model.layers, args.fp8_target)
+    target = Target(model=model, tokenizer=_NoTokenizer(), name=f"{shape}-random", device=device)
+    if args.compile_target:
+        compile_decoder(target)  # as target.compile does in training
+    loss = {args.loss: 1.0, **{term: 1.0 for term in family(args.family).loss_terms}}
+    cfg = build_config({"device": "cpu" if device.type == "meta" else device.type,
+                        "draft": {"num_layers": 2 if args.tiny else args.draft_layers, "family": args.family},
+                        "objective": {"block_size": 16, "mask_token_id": SHAPES[shape]["vocab_size"] - 1,
+                                      "num_anchors": anchors, "loss": loss, "gamma": 7.0}})
+    with torch.device("meta") if device.type == "meta" else contextlib.nullcontext():  # else seeded on the CPU
+        drafter = drafter_for(draft_model_config(cfg, target)).to(device)
+    drafter.recompute_layers = args.activation_checkpointing
+    if args.fp8_draft != "off":
+        convert_to_fp8(drafter, args.fp8_draft)
+    if args.compile:
+        for layer in drafter.layers:
+            layer.compile()
+    return model, target, cfg, drafter
+
+
+def step_flops(model, drafter, cfg, lengths: list[int], task, context_len: int) -> dict:
+    """One step's flops (bench/flops.py): the target's forward and the drafter's step, by kind."""
+    layers_run = max(drafter.config.target_layer_ids) + 1
+    distils = cfg.objective.needs_target_logits
+    return {"target": target_flops(model.model.layers, model.config, lengths,
+                                   model.config.num_hidden_layers if distils else layers_run),
+            "drafter": drafter_flops(drafter, task.anchors, sum(lengths), context_len, model.config.vocab_size, distils)}
+
+
+def mfu(flops: dict, seconds: float, peak_tflops: float | None) -> float | None:
+    return peak_tflops and sum(flops.values()) / seconds / 1e12 / peak_tflops
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="CPU: a tiny config (what CI runs)")
     ap.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", "smollm2"], help="target dimensions (GPU)")
@@ -208,34 +251,23 @@ def main(argv=None):
                     help="torch.compile each decoder layer's forward of the target (target.compile)")
     ap.add_argument("--headline", action="store_true", help="the three rates, memory, syncs and recompiles only")
     ap.add_argument("--out")
-    args = ap.parse_args(argv)
+    ap.add_argument("--recount", metavar="RECORD",
+                    help="a record of this command (the same flags): its MFU counted again by bench/flops.py from its rates, no GPU")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    started = time.perf_counter()
+    args = parse_args(argv)
     shape = "tiny" if args.tiny else args.shape
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     max_length = 128 if args.tiny else args.max_length
     anchors = 16 if args.tiny else args.anchors
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.recount:
+        return write(recount(args, shape, max_length, anchors), args.out)
 
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(Qwen3Config(**SHAPES[shape], tie_word_embeddings=False, max_position_embeddings=32768))
-    model.to(dtype).eval().requires_grad_(False)
-    if args.fp8_target != "off":
-        quantize_decoder(model.model.layers, args.fp8_target)
-    target = Target(model=model, tokenizer=_NoTokenizer(), name=f"{shape}-random", device=device)
-    if args.compile_target:
-        compile_decoder(target)  # as target.compile does in training
-    loss = {args.loss: 1.0, **{term: 1.0 for term in family(args.family).loss_terms}}
-    cfg = build_config({"device": device.type, "draft": {"num_layers": 2 if args.tiny else args.draft_layers,
-                                                         "family": args.family},
-                        "objective": {"block_size": 16, "mask_token_id": SHAPES[shape]["vocab_size"] - 1,
-                                      "num_anchors": anchors, "loss": loss, "gamma": 7.0}})
-    drafter = drafter_for(draft_model_config(cfg, target)).to(device)
-    drafter.recompute_layers = args.activation_checkpointing
-    if args.fp8_draft != "off":
-        convert_to_fp8(drafter, args.fp8_draft)
-    if args.compile:
-        for layer in drafter.layers:
-            layer.compile()
+    model, target, cfg, drafter = build_models(args, shape, anchors, device, dtype)
     opt = build_optimizer(drafter.parameters(), cfg.train, device)
     use_flex = device.type == "cuda"
     head = Fp8Head(target.lm_head_weight) if args.fp8_head else target.lm_head_weight
@@ -243,7 +275,8 @@ def main(argv=None):
     mix = LossMix.from_weights(cfg.objective.loss, cfg.objective.kd_temperature)
     progress(started, "models built")
     gen = torch.Generator().manual_seed(0)
-    ids, loss_mask, tokens = make_batch(shape, args.batch, max_length, device, gen, args.full_length)
+    ids, loss_mask, lengths = make_batch(shape, args.batch, max_length, device, gen, args.full_length)
+    tokens = sum(lengths)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
     def target_step():
@@ -295,14 +328,8 @@ def main(argv=None):
     levers = {} if args.headline else measure_levers(args, device, cfg, drafter, target_step, draft_step, overlapped,
                                                     ids, loss_mask, task, tokens)
 
-    n_target = sum(p.numel() for p in model.model.layers.parameters())
-    n_draft = sum(p.numel() for p in drafter.parameters())
-    h, v = target.hidden_size, target.vocab_size
-    q_tokens = args.batch * anchors * 16
-    flop_target = 2 * n_target * tokens  # forward only
-    # The drafter's layers: forward and two backward matmuls each. The frozen head: logits and the
-    # hidden states' gradient (no weight gradient, no recompute).
-    flop_draft = 3 * (2 * n_draft * q_tokens + 2 * drafter.fc.weight.numel() * tokens) + 2 * (2 * h * v * q_tokens)
+    flops = step_flops(model, drafter, cfg, lengths, task, ids.shape[1])
+    both = {f"{part}_{kind}": n for part, kinds in flops.items() for kind, n in kinds.items()}
     peak_tflops = matmul_tflops(device)
     harmonic = 1 / (1 / (tokens / t_target) + 1 / (tokens / t_draft))
     result = {
@@ -315,25 +342,51 @@ def main(argv=None):
         "e2e_tokens_per_s": tokens / t_e2e, "harmonic_tokens_per_s": harmonic,
         "e2e_vs_harmonic": (tokens / t_e2e) / harmonic,
         "matmul_tflops": peak_tflops,
-        "target_mfu": peak_tflops and flop_target / t_target / 1e12 / peak_tflops,
-        "drafter_mfu": peak_tflops and flop_draft / t_draft / 1e12 / peak_tflops,
-        "e2e_mfu": peak_tflops and (flop_target + flop_draft) / t_e2e / 1e12 / peak_tflops,
+        "flops_per_step": both,
+        "target_mfu": mfu(flops["target"], t_target, peak_tflops),
+        "drafter_mfu": mfu(flops["drafter"], t_draft, peak_tflops),
+        "e2e_mfu": mfu(both, t_e2e, peak_tflops),
         "peak_memory_gib": peak,
         "host_syncs_per_step": None if syncs is None else len(syncs),
         "host_sync_sites": syncs,
         "first_sync_stack": first_sync(lambda: draft_step(target_step()), device),  # last: cuts a step short
         "full_length": args.full_length,
         **levers, **profiles,
-        "e2e_overlap_mfu": peak_tflops and levers and (flop_target + flop_draft) * levers["e2e_overlap_tokens_per_s"]
-        / tokens / 1e12 / peak_tflops,
+        "e2e_overlap_mfu": levers.get("e2e_overlap_tokens_per_s") and mfu(both, tokens / levers["e2e_overlap_tokens_per_s"],
+                                                                           peak_tflops),
         "recompiles": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
         "compile_settings": settings_for_manifest(),  # kernel tuning, set by a variable or a library, changes every rate
     }
+    return write(result, args.out)
+
+
+def write(result: dict, out: str | None) -> dict:
     print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def recount(args, shape: str, max_length: int, anchors: int) -> dict:
+    """`--recount`: the record's MFU from its measured rates and this file's count of its step's flops
+    (the same batch and anchors: both come from seeded CPU generators), for records of an older count."""
+    with open(args.recount) as f:
+        record = json.load(f)
+    model, _, cfg, drafter = build_models(args, shape, anchors, torch.device("meta"), torch.bfloat16)
+    ids, loss_mask, lengths = make_batch(shape, args.batch, max_length, "cpu", torch.Generator().manual_seed(0),
+                                         args.full_length)
+    tokens = sum(lengths)
+    if tokens != record["seq_tokens_per_step"] or anchors != record["anchors"]:
+        raise SystemExit(f"{args.recount}: {record['seq_tokens_per_step']} tokens and {record['anchors']} anchors a "
+                         f"step, this command's batch {tokens} and {anchors}: pass the flags of its run")
+    flops = step_flops(model, drafter, cfg, lengths, make_task(ids, loss_mask, cfg.objective, 0), ids.shape[1])
+    both = {f"{part}_{kind}": n for part, kinds in flops.items() for kind, n in kinds.items()}
+    peak = record["matmul_tflops"]
+    seconds = {part: tokens / record[f"{part}_tokens_per_s"] for part in ("target", "drafter", "e2e")}
+    return {**record, "flops_per_step": both, "target_mfu": mfu(flops["target"], seconds["target"], peak),
+            "drafter_mfu": mfu(flops["drafter"], seconds["drafter"], peak), "e2e_mfu": mfu(both, seconds["e2e"], peak),
+            "mfu_recounted_from": {k: record.get(k) for k in ("target_mfu", "drafter_mfu", "e2e_mfu")}}
 
 
 if __name__ == "__main__":

@@ -233,3 +233,14 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     flex_attention's sparse layout (int32; a stable sort keeps the listed tiles in key order)."""
     dense = tiles[:, None].to(torch.int32)
     return dense.sum(-1, dtype=torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+
+
+def attended_pairs(anchors: torch.Tensor, block_size: int, context_len: int, window: int | None = None) -> int:
+    """(query, key) pairs the rule of `dense_mask` lets attend, over every block of `anchors` [b, N]:
+    the work one head's attention does per layer (the flops of MFU), counted by arithmetic."""
+    _check_window(window, block_size)
+    a = anchors.to(torch.int64).clamp(max=context_len)[..., None]  # [b, N, 1]
+    pos = a + torch.arange(block_size, dtype=torch.int64, device=anchors.device)  # each row's position
+    lo = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp(min=0)
+    context = (a - lo).clamp(min=0)
+    return int(context.sum()) + anchors.numel() * block_size * block_size

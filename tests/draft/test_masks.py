@@ -230,3 +230,16 @@ def test_decode_mask_is_the_training_rule_at_each_row_start(block_size, width, w
     for r, start in enumerate(starts.tolist()):
         ref = reference_mask(torch.tensor([[start]]), block_size, width, window)[0, 0]
         assert torch.equal(got[r, 0], ref), (start, window)
+
+
+@pytest.mark.parametrize("b,n,block_size,context_len", [(2, 8, 16, 128), (3, 13, 10, 260), (2, 3, 2, 5), (1, 40, 4, 700)])
+@pytest.mark.parametrize("window", [None, 130, 16])
+def test_attended_pairs_count_the_dense_mask(b, n, block_size, context_len, window):
+    """The attention work that MFU counts (`attended_pairs`) is the dense mask's count of True."""
+    if window is not None and window < block_size:
+        pytest.skip("a window is at least a block")
+    gen = torch.Generator().manual_seed(b + n + context_len)
+    anchors = torch.randint(0, context_len, (b, n), generator=gen).sort(dim=1).values
+    anchors[0, 0] = 0  # a padded anchor: its block sees only itself
+    want = int(masks.dense_mask(anchors, block_size, context_len, window).sum())
+    assert masks.attended_pairs(anchors, block_size, context_len, window) == want
