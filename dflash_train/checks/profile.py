@@ -34,8 +34,9 @@ FAMILIES = [  # first match wins; names are the kernels' own (cuBLAS, flash/flex
     ("copies / gathers / indexing", r"copy|gather|scatter|index|cat_|memcpy|memset|fill"),
     ("reductions", r"reduce|sum_|argmax|max_"),
 ]
-TOP_KERNELS = 25
-"""Kernels a summary names, costliest first."""
+TOP_KERNELS = 60
+"""Kernels a summary names, costliest first: enough that two drafting families' steps can be told apart
+kernel by kernel, past the ~25 that both share."""
 LAUNCH = re.compile(r"^(cudaLaunch|cuLaunch|cudaGraphLaunch)")
 SYNC = re.compile(r"Synchronize$")
 
