@@ -5,7 +5,9 @@
 #   dflash2   BUDGET minutes of DFlash2 from scratch
 #   warm      BUDGET/2 minutes of DFlash, then BUDGET/2 of DFlash2 started from it (draft.init_from)
 #   dspark    BUDGET minutes of DSpark (DFlash's layers and a Markov head) from scratch
-#   ARM-dpace any arm above with D-PACE slot weights instead of the decay (objective.slot_weights=dpace)
+#   ARM-VARIANT any arm above with one change (`variant_args`): dpace (D-PACE slot weights instead of the
+#             decay), skip (no selector loss where the label is outside the top k, SpecForge's rule),
+#             uniform (the selector's rows weighed alike, not by their slot's weight)
 # Each arm's training is one `train` with train.time_budget_minutes (compilation before its clock),
 # exported, then every arm is evaluated side by side (fp32, greedy, lossless-checked) on the held-out
 # ShareGPT prompts, HumanEval and MT-Bench. The table at the end reads each arm's reports.
@@ -33,23 +35,37 @@ train_arm() {  # $1: run dir, $2: minutes, then overrides
   RUN=$run TRAIN_ARGS="train.time_budget_minutes=$minutes $COMMON_ARGS $*" "${CHAIN[@]}" train
 }
 
+variant_args() {  # $1: an arm's variant (its name past the first '-'): the overrides it adds
+  case $1 in
+    "") ;;
+    dpace) echo objective.slot_weights=dpace ;;
+    skip) echo objective.selector_outside_top_k=skip ;;
+    uniform) echo objective.selector_weights=uniform ;;
+    *) echo "unknown variant '$1' (dpace, skip, uniform)" >&2; return 2 ;;
+  esac
+}
+
 train() {
-  local arm base extra
+  local arm base variant extra first
   for arm in $ARMS; do
-    base=${arm%-dpace} extra=()
-    [ "$base" = "$arm" ] || extra=(objective.slot_weights=dpace)
+    base=${arm%%-*} variant=${arm#*-}
+    [ "$base" = "$arm" ] && variant=""
+    variant=$(variant_args "$variant") || return 2
+    read -r -a extra <<< "$variant"
     case $base in
       dflash) train_arm "$ROOT/$arm" "$BUDGET" "${extra[@]}" ;;
       # shellcheck disable=SC2086
       dflash2) train_arm "$ROOT/$arm" "$BUDGET" draft.family=dflash2 $FAMILY_ARGS "${extra[@]}" ;;
-      warm)
-        train_arm "$ROOT/$base-dflash${arm#"$base"}" "$half" "${extra[@]}"
+      warm)  # a selector variant changes the DFlash2 half only: DFlash has no selector
+        [[ $variant == *selector* ]] && first=() || first=("${extra[@]}")
+        train_arm "$ROOT/$base-dflash${arm#"$base"}" "$half" "${first[@]}"
         # shellcheck disable=SC2086
         train_arm "$ROOT/$arm" "$half" draft.family=dflash2 draft.init_from="$ROOT/$base-dflash${arm#"$base"}/export" \
           $FAMILY_ARGS "${extra[@]}" ;;
       # shellcheck disable=SC2086
       dspark) train_arm "$ROOT/$arm" "$BUDGET" draft.family=dspark $DSPARK_ARGS "${extra[@]}" ;;
-      *) echo "unknown arm '$arm' in ARMS (dflash, dflash2, warm, dspark, each optionally with -dpace)" >&2; return 2 ;;
+      *) echo "unknown arm '$arm' in ARMS (dflash, dflash2, warm, dspark, each optionally -dpace, -skip or -uniform)" >&2
+         return 2 ;;
     esac
   done
 }
