@@ -218,6 +218,14 @@ def mfu(flops: dict, seconds: float, peak_tflops: float | None) -> float | None:
     return peak_tflops and sum(flops.values()) / seconds / 1e12 / peak_tflops
 
 
+def mfu_fields(flops: dict, seconds: dict, peak_tflops: float | None) -> dict:
+    """A record's flops by kind and its three MFUs, from `step_flops` and each part's seconds a step."""
+    both = {f"{part}_{kind}": n for part, kinds in flops.items() for kind, n in kinds.items()}
+    return {"flops_per_step": both, "target_mfu": mfu(flops["target"], seconds["target"], peak_tflops),
+            "drafter_mfu": mfu(flops["drafter"], seconds["drafter"], peak_tflops),
+            "e2e_mfu": mfu(both, seconds["e2e"], peak_tflops)}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="CPU: a tiny config (what CI runs)")
@@ -329,8 +337,8 @@ def main(argv=None):
                                                     ids, loss_mask, task, tokens)
 
     flops = step_flops(model, drafter, cfg, lengths, task, ids.shape[1])
-    both = {f"{part}_{kind}": n for part, kinds in flops.items() for kind, n in kinds.items()}
     peak_tflops = matmul_tflops(device)
+    counted = mfu_fields(flops, {"target": t_target, "drafter": t_draft, "e2e": t_e2e}, peak_tflops)
     harmonic = 1 / (1 / (tokens / t_target) + 1 / (tokens / t_draft))
     result = {
         "shape": shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -342,17 +350,14 @@ def main(argv=None):
         "e2e_tokens_per_s": tokens / t_e2e, "harmonic_tokens_per_s": harmonic,
         "e2e_vs_harmonic": (tokens / t_e2e) / harmonic,
         "matmul_tflops": peak_tflops,
-        "flops_per_step": both,
-        "target_mfu": mfu(flops["target"], t_target, peak_tflops),
-        "drafter_mfu": mfu(flops["drafter"], t_draft, peak_tflops),
-        "e2e_mfu": mfu(both, t_e2e, peak_tflops),
+        **counted,
         "peak_memory_gib": peak,
         "host_syncs_per_step": None if syncs is None else len(syncs),
         "host_sync_sites": syncs,
         "first_sync_stack": first_sync(lambda: draft_step(target_step()), device),  # last: cuts a step short
         "full_length": args.full_length,
         **levers, **profiles,
-        "e2e_overlap_mfu": levers.get("e2e_overlap_tokens_per_s") and mfu(both, tokens / levers["e2e_overlap_tokens_per_s"],
+        "e2e_overlap_mfu": levers.get("e2e_overlap_tokens_per_s") and mfu(counted["flops_per_step"], tokens / levers["e2e_overlap_tokens_per_s"],
                                                                            peak_tflops),
         "recompiles": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
         "compile_settings": settings_for_manifest(),  # kernel tuning, set by a variable or a library, changes every rate
@@ -381,11 +386,8 @@ def recount(args, shape: str, max_length: int, anchors: int) -> dict:
         raise SystemExit(f"{args.recount}: {record['seq_tokens_per_step']} tokens and {record['anchors']} anchors a "
                          f"step, this command's batch {tokens} and {anchors}: pass the flags of its run")
     flops = step_flops(model, drafter, cfg, lengths, make_task(ids, loss_mask, cfg.objective, 0), ids.shape[1])
-    both = {f"{part}_{kind}": n for part, kinds in flops.items() for kind, n in kinds.items()}
-    peak = record["matmul_tflops"]
     seconds = {part: tokens / record[f"{part}_tokens_per_s"] for part in ("target", "drafter", "e2e")}
-    return {**record, "flops_per_step": both, "target_mfu": mfu(flops["target"], seconds["target"], peak),
-            "drafter_mfu": mfu(flops["drafter"], seconds["drafter"], peak), "e2e_mfu": mfu(both, seconds["e2e"], peak),
+    return {**record, **mfu_fields(flops, seconds, record["matmul_tflops"]),
             "mfu_recounted_from": {k: record.get(k) for k in ("target_mfu", "drafter_mfu", "e2e_mfu")}}
 
 
