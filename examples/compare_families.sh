@@ -46,18 +46,18 @@ variant_args() {  # $1: an arm's variant (its name past the first '-'): the over
 }
 
 train() {
-  local arm base variant extra first
+  local arm base variant overrides extra first
   for arm in $ARMS; do
     base=${arm%%-*} variant=${arm#*-}
     [ "$base" = "$arm" ] && variant=""
-    variant=$(variant_args "$variant") || return 2
-    read -r -a extra <<< "$variant"
+    overrides=$(variant_args "$variant") || return 2
+    read -r -a extra <<< "$overrides"
     case $base in
       dflash) train_arm "$ROOT/$arm" "$BUDGET" "${extra[@]}" ;;
       # shellcheck disable=SC2086
       dflash2) train_arm "$ROOT/$arm" "$BUDGET" draft.family=dflash2 $FAMILY_ARGS "${extra[@]}" ;;
       warm)  # a selector variant changes the DFlash2 half only: DFlash has no selector
-        [[ $variant == *selector* ]] && first=() || first=("${extra[@]}")
+        [[ $overrides == *selector* ]] && first=() || first=("${extra[@]}")
         train_arm "$ROOT/$base-dflash${arm#"$base"}" "$half" "${first[@]}"
         # shellcheck disable=SC2086
         train_arm "$ROOT/$arm" "$half" draft.family=dflash2 draft.init_from="$ROOT/$base-dflash${arm#"$base"}/export" \
