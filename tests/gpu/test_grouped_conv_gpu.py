@@ -1,7 +1,7 @@
 """On CUDA: DFlash2's grouped convolution kernel (draft/grouped_conv_kernel.py) against its PyTorch ops
 in float64 on the CPU: output and the gradients of the input, the base kernel and the coefficient
 projection, eager and compiled, at the SmolLM2 shape, at taps past the block's edge, and with a
-group of 48 channels (the kernel's block rounded up to 64 and masked).
+group of 48 channels (the kernel's block rounded up to 64 and masked), and under every tiling.
 Run: `python -m pytest tests/gpu -m gpu`."""
 
 from __future__ import annotations
@@ -53,3 +53,13 @@ def test_the_kernel_is_the_ops_in_float64(hidden, group, taps, block, tokens, co
     torch.testing.assert_close(got.double().cpu(), want, **scale(want))
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g.double().cpu(), w, **scale(w))
+
+
+@pytest.mark.parametrize("launch", [(64, 1, 4), (32, 4, 4), (16, 8, 2), (128, 2, 8)], ids=str)
+def test_every_launch_gives_the_ops_result(launch, monkeypatch):
+    """The kernels' tiling (bench/grouped_conv.py picks it) changes no result: 37 blocks of 4 tokens
+    leave a program with a partial tile and steps past the end."""
+    from dflash_train.draft import grouped_conv_kernel as kernel
+    monkeypatch.setattr(kernel, "FORWARD", kernel.Launch(*launch))
+    monkeypatch.setattr(kernel, "BACKWARD", kernel.Launch(*launch))
+    test_the_kernel_is_the_ops_in_float64(64, 16, 5, 4, 37 * 4, compiled=False)
