@@ -64,7 +64,9 @@ def run_shape(t: dict, launches: list[Launch], block: int, iters: int) -> list[d
     for launch in launches:
         kernel.FORWARD = kernel.BACKWARD = launch
         forward = lambda: kernel.grouped_conv(x, coeff, base, block)  # noqa: E731
-        backward = lambda: kernel.grouped_conv_backward(grad, x, coeff, base, block)  # noqa: E731
+        def backward():
+            grad_x, grad_coeff, shares = kernel.grouped_conv_backward(grad, x, coeff, base, block)
+            return grad_x, grad_coeff, kernel.base_gradient(shares, base)
         outputs = (forward(), *backward())
         if reference is None:
             reference = outputs

@@ -10,6 +10,11 @@ import torch
 # threads made a 30 ms train step take 1.5 s.
 torch.set_num_threads(1)
 
+# Without a CUDA GPU, Triton kernels run in Triton's interpreter (numpy on the CPU), chosen before
+# triton is first imported (its own helpers are built then): tests/draft/test_grouped_conv_kernel.py.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TESTS = Path(__file__).resolve().parent
 # The embedded SmolLM2 is converted from GGUF once (~25 s): keep it in the checkout (git-ignored).
 os.environ.setdefault("DFLASH_TRAIN_CACHE", str(TESTS.parent / ".cache" / "dflash-train"))

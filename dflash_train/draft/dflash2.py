@@ -44,12 +44,15 @@ class GroupedConv(nn.Module):
         return self.kernel_projection(x_BQH).unflatten(-1, (2, self.taps, self.num_groups))
 
     def convolve(self, x_BQH: torch.Tensor, coeff: torch.Tensor, side: int, block_size: int) -> torch.Tensor:
-        b, q, h = x_BQH.shape
         if x_BQH.is_cuda:  # one kernel each way (draft/grouped_conv_kernel.py); the ops below are its reference
-            coeff = coeff[:, :, side].reshape(b * q, self.taps, self.num_groups).contiguous()
-            return grouped_conv(x_BQH.reshape(b * q, h).contiguous(), coeff, self.base_kernel[side],
-                                block_size).view(b, q, h)
+            return self.convolve_kernel(x_BQH, coeff, side, block_size)
         return self.convolve_ops(x_BQH, coeff, side, block_size)
+
+    def convolve_kernel(self, x_BQH: torch.Tensor, coeff: torch.Tensor, side: int, block_size: int) -> torch.Tensor:
+        b, q, h = x_BQH.shape
+        coeff = coeff[:, :, side].reshape(b * q, self.taps, self.num_groups).contiguous()
+        return grouped_conv(x_BQH.reshape(b * q, h).contiguous(), coeff, self.base_kernel[side],
+                            block_size).view(b, q, h)
 
     def convolve_ops(self, x_BQH: torch.Tensor, coeff: torch.Tensor, side: int, block_size: int) -> torch.Tensor:
         b, q, h = x_BQH.shape

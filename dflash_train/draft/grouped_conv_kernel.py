@@ -140,21 +140,29 @@ def _(x, coeff, base, block_size):
 @torch.library.custom_op("dflash_train::grouped_conv_backward", mutates_args=())
 def grouped_conv_backward(grad: torch.Tensor, x: torch.Tensor, coeff: torch.Tensor, base: torch.Tensor,
                           block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x's gradient, coeff's, each program's share [programs, taps, H] of base's in fp32: `base_gradient`
+    adds them up, outside the op, so that torch.compile fuses that sum with what reads the gradient)."""
     n, h = x.shape
     taps, groups = coeff.shape[1:]
     launch = BACKWARD
     grid = _grid(n, groups, launch)
     grad_x, grad_coeff = torch.empty_like(x), torch.empty_like(coeff)
-    shares = torch.empty(grid[0], taps, h, device=x.device, dtype=torch.float32)  # each program's base gradient
+    shares = torch.empty(grid[0], taps, h, device=x.device, dtype=torch.float32)
     _kernels()[1][grid](grad, x, coeff, base, grad_x, grad_coeff, shares, n, h, groups, h // groups, taps,
                         block_size, launch.tokens, _lanes(h // groups), launch.steps, _lanes(taps),
                         num_warps=launch.warps)
-    return grad_x, grad_coeff, shares.sum(0).to(base.dtype)
+    return grad_x, grad_coeff, shares
 
 
 @grouped_conv_backward.register_fake
 def _(grad, x, coeff, base, block_size):
-    return torch.empty_like(x), torch.empty_like(coeff), torch.empty_like(base)
+    programs = _grid(x.shape[0], coeff.shape[2], BACKWARD)[0]
+    return torch.empty_like(x), torch.empty_like(coeff), x.new_empty(programs, *base.shape, dtype=torch.float32)
+
+
+def base_gradient(shares: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """The base kernel's gradient from the programs' shares, added in a fixed order (deterministic)."""
+    return shares.sum(0).to(base.dtype)
 
 
 def _setup(ctx, inputs, output):
@@ -164,8 +172,8 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     x, coeff, base = ctx.saved_tensors
-    grad_x, grad_coeff, grad_base = grouped_conv_backward(grad.contiguous(), x, coeff, base, ctx.block_size)
-    return grad_x, grad_coeff, grad_base, None
+    grad_x, grad_coeff, shares = grouped_conv_backward(grad.contiguous(), x, coeff, base, ctx.block_size)
+    return grad_x, grad_coeff, base_gradient(shares, base), None
 
 
 grouped_conv.register_autograd(_backward, setup_context=_setup)

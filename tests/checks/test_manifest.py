@@ -2,6 +2,9 @@ import json
 import platform
 from pathlib import Path
 
+import pytest
+
+from dflash_train.checks.compile_settings import _ENV_PREFIXES
 from dflash_train.config import RunConfig
 from dflash_train.checks.manifest import build_manifest, config_fingerprint, write_manifest
 
@@ -46,7 +49,18 @@ def test_no_secret_values_in_the_manifest(tmp_path, monkeypatch):
     assert manifest["command"][2] == "--wandb-api-key=<redacted>"
 
 
-def test_the_manifest_records_compile_settings_that_are_not_torchs_defaults(tmp_path, monkeypatch):
+@pytest.fixture
+def no_compile_environment(monkeypatch):
+    """None of the variables that steer compilation (the test process may hold some: the suite runs
+    Triton's interpreter on a CPU, tests/conftest.py); each test sets its own."""
+    import os
+
+    for name in [n for n in os.environ if n.startswith(_ENV_PREFIXES)]:
+        monkeypatch.delenv(name)
+
+
+def test_the_manifest_records_compile_settings_that_are_not_torchs_defaults(tmp_path, monkeypatch,
+                                                                           no_compile_environment):
     import torch._inductor.config as inductor_config
 
     monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")
@@ -60,7 +74,7 @@ def test_the_manifest_records_compile_settings_that_are_not_torchs_defaults(tmp_
     assert settings["environment"] == {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}
 
 
-def test_torchs_own_ptxas_is_not_recorded_but_another_one_is(tmp_path, monkeypatch):
+def test_torchs_own_ptxas_is_not_recorded_but_another_one_is(tmp_path, monkeypatch, no_compile_environment):
     """torch names the ptxas it ships in the environment of whichever process compiles a kernel
     (not one whose kernels all come from the cache); a ptxas the user chose is a real difference."""
     import torch

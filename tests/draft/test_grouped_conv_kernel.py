@@ -1,0 +1,60 @@
+"""DFlash2's grouped convolution kernels (draft/grouped_conv_kernel.py), their Triton source run on the
+CPU by Triton's interpreter, against `GroupedConv.convolve_ops` in float64: the output and the
+gradients of the input, the base kernel and the coefficient projection, eager and under
+torch.compile (the custom ops' fake shapes), under several tilings, with a partial last tile, taps
+past the block's edge and a group whose channels are masked. tests/gpu/test_grouped_conv_gpu.py runs
+the same kernels compiled for a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from grouped_conv_check import check_kernels
+
+from dflash_train.draft import grouped_conv_kernel as kernel
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="on a CUDA machine the kernels are built for the GPU: tests/gpu/test_grouped_conv_gpu.py runs them there")
+
+
+@pytest.fixture
+def interpreted():
+    """The kernels built for the interpreter (tests/conftest.py chose it), and built again afterwards."""
+    kernel._kernels.cache_clear()
+    yield
+    kernel._kernels.cache_clear()
+
+
+@pytest.mark.parametrize("hidden,group,taps,block,blocks", [(576, 64, 2, 16, 9), (64, 16, 5, 4, 37), (144, 48, 2, 16, 5)])
+def test_the_kernels_are_the_ops(interpreted, hidden, group, taps, block, blocks):
+    check_kernels(hidden, group, taps, block, blocks * block, "cpu")
+
+
+@pytest.mark.parametrize("launch", [(32, 4, 4), (16, 8, 2)], ids=str)
+def test_every_tiling_gives_the_ops_result(interpreted, launch, monkeypatch):
+    """37 blocks of 4 tokens: a program's last tile is partial and its later steps lie past the end."""
+    monkeypatch.setattr(kernel, "FORWARD", kernel.Launch(*launch))
+    monkeypatch.setattr(kernel, "BACKWARD", kernel.Launch(*launch))
+    check_kernels(64, 16, 5, 4, 37 * 4, "cpu")
+
+
+def test_compiled_the_kernels_are_the_ops(interpreted):
+    """torch.compile calls the custom ops as they are; their fake outputs' shapes (the base kernel's
+    shares among them) must be the kernels' own."""
+    torch._dynamo.reset()
+    check_kernels(144, 48, 2, 16, 5 * 16, "cpu", compiled=True)
+
+
+def test_the_custom_ops_pass_torch_opcheck(interpreted):
+    """torch.library.opcheck: the fake implementations' outputs are the kernels' (shapes, strides,
+    dtypes: what torch.compile plans with), the autograd registration, the schema."""
+    torch.manual_seed(0)
+    n, hidden, groups, taps = 5 * 16, 144, 3, 2
+    x, grad = torch.randn(n, hidden), torch.randn(n, hidden)
+    coeff, base = torch.randn(n, taps, groups), torch.randn(taps, hidden)
+    torch.library.opcheck(kernel.grouped_conv, (x.requires_grad_(), coeff.requires_grad_(), base.requires_grad_(), 16))
+    torch.library.opcheck(kernel.grouped_conv_backward, (grad, x.detach(), coeff.detach(), base.detach(), 16))
