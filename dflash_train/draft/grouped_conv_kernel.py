@@ -30,7 +30,8 @@ class Launch(NamedTuple):
     """How a kernel's programs cover the tokens: `tokens` a tile (any count works: a tap's neighbour is
     read from memory, not from the tile), `steps` consecutive tiles a program (the backward sums its
     share of the base kernel's gradient over them in registers, so fewer shares are added up after),
-    `warps` a program. Chosen by `python bench/grouped_conv.py` on the GPU."""
+    `warps` a program. The defaults are the fastest that `python bench/grouped_conv.py` found on an H100
+    at both shapes it times (docs/benchmarks/throughput.md, "The convolution kernels' tiling")."""
 
     tokens: int
     steps: int
