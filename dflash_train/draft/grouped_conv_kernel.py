@@ -27,19 +27,17 @@ import torch
 
 
 class Launch(NamedTuple):
-    """How a kernel's programs cover the tokens: `tokens` a tile (any count works: a tap's neighbour is
-    read from memory, not from the tile), `steps` consecutive tiles a program (the backward sums its
-    share of the base kernel's gradient over them in registers, so fewer shares are added up after),
-    `warps` a program. The defaults are the fastest that `python bench/grouped_conv.py` found on an H100
-    at both shapes it times (docs/benchmarks/throughput.md, "The convolution kernels' tiling")."""
+    """How a kernel's programs cover the tokens: `tokens` a program (any count works: a tap's neighbour
+    is read from memory, not from the tile), in `warps`. The defaults are the fastest that
+    `python bench/grouped_conv.py` found on an H100 at both shapes it times
+    (docs/benchmarks/throughput.md, "The convolution kernels' tiling")."""
 
     tokens: int
-    steps: int
     warps: int
 
 
-FORWARD = Launch(tokens=64, steps=1, warps=4)
-BACKWARD = Launch(tokens=64, steps=1, warps=4)
+FORWARD = Launch(tokens=64, warps=4)
+BACKWARD = Launch(tokens=64, warps=4)
 
 
 @functools.cache
@@ -49,76 +47,64 @@ def _kernels():
 
     @triton.jit
     def forward(x_ptr, coeff_ptr, base_ptr, out_ptr, n, H: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
-                TAPS: tl.constexpr, BLOCK: tl.constexpr, TOK: tl.constexpr, COLS: tl.constexpr,
-                STEPS: tl.constexpr):
+                TAPS: tl.constexpr, BLOCK: tl.constexpr, TOK: tl.constexpr, COLS: tl.constexpr):
         group = tl.program_id(1)
+        rows = tl.program_id(0) * TOK + tl.arange(0, TOK)
         lane = tl.arange(0, COLS)  # COLS: GS rounded up to a power of two, as tl.arange needs
         cols = group * GS + lane
-        in_group = (lane < GS)[None, :]
-        for step in tl.static_range(STEPS):
-            rows = (tl.program_id(0) * STEPS + step) * TOK + tl.arange(0, TOK)
-            real = rows < n
-            pos = rows % BLOCK
-            acc = tl.zeros((TOK, COLS), dtype=tl.float32)
-            for tap in tl.static_range(TAPS):
-                inside = real & (pos >= tap)
-                x = tl.load(x_ptr + (rows - tap)[:, None] * H + cols[None, :], mask=inside[:, None] & in_group,
-                            other=0.0)
-                c = tl.load(coeff_ptr + rows * (TAPS * G) + tap * G + group, mask=real, other=0.0)
-                b = tl.load(base_ptr + tap * H + cols, mask=lane < GS, other=0.0)
-                acc += (b.to(tl.float32)[None, :] + c.to(tl.float32)[:, None]) * x.to(tl.float32)
-            tl.store(out_ptr + rows[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=real[:, None] & in_group)
+        real = rows < n
+        pos = rows % BLOCK
+        acc = tl.zeros((TOK, COLS), dtype=tl.float32)
+        for tap in tl.static_range(TAPS):
+            inside = real & (pos >= tap)
+            x = tl.load(x_ptr + (rows - tap)[:, None] * H + cols[None, :], mask=inside[:, None] & (lane < GS)[None, :],
+                        other=0.0)
+            c = tl.load(coeff_ptr + rows * (TAPS * G) + tap * G + group, mask=real, other=0.0)
+            b = tl.load(base_ptr + tap * H + cols, mask=lane < GS, other=0.0)
+            acc += (b.to(tl.float32)[None, :] + c.to(tl.float32)[:, None]) * x.to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=real[:, None] & (lane < GS)[None, :])
 
     @triton.jit
     def backward(grad_ptr, x_ptr, coeff_ptr, base_ptr, grad_x_ptr, grad_coeff_ptr, grad_base_ptr, n,
                  H: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, TAPS: tl.constexpr, BLOCK: tl.constexpr,
-                 TOK: tl.constexpr, COLS: tl.constexpr, STEPS: tl.constexpr, TAPS_P2: tl.constexpr):
-        program, group = tl.program_id(0), tl.program_id(1)
+                 TOK: tl.constexpr, COLS: tl.constexpr):
+        tile, group = tl.program_id(0), tl.program_id(1)
+        rows = tile * TOK + tl.arange(0, TOK)
         lane = tl.arange(0, COLS)
         cols = group * GS + lane
+        real = rows < n
+        pos = rows % BLOCK
         in_group = (lane < GS)[None, :]
-        tap_rows = tl.arange(0, TAPS_P2)[:, None]
-        base_grad = tl.zeros((TAPS_P2, COLS), dtype=tl.float32)  # row tap: this program's share of d base[tap]
-        for step in tl.static_range(STEPS):
-            rows = (program * STEPS + step) * TOK + tl.arange(0, TOK)
-            real = rows < n
-            pos = rows % BLOCK
-            grad = tl.load(grad_ptr + rows[:, None] * H + cols[None, :], mask=real[:, None] & in_group, other=0.0)
-            grad = grad.to(tl.float32)
-            grad_x = tl.zeros((TOK, COLS), dtype=tl.float32)
-            for tap in tl.static_range(TAPS):
-                b = tl.load(base_ptr + tap * H + cols, mask=lane < GS, other=0.0).to(tl.float32)
-                ahead = real & (pos + tap < BLOCK)  # the output tap places after this token, in its block
-                if tap == 0:
-                    g = grad
-                else:
-                    g = tl.load(grad_ptr + (rows + tap)[:, None] * H + cols[None, :],
-                                mask=ahead[:, None] & in_group, other=0.0).to(tl.float32)
-                c = tl.load(coeff_ptr + (rows + tap) * (TAPS * G) + tap * G + group, mask=ahead, other=0.0)
-                grad_x += (b[None, :] + c.to(tl.float32)[:, None]) * g
-                behind = real & (pos >= tap)  # the input this token's output reads at this tap
-                x = tl.load(x_ptr + (rows - tap)[:, None] * H + cols[None, :], mask=behind[:, None] & in_group,
-                            other=0.0)
-                product = grad * x.to(tl.float32)
-                tl.store(grad_coeff_ptr + rows * (TAPS * G) + tap * G + group,
-                         tl.sum(product, axis=1).to(grad_coeff_ptr.dtype.element_ty), mask=real)
-                base_grad += tl.where(tap_rows == tap, tl.sum(product, axis=0)[None, :], 0.0)
-            tl.store(grad_x_ptr + rows[:, None] * H + cols[None, :], grad_x.to(grad_x_ptr.dtype.element_ty),
-                     mask=real[:, None] & in_group)
-        tl.store(grad_base_ptr + (program * TAPS + tap_rows) * H + cols[None, :], base_grad,
-                 mask=(tap_rows < TAPS) & in_group)
+        grad = tl.load(grad_ptr + rows[:, None] * H + cols[None, :], mask=real[:, None] & in_group, other=0.0)
+        grad = grad.to(tl.float32)
+        grad_x = tl.zeros((TOK, COLS), dtype=tl.float32)
+        for tap in tl.static_range(TAPS):
+            b = tl.load(base_ptr + tap * H + cols, mask=lane < GS, other=0.0).to(tl.float32)
+            ahead = real & (pos + tap < BLOCK)  # the output tap places after this token, in its block
+            g = tl.load(grad_ptr + (rows + tap)[:, None] * H + cols[None, :], mask=ahead[:, None] & in_group,
+                        other=0.0)
+            c = tl.load(coeff_ptr + (rows + tap) * (TAPS * G) + tap * G + group, mask=ahead, other=0.0)
+            grad_x += (b[None, :] + c.to(tl.float32)[:, None]) * g.to(tl.float32)
+            behind = real & (pos >= tap)  # the input this token's output reads at this tap
+            x = tl.load(x_ptr + (rows - tap)[:, None] * H + cols[None, :], mask=behind[:, None] & in_group, other=0.0)
+            product = grad * x.to(tl.float32)
+            tl.store(grad_coeff_ptr + rows * (TAPS * G) + tap * G + group,
+                     tl.sum(product, axis=1).to(grad_coeff_ptr.dtype.element_ty), mask=real)
+            tl.store(grad_base_ptr + (tile * TAPS + tap) * H + cols, tl.sum(product, axis=0), mask=lane < GS)
+        tl.store(grad_x_ptr + rows[:, None] * H + cols[None, :], grad_x.to(grad_x_ptr.dtype.element_ty),
+                 mask=real[:, None] & in_group)
 
     return forward, backward
 
 
-def _lanes(count: int) -> int:
-    """A count rounded up to a power of two (a Triton block's extent)."""
-    return 1 << (count - 1).bit_length()
+def _lanes(group_size: int) -> int:
+    """A group's channels rounded up to a power of two (a Triton block's extent)."""
+    return 1 << (group_size - 1).bit_length()
 
 
 def _grid(n: int, groups: int, launch: Launch) -> tuple[int, int]:
-    return (-(-n // (launch.tokens * launch.steps)), groups)
+    return (-(-n // launch.tokens), groups)
 
 
 @torch.library.custom_op("dflash_train::grouped_conv", mutates_args=())
@@ -129,7 +115,7 @@ def grouped_conv(x: torch.Tensor, coeff: torch.Tensor, base: torch.Tensor, block
     out = torch.empty_like(x)
     launch = FORWARD
     _kernels()[0][_grid(n, groups, launch)](x, coeff, base, out, n, h, groups, h // groups, taps, block_size,
-                                            launch.tokens, _lanes(h // groups), launch.steps, num_warps=launch.warps)
+                                            launch.tokens, _lanes(h // groups), num_warps=launch.warps)
     return out
 
 
@@ -150,8 +136,7 @@ def grouped_conv_backward(grad: torch.Tensor, x: torch.Tensor, coeff: torch.Tens
     grad_x, grad_coeff = torch.empty_like(x), torch.empty_like(coeff)
     shares = torch.empty(grid[0], taps, h, device=x.device, dtype=torch.float32)
     _kernels()[1][grid](grad, x, coeff, base, grad_x, grad_coeff, shares, n, h, groups, h // groups, taps,
-                        block_size, launch.tokens, _lanes(h // groups), launch.steps, _lanes(taps),
-                        num_warps=launch.warps)
+                        block_size, launch.tokens, _lanes(h // groups), num_warps=launch.warps)
     return grad_x, grad_coeff, shares
 
 

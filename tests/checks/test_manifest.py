@@ -1,4 +1,5 @@
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -53,8 +54,6 @@ def test_no_secret_values_in_the_manifest(tmp_path, monkeypatch):
 def no_compile_environment(monkeypatch):
     """None of the variables that steer compilation (the test process may hold some: the suite runs
     Triton's interpreter on a CPU, tests/conftest.py); each test sets its own."""
-    import os
-
     for name in [n for n in os.environ if n.startswith(_ENV_PREFIXES)]:
         monkeypatch.delenv(name)
 
