@@ -30,6 +30,9 @@ from dflash_train.draft.grouped_conv_kernel import grouped_conv
 from dflash_train.draft.model import DFlashDraftModel, DFlashLayer, DraftModelConfig
 from dflash_train.draft.selector_loss import SelectorInputs
 
+ALIGNED_OUTPUTS = 8
+"""A bf16 row of a multiple of 8 values is 16 bytes: the alignment cuBLAS's fast kernels need."""
+
 
 class GroupedConv(nn.Module):
     def __init__(self, cfg: DraftModelConfig):
@@ -41,7 +44,16 @@ class GroupedConv(nn.Module):
 
     def coefficients(self, x_BQH: torch.Tensor) -> torch.Tensor:
         """Per-token coefficients [b, Q, 2, taps, groups] of both sides, from the sublayer's input."""
-        return self.kernel_projection(x_BQH).unflatten(-1, (2, self.taps, self.num_groups))
+        outputs = self.kernel_projection.out_features
+        if outputs % ALIGNED_OUTPUTS == 0:  # the module itself (FP8 may have swapped it)
+            coeff = self.kernel_projection(x_BQH)
+        else:
+            # The few outputs (2 x taps x groups, 36 in the recipe) padded with zero rows, so each
+            # token's row of the product is 16-byte aligned: at 36, cuBLAS takes its slow
+            # 2-element-aligned kernels for the product and both of its gradients.
+            weight = F.pad(self.kernel_projection.weight, (0, 0, 0, -outputs % ALIGNED_OUTPUTS))
+            coeff = F.linear(x_BQH, weight)[..., :outputs]
+        return coeff.unflatten(-1, (2, self.taps, self.num_groups))
 
     def convolve(self, x_BQH: torch.Tensor, coeff: torch.Tensor, side: int, block_size: int) -> torch.Tensor:
         if x_BQH.is_cuda:  # one kernel each way (draft/grouped_conv_kernel.py); the ops below are its reference
@@ -49,6 +61,10 @@ class GroupedConv(nn.Module):
         return self.convolve_ops(x_BQH, coeff, side, block_size)
 
     def convolve_kernel(self, x_BQH: torch.Tensor, coeff: torch.Tensor, side: int, block_size: int) -> torch.Tensor:
+        if torch.is_autocast_enabled(x_BQH.device.type):
+            # The kernel reads and writes the dtype the sublayer's matmuls take: fed the norm's fp32
+            # output, it would move twice the bytes each way and a cast pass would follow it.
+            x_BQH = x_BQH.to(torch.get_autocast_dtype(x_BQH.device.type))
         b, q, h = x_BQH.shape
         coeff = coeff[:, :, side].reshape(b * q, self.taps, self.num_groups).contiguous()
         return grouped_conv(x_BQH.reshape(b * q, h).contiguous(), coeff, self.base_kernel[side],

@@ -51,6 +51,23 @@ def test_grouped_conv_matches_the_engines_loop(taps):
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("taps,group", [(3, 16), (2, 8)], ids=["12-outputs-padded", "16-outputs"])
+def test_coefficients_are_the_projection_at_any_width(taps, group):
+    """A width that is not a multiple of 8 is computed with zero rows padded to the weight: the
+    coefficients and the weight's gradient are the plain projection's."""
+    conv = GroupedConv(config(conv_kernel_size=taps, conv_group_size=group)).double()
+    torch.manual_seed(0)
+    torch.nn.init.normal_(conv.kernel_projection.weight)
+    x = torch.randn(2, 8, 32, dtype=torch.float64)
+    got = conv.coefficients(x)
+    want = (x @ conv.kernel_projection.weight.T).unflatten(-1, (2, taps, 32 // group))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    grad = torch.randn_like(want)
+    (got_grad,) = torch.autograd.grad(got, conv.kernel_projection.weight, grad)
+    (want_grad,) = torch.autograd.grad(want, conv.kernel_projection.weight, grad)
+    torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-12)
+
+
 def walk_reference(sel, hidden, logits, anchor):
     """llama.cpp's selector lattice and CPU walk (common/speculative.cpp), position by position."""
     path, prev = [], int(anchor)

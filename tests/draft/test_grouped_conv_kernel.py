@@ -14,6 +14,8 @@ import torch
 from grouped_conv_check import check_kernels
 
 from dflash_train.draft import grouped_conv_kernel as kernel
+from dflash_train.draft.dflash2 import GroupedConv
+from dflash_train.draft.model import DraftModelConfig
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
@@ -50,3 +52,25 @@ def test_the_custom_ops_pass_torch_opcheck():
     coeff, base = torch.randn(n, taps, groups), torch.randn(taps, hidden)
     torch.library.opcheck(kernel.grouped_conv, (x.requires_grad_(), coeff.requires_grad_(), base.requires_grad_(), 16))
     torch.library.opcheck(kernel.grouped_conv_backward, (grad, x.detach(), coeff.detach(), base.detach(), 16))
+
+
+def test_under_autocast_the_kernel_reads_and_writes_the_autocast_dtype():
+    """Fed the norm's fp32 output under bf16 autocast, the convolution runs on the input rounded to bf16
+    and returns bf16 (what the next matmul takes, no cast pass between); the input's gradient comes back
+    in fp32."""
+    cfg = DraftModelConfig(hidden_size=144, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           intermediate_size=64, num_hidden_layers=1, vocab_size=64, block_size=16,
+                           target_layer_ids=[0], num_target_layers=2, mask_token_id=3, family="dflash2",
+                           conv_kernel_size=2, conv_group_size=48, selector_rank=4, selector_top_k=2)
+    torch.manual_seed(0)
+    conv = GroupedConv(cfg)
+    torch.nn.init.normal_(conv.base_kernel)
+    x = torch.randn(1, 5 * 16, 144, requires_grad=True)
+    coeff = torch.randn(1, 5 * 16, 2, 2, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = conv.convolve_kernel(x, coeff, 0, 16)
+    assert got.dtype == torch.bfloat16
+    want = conv.convolve_ops(x.detach().bfloat16().double(), coeff.double(), 0, 16)
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+    got.float().sum().backward()
+    assert x.grad.dtype == torch.float32
