@@ -39,6 +39,9 @@ TOP_KERNELS = 60
 kernel by kernel, past the ~25 that both share."""
 LAUNCH = re.compile(r"^(cudaLaunch|cuLaunch|cudaGraphLaunch)")
 SYNC = re.compile(r"Synchronize$")
+STEP = re.compile(r"^(train|bench)_step_\d+$")
+"""The record_function range of each profiled step: host syncs are counted inside them, not the
+harness's own at the window's end (its synchronize, then the profiler's at exit)."""
 
 
 def family(name: str) -> str:
@@ -63,10 +66,17 @@ def _is_device(event) -> bool:
     return event.device_type != torch.autograd.DeviceType.CPU and not getattr(event, "is_user_annotation", False)
 
 
+def _in_steps(events) -> Callable[[object], bool]:
+    """Whether a host event starts inside one of the window's step ranges (`STEP`)."""
+    ranges = [(e.time_range.start, e.time_range.end) for e in events
+              if STEP.match(e.name) and e.device_type == torch.autograd.DeviceType.CPU]
+    return lambda e: any(start <= e.time_range.start <= end for start, end in ranges)
+
+
 def summarize(prof: torch.profiler.profile, steps: int, wall_s: float, device: torch.device) -> dict:
-    """Per-step figures of a profiled window of `steps` steps that took `wall_s`, ended by one
-    synchronize of the device (not counted among the host syncs)."""
+    """Per-step figures of a profiled window of `steps` steps (each a `STEP` range) that took `wall_s`."""
     events = prof.events()
+    in_steps = _in_steps(events)
     on_device = [e for e in events if _is_device(e)]
     kernels = on_device if device.type != "cpu" else [e for e in events if e.key.startswith("aten::")]
     by_family: dict[str, float] = defaultdict(float)
@@ -85,7 +95,7 @@ def summarize(prof: torch.profiler.profile, steps: int, wall_s: float, device: t
         "device_busy_ms": None if busy is None else round(busy, 3),
         "device_idle_ms": None if busy is None else round(wall_ms - busy, 3),
         "launches": per_step(sum(1 for e in events if LAUNCH.match(e.name))),
-        "host_syncs": per_step(sum(1 for e in events if SYNC.search(e.name)) - (device.type == "cuda")),
+        "host_syncs": per_step(sum(1 for e in events if SYNC.search(e.name) and in_steps(e))),
         "families_ms": {k: round(v, 3) for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
         "top_ms": [[round(ms, 3), name] for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]],
     }
@@ -101,8 +111,9 @@ def profile_callable(fn, device: torch.device, steps: int = 3) -> dict:
     _sync(device)
     with _profiler(device) as prof:
         t = time.perf_counter()
-        for _ in range(steps):
-            fn()
+        for i in range(steps):
+            with torch.profiler.record_function(f"bench_step_{i}"):
+                fn()
         _sync(device)
         wall = time.perf_counter() - t
     return summarize(prof, steps, wall, device)
