@@ -297,6 +297,10 @@ async def _pump(cfg: GenerateConfig, backend: Backend, writer: ShardWriter, done
 
 
 async def _generate(cfg: GenerateConfig) -> dict:
+    # Every input is looked for before the model loads: inputs are answered one file after another, so
+    # a missing second file found in its turn would come after the whole first file's answers.
+    if missing := [p for p in cfg.inputs if not Path(p).is_file()]:
+        raise DataError(f"data file not found: {', '.join(missing)}")
     out_dir = Path(cfg.output_dir)
     require_writable(out_dir, "generate's output")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -195,6 +195,21 @@ def test_missing_input_file_is_an_error(tmp_path, start_server):
         generate(cfg)
 
 
+def test_a_missing_later_input_stops_generate_before_any_answer(tmp_path, start_server):
+    """Inputs are answered one file after another: the second one's absence is found before the first
+    file's rows are answered, not after."""
+    server = start_server("--echo")
+    first = write_jsonl(tmp_path / "first.jsonl", [GOOD, GOOD])
+    cfg = build_generate_config(
+        {"inputs": [str(first), str(tmp_path / "second.jsonl")], "output_dir": str(tmp_path / "out"),
+         "progress": False},
+        {"http.server_urls": [server.url]},
+    )
+    with pytest.raises(DataError, match=f"data file not found: {tmp_path / 'second.jsonl'}$"):
+        generate(cfg)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 def test_a_stop_on_a_bad_row_says_how_to_go_on(tmp_path, monkeypatch, capsys):
     """The same command would stop on the same row again: the message names the row to fix and the
     flag that skips such rows, and either way of going on then works."""
