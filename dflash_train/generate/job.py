@@ -297,14 +297,14 @@ async def _pump(cfg: GenerateConfig, backend: Backend, writer: ShardWriter, done
 
 
 async def _generate(cfg: GenerateConfig) -> dict:
-    # Every input is looked for before the model loads: inputs are answered one file after another, so
-    # a missing second file found in its turn would come after the whole first file's answers.
-    if missing := [p for p in cfg.inputs if not Path(p).is_file()]:
-        raise DataError(f"data file not found: {', '.join(missing)}")
     out_dir = Path(cfg.output_dir)
     require_writable(out_dir, "generate's output")
     out_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(out_dir, "generate"), writes_to(out_dir):
+        # Every input is looked for before the model loads: inputs are answered one file after another,
+        # so a missing second file found in its turn would come after the whole first file's answers.
+        if missing := [p for p in cfg.inputs if not Path(p).is_file()]:
+            raise DataError(f"data file not found: {', '.join(missing)}")
         if removed := remove_temp_files(out_dir):
             log.info("removed %d uncommitted temporary file(s) of an earlier run", removed)
         done = read_done_keys(committed_shards(out_dir, cfg.output_format))

@@ -11,6 +11,7 @@ import pytest
 from dflash_train.config import ConfigError
 from dflash_train.data.formats import DataError
 from dflash_train.generate.job import generate
+from dflash_train.generate.shards import committed_shards
 from dflash_train.generate.config import (
     build_generate_config,
     load_generate_config,
@@ -207,7 +208,7 @@ def test_a_missing_later_input_stops_generate_before_any_answer(tmp_path, start_
     )
     with pytest.raises(DataError, match=f"data file not found: {tmp_path / 'second.jsonl'}$"):
         generate(cfg)
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    assert committed_shards(tmp_path / "out", cfg.output_format) == []
 
 
 def test_a_stop_on_a_bad_row_says_how_to_go_on(tmp_path, monkeypatch, capsys):
