@@ -20,12 +20,17 @@ def conv_pair(conv: GroupedConv, x: torch.Tensor, block: int, kernels: bool) -> 
     return convolve(convolve(x, coeff, 0, block), coeff, 1, block)
 
 
+def conv_config(hidden: int, group: int, taps: int, block: int) -> DraftModelConfig:
+    """A one-layer DFlash2 drafter's config around a convolution of this shape."""
+    return DraftModelConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            intermediate_size=64, num_hidden_layers=1, vocab_size=64, block_size=block,
+                            target_layer_ids=[0], num_target_layers=2, mask_token_id=3, family="dflash2",
+                            conv_kernel_size=taps, conv_group_size=group, selector_rank=4, selector_top_k=2)
+
+
 def check_kernels(hidden: int, group: int, taps: int, block: int, tokens: int, device: str, batch: int = 1,
                   compiled: bool = False) -> None:
-    cfg = DraftModelConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           intermediate_size=64, num_hidden_layers=1, vocab_size=64, block_size=block,
-                           target_layer_ids=[0], num_target_layers=2, mask_token_id=3, family="dflash2",
-                           conv_kernel_size=taps, conv_group_size=group, selector_rank=4, selector_top_k=2)
+    cfg = conv_config(hidden, group, taps, block)
     torch.manual_seed(0)
     ref = GroupedConv(cfg).double()
     torch.nn.init.normal_(ref.base_kernel)

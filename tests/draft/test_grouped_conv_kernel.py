@@ -11,11 +11,10 @@ import os
 
 import pytest
 import torch
-from grouped_conv_check import check_kernels
+from grouped_conv_check import check_kernels, conv_config
 
 from dflash_train.draft import grouped_conv_kernel as kernel
 from dflash_train.draft.dflash2 import GroupedConv
-from dflash_train.draft.model import DraftModelConfig
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
@@ -58,12 +57,8 @@ def test_under_autocast_the_kernel_reads_and_writes_the_autocast_dtype():
     """Fed the norm's fp32 output under bf16 autocast, the convolution runs on the input rounded to bf16
     and returns bf16 (what the next matmul takes, no cast pass between); the input's gradient comes back
     in fp32."""
-    cfg = DraftModelConfig(hidden_size=144, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           intermediate_size=64, num_hidden_layers=1, vocab_size=64, block_size=16,
-                           target_layer_ids=[0], num_target_layers=2, mask_token_id=3, family="dflash2",
-                           conv_kernel_size=2, conv_group_size=48, selector_rank=4, selector_top_k=2)
     torch.manual_seed(0)
-    conv = GroupedConv(cfg)
+    conv = GroupedConv(conv_config(144, 48, 2, 16))
     torch.nn.init.normal_(conv.base_kernel)
     x = torch.randn(1, 5 * 16, 144, requires_grad=True)
     coeff = torch.randn(1, 5 * 16, 2, 2, 3)
