@@ -174,6 +174,8 @@ def serve_check_args(p: argparse.ArgumentParser, show_all: bool) -> None:
     p.add_argument("--draft-p-min", dest="draft_p_min", type=float, default=0.0, help="llama.cpp's "
                    "--spec-draft-p-min, and ours alike: a DSpark draft stops at its first slot whose confidence "
                    "head reads below it (default: 0, off)")
+    p.add_argument("--backend-sampling", dest="backend_sampling", action="store_true", help="llama.cpp's -bs: "
+                   "the target picks its greedy token on the device, no logits copied to the host (default: off)")
     p.add_argument("--our-speed", dest="our_speed", action=argparse.BooleanOptionalAction, default=True,
                    help="beside llama.cpp's, our static decoder's speedup on the same prompts and device (default: True; "
                    "--no-our-speed skips it, on a CPU a few minutes for 20 prompts)")

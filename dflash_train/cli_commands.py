@@ -199,7 +199,7 @@ def cmd_serve_check(args) -> int:
                                   gguf_type=args.gguf_type, max_tau_gap=args.max_tau_gap,
                                   min_identical=args.min_identical, threads=args.threads,
                                   draft_lengths=args.draft_lengths, draft_p_min=args.draft_p_min,
-                                  our_speed=args.our_speed)
+                                  backend_sampling=args.backend_sampling, our_speed=args.our_speed)
     summary = serve_check(llama, settings)
     print(format_summary(summary))
     print(f"report: {args.out}/serve_check.json")

@@ -73,6 +73,9 @@ class ServeCheckSettings:
     draft_p_min: float = 0.0
     """llama.cpp's --spec-draft-p-min, our decode's draft_p_min alike: a DSpark draft stops at its first
     slot of confidence below it (the drafter needs a confidence head). 0: off."""
+    backend_sampling: bool = False
+    """llama.cpp's -bs: the target's greedy pick made on the device, so a verification copies no logits
+    to the host; the choice does not change an answer."""
     our_speed: bool = True
     """Our static decoder's speed on the same prompts and device beside the engine's (`our_speed`)."""
 
@@ -184,7 +187,8 @@ def _engine_answers(llama: LlamaCpp, target_gguf: Path, drafter_gguf: Path | Non
                     draft_length: int | None = None, spec_type: str = "draft-dflash") -> list[Completion]:
     with LlamaServer(llama, target_gguf, drafter_gguf, block_size, settings.out / log_name,
                      threads=settings.threads, exact=settings.gguf_type == "f32",
-                     draft_length=draft_length, spec_type=spec_type, draft_p_min=settings.draft_p_min) as server:
+                     draft_length=draft_length, spec_type=spec_type, draft_p_min=settings.draft_p_min,
+                     backend_sampling=settings.backend_sampling) as server:
         server.complete(prompt_ids[0], 8)  # warm-up: the first request pays one-time set-up
         return [server.complete(ids, settings.max_new_tokens) for ids in prompt_ids]
 
@@ -220,7 +224,7 @@ def summarize(results: list[PromptResult], settings: ServeCheckSettings, block_s
         "engine": "llama.cpp", "device": device, "target": settings.target, "drafter": settings.drafter,
         "export": settings.export, "prompts": settings.prompts,
         "num_prompts": len(results), "max_new_tokens": settings.max_new_tokens, "gguf_type": settings.gguf_type,
-        "block_size": block_size,
+        "backend_sampling": settings.backend_sampling, "block_size": block_size,
         "lossless": {"matches": lossless, "total": len(results), "near_ties": ties},
         "same_answer_as_ours": {"matches": same_as_ours, "total": len(results)},
         "engine_mean_accepted_length": engine_tau, "engine_verification_steps": steps,
@@ -281,7 +285,8 @@ def format_summary(s: dict) -> str:
                      f"tokens/s, {ours['device']} {ours['dtype']}, batch 1)"))
     width = max(len(k) for k, _ in rows)
     head = (f"serve-check: llama.cpp on {s['device']}, {s['num_prompts']} {s['prompts']} prompts, "
-            f"{s['max_new_tokens']} new tokens, greedy, {s['gguf_type']} GGUF; drafting {s['block_size'] - 1} "
+            f"{s['max_new_tokens']} new tokens, greedy, {s['gguf_type']} GGUF"
+            f"{', backend sampling' if s.get('backend_sampling') else ''}; drafting {s['block_size'] - 1} "
             f"(the full block) unless a row says otherwise")
     lines = [head] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
     lines += format_rows(s["draft_lengths"], s["best_draft_length"], s["target_only_median_prompt_tokens_per_s"])

@@ -63,13 +63,14 @@ def last_lines(lines: list[str], n: int = 3) -> str:
 
 class LlamaServer:
     """`with LlamaServer(llama, target_gguf, drafter_gguf, block_size, log_file) as server:`; no drafter
-    = the target alone. `exact`: f32 KV caches (llama.cpp's default f16 rounds every key and value) and
+    = the target alone. `backend_sampling`: llama.cpp's `-bs`, the target samples inside its graph
+    (its drafter does by default). `exact`: f32 KV caches (llama.cpp's default f16 rounds every key and value) and
     no flash attention (its CPU kernel rounds a several-token verification apart from a one-token
     step, so a near-tie can flip): an f32 model then computes as a float32 reference does."""
 
     def __init__(self, llama: LlamaCpp, target: Path, drafter: Path | None, block_size: int, log_file: Path,
                  context: int = 4096, threads: int | None = None, exact: bool = False, draft_length: int | None = None,
-                 spec_type: str = "draft-dflash", draft_p_min: float = 0.0):
+                 spec_type: str = "draft-dflash", draft_p_min: float = 0.0, backend_sampling: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = log_file
@@ -80,6 +81,8 @@ class LlamaServer:
             cmd += ["-fa", "off"]
         if threads:
             cmd += ["-t", str(threads)]
+        if backend_sampling:  # the target's greedy pick made on the device: no logits row copied to the host
+            cmd += ["-bs"]
         if llama.cuda:  # every layer of both models on the GPU (llama.cpp's "auto" may keep some on the CPU)
             cmd += ["-ngl", GPU_LAYERS]
         if drafter is not None:

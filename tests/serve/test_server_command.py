@@ -38,6 +38,11 @@ def test_a_cuda_build_puts_every_layer_of_both_models_on_the_gpu():
     assert value(target_only, "-ngl") == "99" and "-ngld" not in target_only and "-md" not in target_only
 
 
+def test_backend_sampling_is_asked_for_only_when_chosen():
+    assert "-bs" not in command(cuda=True)
+    assert "-bs" in command(cuda=True, backend_sampling=True)
+
+
 def test_the_built_llama_server_knows_every_flag():
     try:
         llama = find_llama_cpp()
@@ -46,5 +51,5 @@ def test_the_built_llama_server_knows_every_flag():
             pytest.fail(f"CI builds llama.cpp before the tests: {err}")
         pytest.skip(str(err))
     usage = subprocess.run([str(llama.server), "--help"], capture_output=True, text=True, timeout=60).stdout
-    flags = [arg for arg in command(cuda=True, draft_length=3) + ["-t"] if arg.startswith("-")]
+    flags = [arg for arg in command(cuda=True, draft_length=3, backend_sampling=True) + ["-t"] if arg.startswith("-")]
     assert [flag for flag in flags if f"{flag}," not in usage and f"{flag} " not in usage] == []
