@@ -71,6 +71,27 @@ class RunConfig(Section):
     drafters: list[DrafterSpec] = Field(default_factory=list)
     """Distributed training only: several drafters from one target stream; empty = one drafter."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _slot_weights_where_unset(cls, tree: Any) -> Any:
+        """objective.slot_weights left unset: the decay where the run asks for it (another gamma) or
+        cannot weigh by D-PACE (a logit-bias family, a fused CE kernel); else D-PACE, the default."""
+        if not isinstance(tree, dict) or not isinstance(tree.get("objective", {}), dict):
+            return tree
+        objective = tree.get("objective", {})
+        if "slot_weights" in objective:
+            return tree
+        draft, train = tree.get("draft", {}), tree.get("train", {})
+        try:
+            logit_bias = family(draft.get("family", "dflash") if isinstance(draft, dict) else draft.family).logit_bias
+        except (KeyError, TypeError, ValueError):
+            return tree  # an unknown family: its own validation names it
+        kernel = train.get("ce_kernel", "chunked") if isinstance(train, dict) else train.ce_kernel
+        gamma = objective.get("gamma", ObjectiveConfig.model_fields["gamma"].default)
+        if logit_bias or kernel != "chunked" or gamma != ObjectiveConfig.model_fields["gamma"].default:
+            tree = {**tree, "objective": {**objective, "slot_weights": "decay"}}
+        return tree
+
     @model_validator(mode="after")
     def _cuda_graphs_fit_the_run(self) -> RunConfig:
         if not self.train.cuda_graphs:

@@ -135,13 +135,14 @@ class ObjectiveConfig(Section):
     num_anchors: int = Field(512, ge=1)
     """Blocks per sequence: size it so the drafter's share of the step is no larger than the target's;
     past that, more anchors cost time without learning more (history: docs/benchmarks/quality.md)."""
-    slot_weights: Literal["decay", "dpace"] = "decay"
+    slot_weights: Literal["decay", "dpace"] = "dpace"
     """How each block slot's loss is weighted. decay: w_k = exp(-(k-1)/gamma), the DFlash paper's.
     dpace: D-PACE (SpecForge's default for DFlash), each slot by the expected acceptance riding on it
     under the drafter's own probabilities, smoothed by dpace_alpha (draft/loss.py `dpace_weights`).
-    decay stays the default: at the quickstart's scale the two are within seed noise; on the GPU at 2
-    minutes D-PACE gave DFlash2 1.06-1.09x the decay's tau, with DFlash's arm still to run
-    (docs/benchmarks/quality.md#dpace-gpu)."""
+    dpace is the default: on the GPU at equal minutes it gave 1.03-1.04x the decay's held-out tau for
+    DFlash and 1.06-1.09x for DFlash2 (docs/benchmarks/quality.md#dpace-gpu). Left unset in a run
+    config, it is the decay where objective.gamma is set to another value than its default, or where
+    D-PACE cannot apply: a family with a logit bias (DSpark) or a fused train.ce_kernel (config.py)."""
     gamma: float = Field(7.0, gt=0)
     """Loss weight decay over block positions: w_k = exp(-(k-1)/gamma) (slot_weights: decay)."""
     dpace_alpha: float = Field(0.5, ge=0, le=1)
@@ -157,11 +158,14 @@ class ObjectiveConfig(Section):
     top-k candidates after the true previous token (docs/design.md#dflash2).
     `confidence` (draft.dspark.confidence_head): BCE of DSpark's confidence head against each slot's greedy
     acceptance, weighted as the slot (docs/design.md#dspark)."""
-    selector_outside_top_k: Literal["join", "skip"] = "join"
-    """loss.selector, a slot whose token is not among the top-k: join (it joins the candidates, so the
-    drafter learns to rank it in; speculators') or skip (no selector loss there; SpecForge's)."""
+    selector_outside_top_k: Literal["join", "skip"] = "skip"
+    """loss.selector, a slot whose token is not among the top-k: skip (no selector loss there;
+    SpecForge's) or join (it joins the candidates, so the drafter learns to rank it in; speculators').
+    skip is the default: a draft picks among the top k only, and skipping gave 1.10x joining's
+    held-out tau on the GPU at equal minutes (docs/benchmarks/quality.md#selector-options)."""
     selector_weights: Literal["slot", "uniform"] = "slot"
-    """loss.selector's slot weights: slot (as the slot's CE: decay or D-PACE) or uniform (1 a slot)."""
+    """loss.selector's slot weights: slot (as the slot's CE: decay or D-PACE) or uniform (1 a slot;
+    0.84-0.87x slot's held-out tau on the GPU, docs/benchmarks/quality.md#selector-options)."""
     kd_temperature: float = Field(1.0, gt=0)
     """Softmax temperature of both distributions in `kl` (the loss is scaled by T^2)."""
     feature_noise: float = Field(0.0, ge=0)

@@ -5,9 +5,10 @@
 #   dflash2   BUDGET minutes of DFlash2 from scratch
 #   warm      BUDGET/2 minutes of DFlash, then BUDGET/2 of DFlash2 started from it (draft.init_from)
 #   dspark    BUDGET minutes of DSpark (DFlash's layers and a Markov head) from scratch
-#   ARM-VARIANT any arm above with one change (`variant_args`): dpace (D-PACE slot weights instead of the
-#             decay), skip (no selector loss where the label is outside the top k, SpecForge's rule),
-#             uniform (the selector's rows weighed alike, not by their slot's weight)
+#   ARM-VARIANT any arm above with one change (`variant_args`): decay (the decay's slot weights instead of
+#             D-PACE, the default), join (a label outside the top k joins the selector's candidates instead
+#             of giving no selector loss, the default), uniform (the selector's rows weighed alike, not by
+#             their slot's weight); dpace and skip name the defaults
 # Each arm's training is one `train` with train.time_budget_minutes (compilation before its clock),
 # exported, then every arm is evaluated side by side (fp32, greedy, lossless-checked) on the held-out
 # ShareGPT prompts, HumanEval and MT-Bench. The table at the end reads each arm's reports.
@@ -19,7 +20,7 @@ BUDGET=${BUDGET:-4}
 ARMS=${ARMS:-dflash dflash2 warm}
 FAMILY_ARGS=${FAMILY_ARGS:-"objective.loss.ce=1 objective.loss.selector=1"}  # DFlash2's loss (more overrides welcome)
 DSPARK_ARGS=${DSPARK_ARGS:-}       # DSpark's overrides (e.g. objective.loss.l1=0.9 objective.loss.ce=0.1)
-COMMON_ARGS=${COMMON_ARGS:-}       # overrides every arm takes (e.g. objective.slot_weights=dpace objective.gamma=7.0)
+COMMON_ARGS=${COMMON_ARGS:-}       # overrides every arm takes (e.g. objective.slot_weights=decay objective.gamma=4.0)
 export DATA=${DATA:-$ROOT/data}
 CHAIN=(bash "$(dirname "$0")/smollm2_h200.sh")
 half=$(python3 -c "print($BUDGET / 2)")
@@ -38,10 +39,12 @@ train_arm() {  # $1: run dir, $2: minutes, then overrides
 variant_args() {  # $1: an arm's variant (its name past the first '-'): the overrides it adds
   case $1 in
     "") ;;
+    decay) echo objective.slot_weights=decay ;;
     dpace) echo objective.slot_weights=dpace ;;
+    join) echo objective.selector_outside_top_k=join ;;
     skip) echo objective.selector_outside_top_k=skip ;;
     uniform) echo objective.selector_weights=uniform ;;
-    *) echo "unknown variant '$1' (dpace, skip, uniform)" >&2; return 2 ;;
+    *) echo "unknown variant '$1' (decay, dpace, join, skip, uniform)" >&2; return 2 ;;
   esac
 }
 
@@ -64,7 +67,7 @@ train() {
           $FAMILY_ARGS "${extra[@]}" ;;
       # shellcheck disable=SC2086
       dspark) train_arm "$ROOT/$arm" "$BUDGET" draft.family=dspark $DSPARK_ARGS "${extra[@]}" ;;
-      *) echo "unknown arm '$arm' in ARMS (dflash, dflash2, warm, dspark, each optionally -dpace, -skip or -uniform)" >&2
+      *) echo "unknown arm '$arm' in ARMS (dflash, dflash2, warm, dspark, each optionally -decay, -join, -uniform, -dpace or -skip)" >&2
          return 2 ;;
     esac
   done

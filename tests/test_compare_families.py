@@ -24,7 +24,7 @@ def test_the_family_comparison_runs_every_arm_on_cpu(tmp_path):
         "ROOT": str(root), "DEVICE": "cpu", "NUM_PROMPTS": "6", "HELDOUT": "1", "ANSWER_TOKENS": "10",
         "BATCH": "8", "EVAL_BATCH": "2", "NEW_TOKENS": "6", "EVAL_PROMPTS": "1", "EVERY_PROMPTS": "8",
         "CODE_PROMPTS": "0", "MULTI_PROMPTS": "0", "MAX_CHARS": "200", "ENGINE": "static",
-        "ARMS": "dflash dflash2-dpace warm-skip dspark",
+        "ARMS": "dflash-decay dflash2 warm-join dspark",
         "COMMON_ARGS": "target.dtype=auto train.time_budget_minutes=null train.max_steps=2 objective.num_anchors=4 "
                        "data.length_bucket=0 data.max_length=256 data.token_budget=256 train.compile=false "
                        "train.compile_loss=false draft.num_layers=1 draft.num_target_features=2 "
@@ -33,18 +33,19 @@ def test_the_family_comparison_runs_every_arm_on_cpu(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "examples" / "compare_families.sh"), "all"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1100)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for arm, family in (("dflash", "DFlashDraftModel"), ("dflash2-dpace", "DFlash2DraftModel"), ("warm-skip", "DFlash2DraftModel"),
+    for arm, family in (("dflash-decay", "DFlashDraftModel"), ("dflash2", "DFlash2DraftModel"), ("warm-join", "DFlash2DraftModel"),
                          ("dspark", "DSparkDraftModel")):
         assert json.loads((root / arm / "summary.json").read_text())["steps"] == 2
         assert json.loads((root / arm / "export" / "config.json").read_text())["architectures"] == [family]
         for name in ("sharegpt", "humaneval", "mt-bench"):
             report = json.loads((root / arm / "eval" / name / "eval.json").read_text())
             assert report["lossless"]["matches"] == report["lossless"]["total"] > 0, (arm, name)
-    assert "init_from: " in (root / "warm-skip" / "config.yaml").read_text()
-    assert "selector_outside_top_k: skip" in (root / "warm-skip" / "config.yaml").read_text()
-    assert "selector_outside_top_k: skip" not in (root / "warm-dflash-skip" / "config.yaml").read_text()  # DFlash half
-    assert "slot_weights: dpace" in (root / "dflash2-dpace" / "config.yaml").read_text()  # the -dpace variant
-    assert "slot_weights: decay" in (root / "dflash" / "config.yaml").read_text()
+    assert "init_from: " in (root / "warm-join" / "config.yaml").read_text()
+    assert "selector_outside_top_k: join" in (root / "warm-join" / "config.yaml").read_text()
+    assert "selector_outside_top_k: join" not in (root / "warm-dflash-join" / "config.yaml").read_text()  # DFlash half
+    assert "slot_weights: decay" in (root / "dflash-decay" / "config.yaml").read_text()  # the -decay variant
+    assert "slot_weights: dpace" in (root / "dflash2" / "config.yaml").read_text()  # the default
+    assert "slot_weights: decay" in (root / "dspark" / "config.yaml").read_text()  # its logit bias takes no D-PACE
     table = done.stdout.splitlines()
-    assert [line.split()[0] for line in table if line.split() and line.split()[0] in ("dflash", "dflash2-dpace", "warm-skip", "dspark")] \
-        == ["dflash", "dflash2-dpace", "warm-skip", "dspark"]
+    assert [line.split()[0] for line in table if line.split() and line.split()[0] in ("dflash-decay", "dflash2", "warm-join", "dspark")] \
+        == ["dflash-decay", "dflash2", "warm-join", "dspark"]

@@ -133,6 +133,30 @@ def test_config_rules(make_run_config):
     assert build_config(dpace.model_dump(mode="json")).objective.slot_weights == "dpace"
 
 
+def test_slot_weights_left_unset_are_dpace_unless_the_run_asks_for_the_decay_or_cannot_weigh_by_dpace(make_run_config):
+    """D-PACE is the default; a run config without objective.slot_weights gets the decay where it sets
+    another gamma, trains a family with a logit bias (DSpark), or runs a fused CE kernel."""
+    default_gamma = "objective.gamma=7.0"  # the fixture sets gamma 4
+    assert make_run_config(overrides=[default_gamma]).objective.slot_weights == "dpace"
+    assert make_run_config().objective.slot_weights == "decay"  # gamma 4
+    assert make_run_config(overrides=[default_gamma, "draft.family=dspark"]).objective.slot_weights == "decay"
+    fused = build_config({"objective": {"loss": {"ce": 1}}, "train": {"ce_kernel": "liger"}, "device": "cuda"})
+    assert fused.objective.slot_weights == "decay"
+    defaults = build_config({})
+    assert (defaults.objective.slot_weights, defaults.objective.selector_outside_top_k) == ("dpace", "skip")
+    with pytest.raises(ConfigError, match="objective.slot_weights=decay"):  # chosen, not left unset: refused
+        make_run_config(overrides=[default_gamma, "draft.family=dspark", "objective.slot_weights=dpace"])
+
+
+def test_each_drafter_of_a_stream_chooses_its_weights_by_its_own_gamma(make_run_config):
+    from dflash_train.distributed.layout import drafter_runs
+
+    cfg = make_run_config(overrides=["objective.gamma=7.0", ("drafters", [
+        {"name": "b4"}, {"name": "decayed", "objective": {"gamma": 4.0}}])])
+    weights = {name: run.objective.slot_weights for name, run in drafter_runs(cfg)}
+    assert weights == {"b4": "dpace", "decayed": "decay"}
+
+
 def test_the_fused_kernel_refuses_dpace():
     hidden, head, labels, mask = problem()
     with pytest.raises(ValueError, match="decay-weighted"):
