@@ -76,9 +76,20 @@ def speed_row(draft_length: int, speculative: list[Completion], target_only: lis
         "mean_accepted_length": 1 + accepted / steps if steps else None,
         "verification_steps": steps, "accepted": accepted, "drafted": sum(c.drafted for c in speculative),
         "speedup": rate / base if base > 0 else None,
+        "round_cost_target_steps": round_cost(1 + accepted / steps if steps else None,
+                                              rate / base if base > 0 else None),
         "lossless": {"matches": sum(s.tokens == b.tokens for s, b in zip(speculative, target_only)),
                      "total": len(target_only), "near_ties": near_ties},
     }
+
+
+def round_cost(mean_accepted_length: float | None, speedup: float | None) -> float | None:
+    """A round's time in steps of the target alone (median prompts): the tokens it yields over the
+    speedup. A draft length pays exactly where its mean accepted length exceeds this, so the figure
+    says how far acceptance must rise, or the round's cost fall, before it does."""
+    if mean_accepted_length is None or not speedup:
+        return None
+    return mean_accepted_length / speedup
 
 
 def lossless_ok(row: dict) -> bool:
@@ -97,14 +108,17 @@ def best_row(rows: list[dict]) -> dict | None:
 def format_rows(rows: list[dict], best: dict | None, target_only_rate: float) -> list[str]:
     """The per-length table and the best length, as serve-check prints them."""
     lines = [f"  {'draft length':>12}  {'tokens/s (median prompt)':>24}  {'mean accepted':>13}  {'speedup':>7}  "
-             f"lossless",
-             f"  {'target only':>12}  {target_only_rate:>24.1f}  {'':>13}  {'1.00x':>7}"]
+             f"{'a round costs (target steps)':>28}  lossless",
+             f"  {'target only':>12}  {target_only_rate:>24.1f}  {'':>13}  {'1.00x':>7}  {'1.00':>28}"]
     for r in rows:
         tau = "n/a" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.3f}"
         speedup = "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        cost = round_cost(r["mean_accepted_length"], r["speedup"])
+        cost = "n/a" if cost is None else f"{cost:.2f}"
         ties = r["lossless"].get("near_ties", 0)
         lossless = f"{r['lossless']['matches']}/{r['lossless']['total']}" + (f" +{ties} near-ties" if ties else "")
-        lines.append(f"  {r['draft_length']:>12}  {r['tokens_per_s']:>24.1f}  {tau:>13}  {speedup:>7}  {lossless}")
+        lines.append(f"  {r['draft_length']:>12}  {r['tokens_per_s']:>24.1f}  {tau:>13}  {speedup:>7}  {cost:>28}  "
+                     f"{lossless}")
     if best is None:
         lines.append("  best draft length: none (no length gave lossless answers)")
     else:

@@ -52,6 +52,8 @@ def test_a_row_counts_speed_acceptance_and_losslessness():
     assert row["tokens_per_s"] == 8.0 and row["tokens_per_s_all_prompts"] == pytest.approx(8 / 1.75)
     assert row["speedup"] == pytest.approx(8.0 / 2.0)  # median prompt against median prompt
     assert row["mean_accepted_length"] == pytest.approx(1 + 3 / 4)
+    # a round: 1.75 tokens at 8 tokens/s against a step of 1/2 s alone
+    assert row["round_cost_target_steps"] == pytest.approx((1.75 / 8.0) / (1 / 2.0))
     assert row["lossless"] == {"matches": 2, "total": 3, "near_ties": 0}
     assert best_row([row]) is None and best_row([speed_row(3, spec, base, near_ties=1)])["draft_length"] == 3
 
@@ -80,7 +82,7 @@ def test_the_table_has_a_line_per_length_and_names_the_best():
     rows = [row(1, 11.0), row(3, 14.0)]
     lines = format_rows(rows, best_row(rows), 10.0)
     assert len(lines) == 2 + len(rows) + 1
-    assert lines[3].split() == ["3", "14.0", "1.500", "1.40x", "2/2"]
+    assert lines[3].split() == ["3", "14.0", "1.500", "1.40x", "1.07", "2/2"]  # 1.5 tokens in 1.5 / 14 s, 1.07 steps of 1 / 10 s
     assert "median prompt" in lines[0] and lines[1].split()[:3] == ["target", "only", "10.0"]
     assert "best draft length: 3 (--spec-draft-n-max 3): 14.0 tokens/s" in lines[-1] and "1.40x" in lines[-1]
     assert "none" in format_rows([row(7, 20.0, lossless=False)], None, 10.0)[-1]
