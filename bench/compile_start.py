@@ -43,7 +43,7 @@ def first_step() -> dict:
     loss_mask = torch.ones(1, t, dtype=torch.long, device=dev)
     loss_mask[:, :400] = 0
     feats = torch.randn(1, t, 5 * 4096, device=dev, dtype=torch.bfloat16)
-    task = make_task(ids, loss_mask, ObjectiveConfig(num_anchors=512, block_size=16, gamma=7.0), 0)
+    task = make_task(ids, loss_mask, ObjectiveConfig(num_anchors=512, block_size=16, slot_weights="decay", gamma=7.0), 0)
     t_build = time.perf_counter()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = draft_loss(drafter, task, feats, embed, embed, True, 4096)

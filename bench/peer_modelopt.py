@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict | str:
     t.add_argument("--peer-loss", choices=["kd", "ce"], default="kd",
                    help="Model-Optimizer's loss: self-logit distillation (its default) or CE on the data")
     t.add_argument("--peer-weights", choices=["dpace", "decay"], default="dpace",
-                   help="its slot weights: D-PACE (its default) or exp(-(k-1)/gamma) as ours")
+                   help="its slot weights: D-PACE (its default and ours) or exp(-(k-1)/gamma) (our slot_weights: decay)")
     r = sub.add_parser("report")
     r.add_argument("runs", nargs="+", help="run directories (peer.json; eval/SET.json where evaluated)")
     r.add_argument("--out", required=True, help="directory for loss_curves.png")

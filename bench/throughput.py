@@ -39,9 +39,9 @@ from dflash_train.draft.objective import draft_loss, make_task
 from dflash_train.families import FAMILIES, family
 from dflash_train.targets.fp8 import GRANULARITIES, quantize_decoder
 from dflash_train.targets.model import Target, compile_decoder
-from dflash_train.draft.loss import LossMix
 from dflash_train.checks.compile_settings import settings_for_manifest
 from dflash_train.checks.profile import profile_callable
+from dflash_train.train.forward import loss_mix
 from dflash_train.train.shapes import draft_model_config, stream_layer_ids
 from dflash_train.train.optim import build_optimizer
 from flops import drafter_flops, target_flops  # noqa: E402  (bench/, beside this file)
@@ -280,7 +280,7 @@ def main(argv=None):
     use_flex = device.type == "cuda"
     head = Fp8Head(target.lm_head_weight) if args.fp8_head else target.lm_head_weight
     layer_ids = stream_layer_ids(cfg, target)  # + the last layer when the loss distils
-    mix = LossMix.from_weights(cfg.objective.loss, cfg.objective.kd_temperature)
+    mix = loss_mix(cfg.objective)  # as training forms it: D-PACE and the selector's options as configured
     progress(started, "models built")
     gen = torch.Generator().manual_seed(0)
     ids, loss_mask, lengths = make_batch(shape, args.batch, max_length, device, gen, args.full_length)

@@ -76,19 +76,17 @@ class RunConfig(Section):
     def _slot_weights_where_unset(cls, tree: Any) -> Any:
         """objective.slot_weights left unset: the decay where the run asks for it (another gamma) or
         cannot weigh by D-PACE (a logit-bias family, a fused CE kernel); else D-PACE, the default."""
-        if not isinstance(tree, dict) or not isinstance(tree.get("objective", {}), dict):
+        if not isinstance(tree, dict):
             return tree
-        objective = tree.get("objective", {})
-        if "slot_weights" in objective:
-            return tree
-        draft, train = tree.get("draft", {}), tree.get("train", {})
+        objective, draft, train = (tree.get(name) or {} for name in ("objective", "draft", "train"))
+        if not all(isinstance(section, dict) for section in (objective, draft, train)) or "slot_weights" in objective:
+            return tree  # a section of the wrong type: its own validation names it
         try:
-            logit_bias = family(draft.get("family", "dflash") if isinstance(draft, dict) else draft.family).logit_bias
+            logit_bias = family(draft.get("family", "dflash")).logit_bias
+            gamma = float(objective.get("gamma", ObjectiveConfig.model_fields["gamma"].default))
         except (KeyError, TypeError, ValueError):
-            return tree  # an unknown family: its own validation names it
-        kernel = train.get("ce_kernel", "chunked") if isinstance(train, dict) else train.ce_kernel
-        gamma = objective.get("gamma", ObjectiveConfig.model_fields["gamma"].default)
-        if logit_bias or kernel != "chunked" or gamma != ObjectiveConfig.model_fields["gamma"].default:
+            return tree  # an unknown family or a gamma that is no number: their own validation names them
+        if logit_bias or train.get("ce_kernel", "chunked") != "chunked" or gamma != ObjectiveConfig.model_fields["gamma"].default:
             tree = {**tree, "objective": {**objective, "slot_weights": "decay"}}
         return tree
 
@@ -141,9 +139,10 @@ class RunConfig(Section):
             raise ValueError(f"draft.fp8 with draft.family={spec.name}: its layers in FP8 are not tested yet; "
                              "set draft.fp8=off")
         selector = self.objective.loss.get("selector", 0.0) > 0
-        # changed from their defaults (a saved run config repeats the defaults of every key)
-        unread = [k for k in ("selector_outside_top_k", "selector_weights")
-                  if getattr(self.objective, k) != type(self.objective).model_fields[k].default and not selector]
+        # changed from their defaults (a saved run config repeats the defaults of every key; join was
+        # selector_outside_top_k's until 2026-12-07, so runs saved before then say join)
+        unread = [k for k, saved_defaults in (("selector_outside_top_k", ("skip", "join")), ("selector_weights", ("slot",)))
+                  if getattr(self.objective, k) not in saved_defaults and not selector]
         if unread:
             raise ValueError(f"objective.{unread[0]} is read with objective.loss.selector only (draft.family=dflash2)")
         if selector and self.train.fp8_lm_head:

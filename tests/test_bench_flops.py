@@ -35,7 +35,7 @@ def test_the_counted_matmuls_are_the_ones_a_step_runs(loss):
     with FlopCounterMode(display=False) as counter:
         features = target.features(ids, layer_ids)
     assert matmul_flops(counter) == flops["target"]["linear"]
-    mix = throughput.LossMix.from_weights(cfg.objective.loss, cfg.objective.kd_temperature)
+    mix = throughput.loss_mix(cfg.objective)
     with FlopCounterMode(display=False) as counter:
         out = throughput.draft_loss(drafter, task, features, target.embed_weight, target.lm_head_weight, False,
                                     4096, mix, target.logits)

@@ -23,8 +23,6 @@ from dflash_train.config_model import sizes_into_family_sections
 
 LAYER_CHOICE = {"target_layer_ids", "num_target_features"}
 """draft keys that each choose the captured target layers (setting both is a config error)."""
-RESOLVES_SLOT_WEIGHTS = {"gamma", "dpace_alpha", "family"}
-"""objective and draft keys of a drafter entry that choose objective.slot_weights where it is left unset."""
 
 
 def drafter_runs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
@@ -41,8 +39,9 @@ def drafter_runs(cfg: RunConfig) -> list[tuple[str, RunConfig]]:
             # a family's section merges key by key: the base's other sizes of that family stay
             own = tree["draft"].get(key)
             tree["draft"][key] = {**own, **value} if isinstance(own, dict) and isinstance(value, dict) else value
-        if "slot_weights" not in spec.objective and (RESOLVES_SLOT_WEIGHTS & (set(spec.objective) | set(spec.draft))):
-            del tree["objective"]["slot_weights"]  # the drafter's own gamma or family chooses its weights (config.py)
+        if tree["objective"].get("slot_weights") == "dpace" and "slot_weights" not in spec.objective:
+            # D-PACE left to the entry's own keys: its gamma, family or CE kernel may need the decay (config.py)
+            del tree["objective"]["slot_weights"]
         tree["objective"].update(spec.objective)
         tree["train"].update(spec.train)
         tree["run_dir"] = str(Path(cfg.run_dir) / spec.name)

@@ -12,6 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
+import yaml
+
 from dflash_train.checkpoint import local as ckpt
 from dflash_train.checkpoint.storage import prune_local
 from dflash_train.checks.manifest import build_manifest, write_manifest
@@ -55,12 +57,27 @@ class Checkpointer:
             "target": self.parts.target.identity,
         }
 
+    def check_weighting_kept(self, saved_config: Path) -> None:
+        """Refuse to resume where a default that changed (2026-12-07: slot weights decay -> dpace, the
+        selector's join -> skip) would change the loss of a run saved before: the checkpoint's
+        config.yaml names what it trained with."""
+        if not saved_config.is_file():
+            return
+        saved = (yaml.safe_load(saved_config.read_text()) or {}).get("objective") or {}
+        keys = ["slot_weights"] + (["selector_outside_top_k"] if self.cfg.objective.loss.get("selector", 0) > 0 else [])
+        for key in keys:
+            now = getattr(self.cfg.objective, key)
+            if key in saved and saved[key] != now:
+                raise ValueError(f"cannot resume from {saved_config.parent}: it trained with objective.{key}={saved[key]}, "
+                                 f"the config now gives {now}: set objective.{key}={saved[key]} to go on as it trained")
+
     def resume(self, path: str | Path, progress: Progress) -> None:
         """The drafter, optimizer, schedule, RNG states and `progress` as saved at `path`."""
         p, tc = self.parts, self.cfg.train
         saved = ckpt.load_checkpoint(path, map_location=p.device)
         state = saved["state"]
         ckpt.check_resume_compatible(state["compatibility"], self.compatibility())
+        self.check_weighting_kept(Path(path) / "config.yaml")
         p.drafter.load_state_dict(saved["model"])
         p.optimizer.load_state_dict(saved["optim"]["optimizer"])
         p.scheduler.load_state_dict(saved["optim"]["scheduler"])

@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 
 from dflash_train.config import RunConfig
+from dflash_train.config_model import ObjectiveConfig
 from dflash_train.draft.fp8_head import Fp8Head
 from dflash_train.draft.acceptance import BlockLoss
 from dflash_train.draft.loss import LossMix, loss_chunk_rows
@@ -21,6 +22,13 @@ from dflash_train.draft.model import DFlashDraftModel
 from dflash_train.draft.objective import BlockTask, draft_loss
 from dflash_train.targets.model import Target
 from dflash_train.train.shapes import autocast_for
+
+
+def loss_mix(objective: ObjectiveConfig) -> LossMix:
+    """The loss mix `objective` asks for: its terms, and D-PACE and the selector's options as set."""
+    dpace_alpha = objective.dpace_alpha if objective.slot_weights == "dpace" else None
+    return LossMix.from_weights(objective.loss, objective.kd_temperature, dpace_alpha,
+                                objective.selector_outside_top_k == "join", objective.selector_weights == "slot")
 
 
 @dataclass
@@ -44,11 +52,7 @@ class DraftForward:
     @classmethod
     def for_run(cls, cfg: RunConfig, drafter: DFlashDraftModel, target: Target, device: torch.device,
                 use_flex: bool) -> DraftForward:
-        objective = cfg.objective
-        dpace_alpha = objective.dpace_alpha if objective.slot_weights == "dpace" else None
-        mix = LossMix.from_weights(objective.loss, objective.kd_temperature, dpace_alpha,
-                                   objective.selector_outside_top_k == "join", objective.selector_weights == "slot")
-        return cls(drafter, target, device, mix,
+        return cls(drafter, target, device, loss_mix(cfg.objective),
                    use_flex, loss_chunk_rows(cfg.objective.ce_chunk_size, target.vocab_size),
                    cfg.train.compile_loss, cfg.train.ce_kernel, bool(cfg.data.length_bucket),
                    Fp8Head(target.lm_head_weight) if cfg.train.fp8_lm_head else None, cfg.objective.feature_noise)

@@ -148,13 +148,50 @@ def test_slot_weights_left_unset_are_dpace_unless_the_run_asks_for_the_decay_or_
         make_run_config(overrides=[default_gamma, "draft.family=dspark", "objective.slot_weights=dpace"])
 
 
-def test_each_drafter_of_a_stream_chooses_its_weights_by_its_own_gamma(make_run_config):
+def test_a_drafter_of_a_stream_weighs_as_a_run_alone_would_and_keeps_a_chosen_decay(make_run_config):
     from dflash_train.distributed.layout import drafter_runs
 
-    cfg = make_run_config(overrides=["objective.gamma=7.0", ("drafters", [
-        {"name": "b4"}, {"name": "decayed", "objective": {"gamma": 4.0}}])])
-    weights = {name: run.objective.slot_weights for name, run in drafter_runs(cfg)}
-    assert weights == {"b4": "dpace", "decayed": "decay"}
+    entries = [{"name": "b4"}, {"name": "g4", "objective": {"gamma": 4.0}}, {"name": "spark", "draft": {"family": "dspark"}}]
+    cfg = make_run_config(overrides=["objective.gamma=7.0", ("drafters", entries)])
+    assert {name: run.objective.slot_weights for name, run in drafter_runs(cfg)} == \
+        {"b4": "dpace", "g4": "decay", "spark": "decay"}
+    chosen = make_run_config(overrides=["objective.gamma=7.0", "objective.slot_weights=decay",
+                                        ("drafters", [{"name": "two", "draft": {"family": "dflash2"},
+                                                       "objective": {"loss": {"ce": 1, "selector": 1}}}])])
+    assert drafter_runs(chosen)[0][1].objective.slot_weights == "decay"  # the base's choice, not the default
+
+
+def test_a_resume_refuses_weights_other_than_the_checkpoints(make_run_config, tmp_path):
+    """A run saved when the decay and join were the defaults, resumed with a config that now resolves
+    to D-PACE and skip: refused in one line naming the key, unless the config names what it trained with."""
+    from types import SimpleNamespace
+
+    from dflash_train.config import dump_config
+    from dflash_train.train.checkpointer import Checkpointer
+
+    selector = ["objective.gamma=7.0", "draft.family=dflash2", "objective.loss={ce: 1, selector: 1}"]
+    saved = tmp_path / "config.yaml"
+    saved.write_text(dump_config(make_run_config(overrides=[*selector, "objective.slot_weights=decay",
+                                                            "objective.selector_outside_top_k=join"])))
+    with pytest.raises(ValueError, match="objective.slot_weights=decay, the config now gives dpace"):
+        Checkpointer.check_weighting_kept(SimpleNamespace(cfg=make_run_config(overrides=selector)), saved)
+    with pytest.raises(ValueError, match="objective.selector_outside_top_k=join, the config now gives skip"):
+        Checkpointer.check_weighting_kept(
+            SimpleNamespace(cfg=make_run_config(overrides=[*selector, "objective.slot_weights=decay"])), saved)
+    as_trained = make_run_config(overrides=[*selector, "objective.slot_weights=decay", "objective.selector_outside_top_k=join"])
+    Checkpointer.check_weighting_kept(SimpleNamespace(cfg=as_trained), saved)
+
+
+def test_configs_saved_before_the_defaults_changed_still_load(make_run_config):
+    """A DFlash run saved with join, the old default, lists it though it trains no selector."""
+    from dflash_train.config import dump_config
+    import yaml
+
+    tree = yaml.safe_load(dump_config(make_run_config()))
+    tree["objective"]["selector_outside_top_k"] = "join"
+    assert build_config(tree).objective.selector_outside_top_k == "join"
+    with pytest.raises(ConfigError, match="selector_weights is read with objective.loss.selector only"):
+        build_config({**tree, "objective": {**tree["objective"], "selector_weights": "uniform"}})
 
 
 def test_the_fused_kernel_refuses_dpace():
