@@ -81,12 +81,13 @@ class RunConfig(Section):
         objective, draft, train = (tree.get(name) or {} for name in ("objective", "draft", "train"))
         if not all(isinstance(section, dict) for section in (objective, draft, train)) or "slot_weights" in objective:
             return tree  # a section of the wrong type: its own validation names it
+        default_gamma = ObjectiveConfig.model_fields["gamma"].default
         try:
             logit_bias = family(draft.get("family", "dflash")).logit_bias
-            gamma = float(objective.get("gamma", ObjectiveConfig.model_fields["gamma"].default))
+            gamma = float(objective.get("gamma", default_gamma))
         except (KeyError, TypeError, ValueError):
             return tree  # an unknown family or a gamma that is no number: their own validation names them
-        if logit_bias or train.get("ce_kernel", "chunked") != "chunked" or gamma != ObjectiveConfig.model_fields["gamma"].default:
+        if logit_bias or train.get("ce_kernel", "chunked") != "chunked" or gamma != default_gamma:
             tree = {**tree, "objective": {**objective, "slot_weights": "decay"}}
         return tree
 

@@ -69,15 +69,16 @@ def speed_row(draft_length: int, speculative: list[Completion], target_only: lis
     steps = sum(c.steps for c in speculative)
     accepted = sum(c.accepted for c in speculative)
     rate, base = median_tokens_per_s(speculative), median_tokens_per_s(target_only)
+    mean_accepted = 1 + accepted / steps if steps else None
+    speedup = rate / base if base > 0 else None
     return {
         "draft_length": draft_length,
         "tokens_per_s": rate,
         "tokens_per_s_all_prompts": tokens_per_s(speculative),
-        "mean_accepted_length": 1 + accepted / steps if steps else None,
+        "mean_accepted_length": mean_accepted,
         "verification_steps": steps, "accepted": accepted, "drafted": sum(c.drafted for c in speculative),
-        "speedup": rate / base if base > 0 else None,
-        "round_cost_target_steps": round_cost(1 + accepted / steps if steps else None,
-                                              rate / base if base > 0 else None),
+        "speedup": speedup,
+        "round_cost_target_steps": round_cost(mean_accepted, speedup),
         "lossless": {"matches": sum(s.tokens == b.tokens for s, b in zip(speculative, target_only)),
                      "total": len(target_only), "near_ties": near_ties},
     }

@@ -63,7 +63,8 @@ class Checkpointer:
         config.yaml names what it trained with."""
         if not saved_config.is_file():
             return
-        saved = (yaml.safe_load(saved_config.read_text()) or {}).get("objective") or {}
+        tree = ckpt.read_checkpoint_file(saved_config, lambda f: yaml.safe_load(f.read_text()))  # one line if corrupt
+        saved = (tree or {}).get("objective") or {}
         keys = ["slot_weights"] + (["selector_outside_top_k"] if self.cfg.objective.loss.get("selector", 0) > 0 else [])
         for key in keys:
             now = getattr(self.cfg.objective, key)
