@@ -146,6 +146,10 @@ def cmd_prompts(args) -> int:
         raise ValueError("--every-turn and --multi-turn are two ways to use later turns: pick one")
     if args.multi_turn is not None and args.multi_turn < 2:
         raise ValueError(f"--multi-turn {args.multi_turn}: a conversation has at least 2 turns")
+    if args.source == "long" and not args.multi_turn:
+        raise ValueError("--source long: its conversations grow the context turn after turn; without "
+                         "--multi-turn only their first requests (under 2K tokens) would be written: add "
+                         "--multi-turn 8 --max-chars 6000")
     source, exclude = prompt_source(args.source), turns_of(args.exclude)
     if args.multi_turn:
         chosen = multi_turn(source, args.multi_turn, args.max_chars, exclude)

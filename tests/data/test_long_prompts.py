@@ -63,3 +63,7 @@ def test_prompts_command_writes_long_as_a_held_out_only_set(tmp_path):
     assert roles[:3] == ["user", "assistant", "user"]  # each later turn after the target's own answer
     assert main(["prompts", "--source", "long", "--multi-turn", "8", "--max-chars", "6000", "--num", "3",
                  "--heldout", "4", "--out", str(out)]) == 2
+    for later_turns in ([], ["--every-turn"]):  # first requests alone, or each turn alone: no long context
+        assert main(["prompts", "--source", "long", *later_turns, "--max-chars", "6000", "--num", "3",
+                     "--heldout", "3", "--out", str(tmp_path / "first")]) == 2
+        assert not (tmp_path / "first").exists()
