@@ -97,8 +97,9 @@ class RunConfig(Section):
             return self
         if self.device == "cpu":
             raise ValueError("train.cuda_graphs runs on CUDA only: set device to cuda or train.cuda_graphs=false")
-        if not self.data.length_bucket:
-            raise ValueError("train.cuda_graphs captures one graph per static batch shape: set data.length_bucket (e.g. 256)")
+        if not self.data.buckets:
+            raise ValueError("train.cuda_graphs captures one graph per static batch shape: set data.length_bucket (e.g. 256) "
+                             "or data.length_buckets")
         if self.train.grad_accum != 1:
             raise ValueError(f"train.cuda_graphs captures one micro-batch a step; train.grad_accum is {self.train.grad_accum}")
         if self.train.ce_kernel != "chunked":

@@ -135,6 +135,11 @@ class ObjectiveConfig(Section):
     num_anchors: int = Field(512, ge=1)
     """Blocks per sequence: size it so the drafter's share of the step is no larger than the target's;
     past that, more anchors cost time without learning more (history: docs/benchmarks/quality.md)."""
+    num_anchors_length: int | None = Field(None, ge=1)
+    """The padded length num_anchors is sized for: a batch padded longer draws num_anchors x its length
+    / this many blocks a row (rounded up), so long rows get blocks in proportion while shorter ones keep
+    num_anchors (e.g. 1024 with num_anchors 64: 512 a row at 8,192 tokens). Unset: num_anchors a row
+    whatever its length, most of them padding in a short row of a long bucket."""
     slot_weights: Literal["decay", "dpace"] = "dpace"
     """How each block slot's loss is weighted. decay: w_k = exp(-(k-1)/gamma), the DFlash paper's.
     dpace: D-PACE (SpecForge's default for DFlash), each slot by the expected acceptance riding on it
@@ -187,6 +192,12 @@ class ObjectiveConfig(Section):
             raise ValueError(f"objective.{unread} is not read with objective.slot_weights={self.slot_weights}: "
                              f"remove it, or set slot_weights to {'dpace' if unread == 'dpace_alpha' else 'decay'}")
         return self
+
+    def anchors_per_row(self, padded_length: int) -> int:
+        """Blocks drawn from each row of a batch padded to `padded_length` tokens."""
+        if self.num_anchors_length is None or padded_length <= self.num_anchors_length:
+            return self.num_anchors
+        return -(-self.num_anchors * padded_length // self.num_anchors_length)
 
     @property
     def needs_target_logits(self) -> bool:

@@ -4,12 +4,11 @@ script on CPU with a dozen prompts, two training steps an arm, and one prompt pe
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from example_runs import TINY_ARM, example_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,18 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(1200)
 def test_the_family_comparison_runs_every_arm_on_cpu(tmp_path):
     root = tmp_path / "families"
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # python3 = this venv's
-        "ROOT": str(root), "DEVICE": "cpu", "NUM_PROMPTS": "6", "HELDOUT": "1", "ANSWER_TOKENS": "10",
-        "BATCH": "8", "EVAL_BATCH": "2", "NEW_TOKENS": "6", "EVAL_PROMPTS": "1", "EVERY_PROMPTS": "8",
-        "CODE_PROMPTS": "0", "MULTI_PROMPTS": "0", "MAX_CHARS": "200", "ENGINE": "static",
-        "ARMS": "dflash-decay dflash2 warm-join dspark",
-        "COMMON_ARGS": "target.dtype=auto train.time_budget_minutes=null train.max_steps=2 objective.num_anchors=4 "
-                       "data.length_bucket=0 data.max_length=256 data.token_budget=256 train.compile=false "
-                       "train.compile_loss=false draft.num_layers=1 draft.num_target_features=2 "
-                       "draft.dflash2.conv_group_size=64 checkpoint.every=100",
-    }
+    env = example_env(ROOT=str(root), MULTI_PROMPTS="0", ARMS="dflash-decay dflash2 warm-join dspark",
+                      COMMON_ARGS=f"{TINY_ARM} data.length_bucket=0 data.max_length=256 data.token_budget=256")
     done = subprocess.run(["bash", str(ROOT / "examples" / "compare_families.sh"), "all"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1100)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -132,3 +132,24 @@ def test_a_window_shorter_than_a_block_is_refused():
         build_config(overrides=["draft.sliding_window=4", "objective.block_size=8"])
     assert build_config(overrides=["draft.sliding_window=8", "objective.block_size=8"]).draft.sliding_window == 8
     assert build_config().draft.sliding_window is None
+
+
+def test_listed_length_buckets_are_one_ascending_list_that_holds_max_length():
+    cfg = build_config(overrides=["data.max_length=4096", "data.length_buckets=[256, 1024, 4096]"])
+    assert cfg.data.buckets == (256, 1024, 4096) and cfg.data.bucket_lengths == (256, 1024, 4096)
+    multiples = build_config(overrides=["data.max_length=1024", "data.length_bucket=256"]).data
+    assert multiples.buckets == 256 and multiples.bucket_lengths == (256, 512, 768, 1024)
+    assert build_config(overrides=["data.max_length=1024"]).data.bucket_lengths == ()
+    for bad, message in ((["data.length_bucket=256", "data.length_buckets=[512, 4096]"], "set one"),
+                         (["data.length_buckets=[1024, 512, 4096]"], "ascending"),
+                         (["data.length_buckets=[512, 2048]"], r"at least data.max_length \(4096\)")):
+        with pytest.raises(ConfigError, match=message):
+            build_config(overrides=["data.max_length=4096", *bad])
+
+
+def test_anchors_grow_with_the_padded_length_past_num_anchors_length():
+    """objective.num_anchors_length: num_anchors a row up to it, in proportion (rounded up) beyond."""
+    objective = build_config(overrides=["objective.num_anchors=64", "objective.num_anchors_length=1024"]).objective
+    assert [objective.anchors_per_row(n) for n in (256, 1024, 1536, 2048, 8192, 8000)] == [64, 64, 96, 128, 512, 500]
+    fixed = build_config(overrides=["objective.num_anchors=64"]).objective
+    assert {fixed.anchors_per_row(n) for n in (256, 8192)} == {64}

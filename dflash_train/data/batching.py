@@ -1,8 +1,8 @@
 """Token-budget batching: length-grouped, deterministic from (seed, epoch), resumable by index.
 
 Two modes. Default: greedy length-grouped batches under the budget (fewest padded tokens; CPU).
-Bucket mode (`length_bucket` > 0, GPU with compile): lengths round up to a multiple of the bucket
-and each bucket has ONE batch shape, rows = budget // padded length (capped), short batches padded
+Bucket mode (`length_bucket` > 0 or a list of lengths, GPU with compile): lengths round up to a
+multiple of the bucket or to the next listed length, and each bucket has ONE batch shape, rows = budget // padded length (capped), short batches padded
 with empty rows, so compiled kernels see a handful of shapes.
 
 A batch holds at most `max_batch_size` sequences and at most `token_budget` padded tokens
@@ -14,34 +14,55 @@ it and continues at the saved (epoch, batch index), on any number of ranks.
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
+
 import numpy as np
 
 WINDOW_BATCHES = 64
 """Length grouping happens inside windows of this many batches' worth of samples."""
 
 
-def bucket_shape(length: int, length_bucket: int, token_budget: int, max_batch_size: int) -> tuple[int, int]:
+Buckets = int | Sequence[int]
+"""A multiple every padded length rounds up to, or the ascending padded lengths themselves."""
+
+
+def padded_length(length: int, buckets: Buckets) -> int:
+    """The length a row of `length` tokens is padded to: the next multiple, or the first bucket holding it."""
+    if isinstance(buckets, int):
+        return -(-length // buckets) * buckets
+    i = bisect.bisect_left(buckets, length)
+    if i == len(buckets):
+        raise ValueError(f"a sequence of {length} tokens is longer than the longest length bucket ({buckets[-1]})")
+    return buckets[i]
+
+
+def bucket_shape(length: int, buckets: Buckets, token_budget: int, max_batch_size: int) -> tuple[int, int]:
     """(rows, padded length) of every batch whose longest sequence is `length`, in bucket mode.
 
     Compiled kernels then see one shape per bucket, whatever the data: zero recompiles once each
     bucket has been compiled (dflash-train warmup).
     """
-    padded = -(-length // length_bucket) * length_bucket
+    padded = padded_length(length, buckets)
     return max(1, min(max_batch_size, token_budget // padded)), padded
 
 
-def _bucketed(lengths, order, length_bucket, token_budget, max_batch_size) -> list[np.ndarray]:
-    padded = -(-lengths // length_bucket) * length_bucket
+def _bucketed(lengths, order, buckets: Buckets, token_budget, max_batch_size) -> list[np.ndarray]:
+    if isinstance(buckets, int):
+        padded = -(-lengths // buckets) * buckets
+    else:
+        padded_length(int(lengths.max()), buckets)  # the longest fits, or a one-line error
+        padded = np.asarray(buckets)[np.searchsorted(buckets, lengths)]
     batches = []
     for size in np.unique(padded):
         members = order[padded[order] == size]
-        rows, _ = bucket_shape(int(size), length_bucket, token_budget, max_batch_size)
+        rows, _ = bucket_shape(int(size), buckets, token_budget, max_batch_size)
         batches += [members[i : i + rows] for i in range(0, len(members), rows)]
     return batches
 
 
 def make_batches(
-    lengths: np.ndarray, token_budget: int, max_batch_size: int, seed: int, epoch: int, length_bucket: int = 0
+    lengths: np.ndarray, token_budget: int, max_batch_size: int, seed: int, epoch: int, length_bucket: Buckets = 0
 ) -> list[np.ndarray]:
     lengths = np.asarray(lengths)
     if len(lengths) and lengths.max() > token_budget:

@@ -42,6 +42,15 @@ def _layer_params(hidden: int, heads: int, kv_heads: int, head_dim: int, interme
     return attention + 3 * hidden * intermediate + 2 * hidden
 
 
+def max_blocks(cfg: RunConfig) -> int:
+    """Most blocks one micro-batch draws: rows times anchors a row, over the lengths a batch is padded to."""
+    dc = cfg.data
+    # unbucketed, a batch's length is any: the shortest gives the most rows, budget / rows the most rows
+    # at the longest padding, max_length the most anchors a row
+    lengths = dc.bucket_lengths or (1, min(dc.max_length, max(1, dc.token_budget // dc.max_batch_size)), dc.max_length)
+    return max(min(dc.max_batch_size, max(1, dc.token_budget // n)) * cfg.objective.anchors_per_row(n) for n in lengths)
+
+
 def plan_memory(cfg: RunConfig, hf, *, num_features: int, tensor_parallel: int, max_in_flight: int,
                 colocated: bool, dtype_bytes: int = 2) -> list[RoleMemory]:
     """`hf`: the target's transformers config; `num_features`: captured layers per micro-batch."""
@@ -64,7 +73,7 @@ def plan_memory(cfg: RunConfig, hf, *, num_features: int, tensor_parallel: int, 
     d = cfg.draft
     d_inter = d.intermediate_size or inter
     drafter_params = num_features * h * h + d.num_layers * _layer_params(h, heads, kv, hd, d_inter) + 2 * h
-    block_tokens = cfg.data.max_batch_size * cfg.objective.num_anchors * cfg.objective.block_size
+    block_tokens = max_blocks(cfg) * cfg.objective.block_size
     drafter = {
         "drafter+grads+AdamW": 16 * drafter_params,
         "features received": 0 if colocated else 2 * feature_bytes,

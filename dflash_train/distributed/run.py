@@ -217,7 +217,7 @@ def run_rank(args, cfg: RunConfig, runs, layout: Layout, groups, rank: int, devi
         # As the drafters' warm-up does for theirs. Before the stream's start, which the drafters wait for
         # (their own warm-up comes after it): a cold start pays the two one after the other, and no
         # drafter step waits on a compiling target.
-        if target.compiled_here and cfg.data.length_bucket:
+        if target.compiled_here and cfg.data.buckets:
             start, shapes = time.perf_counter(), bucket_shapes(cfg.data)
             warm_up_compiled(target, shapes, feeder.layer_ids)
             log.info("rank %d: the compiled target warmed up on %d bucket shapes in %.1f s", rank, len(shapes),

@@ -48,7 +48,7 @@ def task_from_keys(input_ids: torch.Tensor, loss_mask: torch.Tensor, keys: torch
                    objective: ObjectiveConfig, seed: int | None = None) -> BlockTask:
     """`make_task` given its anchor keys on the device: device work only (a CUDA graph replays it).
     `seed`: the micro-batch's, where known (`BlockTask.seed`)."""
-    anchors, valid = masks.anchors_from_keys(loss_mask, keys, objective.num_anchors)
+    anchors, valid = masks.anchors_from_keys(loss_mask, keys, objective.anchors_per_row(loss_mask.shape[1]))
     # D-PACE weighs the slots in the loss, from the drafter's probabilities: here the mask alone (gamma inf)
     gamma = objective.gamma if objective.slot_weights == "decay" else math.inf
     labels, weights = masks.block_labels(input_ids, loss_mask, anchors, valid, objective.block_size, gamma)

@@ -26,7 +26,7 @@ def anchor_seed(seed: int, epoch: int, batch_index: int) -> int:
 def epoch_plan(cfg: RunConfig, lengths: np.ndarray) -> list[list[np.ndarray]]:
     """Batches of every epoch: a pure function of (lengths, config), so every rank builds the same."""
     return [
-        make_batches(lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.seed, e, cfg.data.length_bucket)
+        make_batches(lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.seed, e, cfg.data.buckets)
         for e in range(cfg.train.epochs)
     ]
 
@@ -42,10 +42,10 @@ def take(epoch_batches: list[list[np.ndarray]], cursor: tuple[int, int]):
 
 def _bucket_of(ds: TokenizedDataset, indices, data: DataConfig) -> tuple[int, int] | None:
     """Bucket mode: the fixed (rows, length) of this batch's bucket; otherwise None (pad to fit)."""
-    if not data.length_bucket:
+    if not data.buckets:
         return None
     longest = max(len(ds.input_ids[i]) for i in indices)
-    return bucket_shape(longest, data.length_bucket, data.token_budget, data.max_batch_size)
+    return bucket_shape(longest, data.buckets, data.token_budget, data.max_batch_size)
 
 
 def collate_as_trained(ds: TokenizedDataset, indices, device, data: DataConfig) -> dict:

@@ -41,5 +41,5 @@ class Compilation:
                             "(`dflash-train doctor`)", ", ".join(tuning))
         recompiles = RecompileWatch()
         if cfg.train.compile:
-            compile_layers(drafter, len(bucket_shapes(cfg.data)) if cfg.data.length_bucket else None)
+            compile_layers(drafter, len(bucket_shapes(cfg.data)) if cfg.data.buckets else None)
         return cls(key, state, recompiles)

@@ -54,7 +54,7 @@ class DraftForward:
                 use_flex: bool) -> DraftForward:
         return cls(drafter, target, device, loss_mix(cfg.objective),
                    use_flex, loss_chunk_rows(cfg.objective.ce_chunk_size, target.vocab_size),
-                   cfg.train.compile_loss, cfg.train.ce_kernel, bool(cfg.data.length_bucket),
+                   cfg.train.compile_loss, cfg.train.ce_kernel, bool(cfg.data.buckets),
                    Fp8Head(target.lm_head_weight) if cfg.train.fp8_lm_head else None, cfg.objective.feature_noise)
 
     @property

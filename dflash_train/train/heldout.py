@@ -43,7 +43,7 @@ def score_heldout(parts: RunParts, cfg: RunConfig, dataset: TokenizedDataset) ->
     and grad mode stays on, which torch.compile guards on. Each micro-batch's graph is dropped
     unused before the next forward (`accumulate`); `LossTally` keeps only detached sums."""
     device, dc = parts.device, cfg.data
-    batches = make_batches(dataset.lengths, dc.token_budget, dc.max_batch_size, 0, 0, dc.length_bucket)
+    batches = make_batches(dataset.lengths, dc.token_budget, dc.max_batch_size, 0, 0, dc.buckets)
     weight_sum = torch.zeros((), device=device)
 
     def micro_batches():

@@ -76,9 +76,8 @@ def compile_layers(drafter: torch.nn.Module, num_bucket_shapes: int | None) -> N
 
 
 def bucket_shapes(dc: DataConfig) -> list[tuple[int, int]]:
-    """(rows, length) of every length bucket's batches (`data.length_bucket`)."""
-    return [bucket_shape(n, dc.length_bucket, dc.token_budget, dc.max_batch_size)
-            for n in range(dc.length_bucket, dc.max_length + dc.length_bucket, dc.length_bucket)]
+    """(rows, length) of every length bucket's batches (`data.length_bucket` or `data.length_buckets`)."""
+    return [bucket_shape(n, dc.buckets, dc.token_budget, dc.max_batch_size) for n in dc.bucket_lengths]
 
 
 def synthetic_batch(target: Target, stream_layers: list[int], device: torch.device, rows: int, length: int,

@@ -78,7 +78,7 @@ class TrainStep:
         p.scheduler.step()
         p.optimizer.zero_grad(set_to_none=self.graphs is None)  # the graphs write to fixed .grad
         progress.step += 1
-        if progress.step == self.cfg.train.compile_warmup_steps and not self.cfg.data.length_bucket:
+        if progress.step == self.cfg.train.compile_warmup_steps and not self.cfg.data.buckets:
             p.compilation.recompiles.mark_warm()
         return {"grad_norm": grad_norm, "lr": lr}
 
@@ -113,7 +113,7 @@ class TrainStep:
     def prepare(self) -> None:
         """Before the first step: every bucket compiled (train.compile, target.compile) and captured
         (train.cuda_graphs)."""
-        if (self.cfg.train.compile or self.parts.target.compiled_here) and self.cfg.data.length_bucket:
+        if (self.cfg.train.compile or self.parts.target.compiled_here) and self.cfg.data.buckets:
             t = time.perf_counter()
             n = self.compile_buckets()
             log.info("compiled %d bucket shapes in %.1f s (cache was %s)", n, time.perf_counter() - t,

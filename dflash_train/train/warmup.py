@@ -20,7 +20,7 @@ def warmup(cfg: RunConfig, steps: int | None = None) -> dict:
     t0 = time.perf_counter()
     parts = build(cfg)
     step = TrainStep(cfg, parts)
-    if cfg.data.length_bucket:
+    if cfg.data.buckets:
         steps = step.compile_buckets()
     else:
         steps = steps or cfg.train.compile_warmup_steps

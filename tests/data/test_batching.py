@@ -65,3 +65,25 @@ def test_bucket_mode_has_one_shape_per_bucket_and_keeps_every_sample():
         assert lengths[batch].max() <= padded
         shapes.add((rows, padded))
     assert len(shapes) == 4  # buckets 128, 256, 384, 512: one compiled shape each
+
+
+def test_listed_buckets_pad_each_batch_to_the_next_listed_length():
+    """data.length_buckets: a batch is padded to the first listed length holding its longest row, so a
+    short row of a long dataset is not padded to a long multiple; every sample kept, one shape a length."""
+    from dflash_train.data.batching import bucket_shape, padded_length
+
+    buckets = (64, 128, 256, 512, 1024)
+    lengths = np.random.default_rng(1).integers(5, 1025, 400)
+    batches = make_batches(lengths, 2048, 16, seed=0, epoch=0, length_bucket=buckets)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(400))
+    shapes = set()
+    for batch in batches:
+        longest = int(lengths[batch].max())
+        rows, padded = bucket_shape(longest, buckets, 2048, 16)
+        assert padded == min(b for b in buckets if b >= longest)  # the next listed length, brute force
+        assert len(batch) <= rows == min(16, 2048 // padded)
+        assert all(padded_length(int(n), buckets) == padded for n in lengths[batch])  # rows share one bucket
+        shapes.add((rows, padded))
+    assert shapes == {bucket_shape(b, buckets, 2048, 16) for b in buckets}
+    with pytest.raises(ValueError, match="longer than the longest length bucket"):
+        make_batches(np.array([10, 1100]), 2048, 4, seed=0, epoch=0, length_bucket=buckets)

@@ -53,3 +53,18 @@ def test_launch_dry_run_prints_the_plan_and_refuses_what_cannot_fit(tmp_path, ca
     assert "memory per GPU (estimate):\n  target GPU: " in out and "\n  drafter GPU: " in out
     with pytest.raises(ValueError, match="the plan does not fit: target GPU: .*drafter GPU: "):
         launch_main([*argv, "--gpu-memory-gib", "0.0001"])
+
+
+def test_the_plan_counts_the_most_blocks_any_batch_shape_draws():
+    """max_blocks against every batch a brute force can form: rows of one padded length, as many as the
+    budget and max_batch_size allow, times the anchors a row of that length draws."""
+    from dflash_train.data.batching import bucket_shape
+    from dflash_train.distributed.memory import max_blocks
+
+    for overrides in (["data.length_bucket=256"], ["data.length_buckets=[256, 1024, 4096, 8192]"],
+                      ["data.length_buckets=[256, 1024, 4096, 8192]", "objective.num_anchors_length=1024"], []):
+        cfg = build_config(overrides=["data.max_length=8192", "data.token_budget=32768", "data.max_batch_size=64",
+                                      "objective.num_anchors=64", *overrides])
+        brute = max(rows * cfg.objective.anchors_per_row(padded)
+                    for rows, padded in (bucket_shape(n, cfg.data.buckets or 1, 32768, 64) for n in range(1, 8193)))
+        assert max_blocks(cfg) == brute

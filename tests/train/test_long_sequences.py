@@ -75,3 +75,36 @@ def test_sequences_far_past_the_bucket_train_with_anchors_deep_in_their_context(
     assert [r["step"] for r in records] == list(range(1, 9))
     assert all(math.isfinite(r["loss"]) for r in records)
     assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_listed_buckets_and_anchors_in_proportion_train_rows_of_mixed_length(
+        tmp_path, make_run_config, shared_tiny_target):
+    """data.length_buckets with objective.num_anchors_length: a short row's batch is padded to a short
+    listed length and draws num_anchors a row; a long one's to a long length, with anchors in proportion."""
+    data = tmp_path / "mixed.jsonl"
+    rows = [long_conversation(i, num_turns=1 + 2 * (i % 2)) for i in range(8)]  # ~500 and ~1,500 tokens
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    buckets = [256, 512, 1024, 2048]
+    cfg = make_run_config(overrides=[f"data.train_files=[{data}]", "data.max_length=2048",
+                                     f"data.length_buckets={buckets}", "objective.num_anchors=8",
+                                     "objective.num_anchors_length=512", "data.token_budget=4096",
+                                     "data.max_batch_size=2", "train.max_steps=8", "train.lr=1e-2"])
+    trainer = Trainer(cfg, target=shared_tiny_target)
+    seen = set()
+    for _ in range(8):
+        batch, seed = trainer.stepper.local.next_micro_batch(trainer.progress)
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        length = ids.shape[1]
+        assert tuple(ids.shape) in bucket_shapes(cfg.data) and length in buckets
+        assert length == min(b for b in buckets if b >= int(batch["attention_mask"].sum(1).max()))
+        task = make_task(ids, loss_mask, cfg.objective, seed)
+        assert task.anchors.shape == (ids.shape[0], max(8, -(-8 * length // 512)))
+        assert bool(loss_mask.gather(1, task.anchors)[task.valid].all())
+        seen.add(length)
+        trainer.progress.step += 1
+    assert len(seen) >= 2  # short and long rows took different shapes
+    trainer = Trainer(cfg, target=shared_tiny_target)
+    trainer.fit(progress=False)
+    records = read_metrics(cfg.run_dir)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert all(math.isfinite(r["loss"]) for r in records)
