@@ -74,6 +74,9 @@ def peer_config(cfg: RunConfig, d: DraftModelConfig, loss: str, weights: str) ->
         "max_position_embeddings": d.max_position_embeddings,
         "rope_parameters": {"rope_type": "default", "rope_theta": d.rope_theta},
     }
+    if cfg.objective.num_anchors_length is not None:
+        raise ValueError("objective.num_anchors_length: Model-Optimizer draws a fixed number of anchors a row; "
+                         "remove it so both sides train alike")
     return {
         "dflash_block_size": d.block_size,
         "dflash_num_anchors": cfg.objective.num_anchors,

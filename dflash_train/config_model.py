@@ -197,7 +197,7 @@ class ObjectiveConfig(Section):
         """Blocks drawn from each row of a batch padded to `padded_length` tokens."""
         if self.num_anchors_length is None or padded_length <= self.num_anchors_length:
             return self.num_anchors
-        return -(-self.num_anchors * padded_length // self.num_anchors_length)
+        return min(padded_length, -(-self.num_anchors * padded_length // self.num_anchors_length))
 
     @property
     def needs_target_logits(self) -> bool:

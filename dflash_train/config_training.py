@@ -66,15 +66,19 @@ class DataConfig(Section):
 
     @property
     def buckets(self) -> int | tuple[int, ...]:
-        """What batching pads to (data/batching.py `padded_length`): the explicit lengths, else
+        """What batching pads to (data/batching.py `padded_length`): the listed lengths up to the first
+        that holds max_length (no row is longer: those past it would be compiled for nothing), else
         length_bucket's multiple (0: no bucket shapes)."""
-        return tuple(self.length_buckets) or self.length_bucket
+        if not self.length_buckets:
+            return self.length_bucket
+        past = next(i for i, n in enumerate(self.length_buckets) if n >= self.max_length)
+        return tuple(self.length_buckets[: past + 1])
 
     @property
     def bucket_lengths(self) -> tuple[int, ...]:
         """Every padded length a batch can take (empty without buckets)."""
         if self.length_buckets or not self.length_bucket:
-            return tuple(self.length_buckets)
+            return self.buckets or ()
         return tuple(range(self.length_bucket, self.max_length + self.length_bucket, self.length_bucket))
 
     @model_validator(mode="after")

@@ -32,11 +32,16 @@ DT=(python3 -m dflash_train)
 
 data() {  # prompts (unless already there), the long set, the target's answers, tokenised once per arm
   [ -f "$DATA/heldout_prompts.jsonl" ] || RUN=$ROOT "${CHAIN[@]}" prompts
-  [ -f "$LONG_FILE" ] || "${DT[@]}" prompts --source long --multi-turn 8 --max-chars 6000 --num "$LONG_PROMPTS" \
-    --heldout "$LONG_PROMPTS" --out "$(dirname "$LONG_FILE")"
+  if [ ! -f "$LONG_FILE" ]; then  # prompts writes DIR/heldout_prompts.jsonl
+    [ "$(basename "$LONG_FILE")" = heldout_prompts.jsonl ] || { echo "LONG_FILE=$LONG_FILE does not exist" >&2; return 2; }
+    "${DT[@]}" prompts --source long --multi-turn 8 --max-chars 6000 --num "$LONG_PROMPTS" --heldout "$LONG_PROMPTS" \
+      --out "$(dirname "$LONG_FILE")"
+  fi
   RUN=$ROOT "${CHAIN[@]}" generate
   RUN=$ROOT TRAIN_ARGS="$COMMON_ARGS" "${CHAIN[@]}" prepare
   mkdir -p "$LONG_DATA" && cp "$DATA/heldout_prompts.jsonl" "$LONG_DATA/"
+  # held-out answers (generate-heldout), where present, probe both arms alike: a probe's pauses count in the budget
+  if [ -d "$DATA/heldout" ]; then ln -sfn "$(cd "$DATA/heldout" && pwd)" "$LONG_DATA/heldout"; fi
   local answers=$DATA/train  # named first: an assignment before a command sees the ones left of it
   DATA=$LONG_DATA RUN=$ROOT TRAIN_FILES=$answers TRAIN_ARGS="$COMMON_ARGS $LONG_ARGS" "${CHAIN[@]}" prepare
 }

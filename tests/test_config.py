@@ -140,6 +140,9 @@ def test_listed_length_buckets_are_one_ascending_list_that_holds_max_length():
     multiples = build_config(overrides=["data.max_length=1024", "data.length_bucket=256"]).data
     assert multiples.buckets == 256 and multiples.bucket_lengths == (256, 512, 768, 1024)
     assert build_config(overrides=["data.max_length=1024"]).data.bucket_lengths == ()
+    # no row is longer than max_length: the lengths past the first that holds it are never padded to
+    past = build_config(overrides=["data.max_length=1000", "data.length_buckets=[256, 1024, 4096]"]).data
+    assert past.buckets == past.bucket_lengths == (256, 1024)
     for bad, message in ((["data.length_bucket=256", "data.length_buckets=[512, 4096]"], "set one"),
                          (["data.length_buckets=[1024, 512, 4096]"], "ascending"),
                          (["data.length_buckets=[512, 2048]"], r"at least data.max_length \(4096\)")):
@@ -151,5 +154,7 @@ def test_anchors_grow_with_the_padded_length_past_num_anchors_length():
     """objective.num_anchors_length: num_anchors a row up to it, in proportion (rounded up) beyond."""
     objective = build_config(overrides=["objective.num_anchors=64", "objective.num_anchors_length=1024"]).objective
     assert [objective.anchors_per_row(n) for n in (256, 1024, 1536, 2048, 8192, 8000)] == [64, 64, 96, 128, 512, 500]
+    dense = build_config(overrides=["objective.num_anchors=64", "objective.num_anchors_length=16"]).objective
+    assert dense.anchors_per_row(256) == 256  # never more blocks than positions
     fixed = build_config(overrides=["objective.num_anchors=64"]).objective
     assert {fixed.anchors_per_row(n) for n in (256, 8192)} == {64}

@@ -109,3 +109,6 @@ def test_peer_config_builds_our_drafter_shape():
     assert to_ours(model)[0] == ours
     assert model.dflash_num_anchors == 3 and model.dflash_self_logit_distillation
     assert model.dflash_loss_objective == "dpace"
+    proportional = build_config({"objective": {"num_anchors": 3, "num_anchors_length": 64}})
+    with pytest.raises(ValueError, match="fixed number of anchors a row"):
+        peer_config(proportional, ours, loss="kd", weights="dpace")

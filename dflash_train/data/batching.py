@@ -51,7 +51,8 @@ def _bucketed(lengths, order, buckets: Buckets, token_budget, max_batch_size) ->
     if isinstance(buckets, int):
         padded = -(-lengths // buckets) * buckets
     else:
-        padded_length(int(lengths.max()), buckets)  # the longest fits, or a one-line error
+        if len(lengths):
+            padded_length(int(lengths.max()), buckets)  # the longest fits, or a one-line error
         padded = np.asarray(buckets)[np.searchsorted(buckets, lengths)]
     batches = []
     for size in np.unique(padded):

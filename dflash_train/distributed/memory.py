@@ -43,11 +43,11 @@ def _layer_params(hidden: int, heads: int, kv_heads: int, head_dim: int, interme
 
 
 def max_blocks(cfg: RunConfig) -> int:
-    """Most blocks one micro-batch draws: rows times anchors a row, over the lengths a batch is padded to."""
+    """Most blocks one micro-batch draws: rows times anchors a row, over every length a batch can be
+    padded to (unbucketed: any length up to max_length; with num_anchors_length the rounding makes
+    lengths between the ends the worst)."""
     dc = cfg.data
-    # unbucketed, a batch's length is any: the shortest gives the most rows, budget / rows the most rows
-    # at the longest padding, max_length the most anchors a row
-    lengths = dc.bucket_lengths or (1, min(dc.max_length, max(1, dc.token_budget // dc.max_batch_size)), dc.max_length)
+    lengths = dc.bucket_lengths or range(1, dc.max_length + 1)
     return max(min(dc.max_batch_size, max(1, dc.token_budget // n)) * cfg.objective.anchors_per_row(n) for n in lengths)
 
 

@@ -33,8 +33,9 @@ def _too_large(cfg: RunConfig, rows: int, length: int, device: torch.device) -> 
     total = torch.cuda.get_device_properties(device).total_memory / 2**30
     return (f"the drafter's step of {rows} rows x {length} tokens does not fit in the {total:.0f} GiB of "
             f"{torch.cuda.get_device_name(device)} (draft.family={cfg.draft.family}, data.token_budget="
-            f"{cfg.data.token_budget}, objective.ce_chunk_size={cfg.objective.ce_chunk_size}, objective.num_anchors="
-            f"{cfg.objective.num_anchors}): lower one of them")
+            f"{cfg.data.token_budget}, objective.ce_chunk_size={cfg.objective.ce_chunk_size}, "
+            f"{cfg.objective.anchors_per_row(length)} anchors a row from objective.num_anchors="
+            f"{cfg.objective.num_anchors} and num_anchors_length={cfg.objective.num_anchors_length}): lower one of them")
 
 
 class TrainStep:

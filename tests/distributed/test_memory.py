@@ -61,10 +61,18 @@ def test_the_plan_counts_the_most_blocks_any_batch_shape_draws():
     from dflash_train.data.batching import bucket_shape
     from dflash_train.distributed.memory import max_blocks
 
-    for overrides in (["data.length_bucket=256"], ["data.length_buckets=[256, 1024, 4096, 8192]"],
-                      ["data.length_buckets=[256, 1024, 4096, 8192]", "objective.num_anchors_length=1024"], []):
-        cfg = build_config(overrides=["data.max_length=8192", "data.token_budget=32768", "data.max_batch_size=64",
-                                      "objective.num_anchors=64", *overrides])
+    recipe = ["data.max_length=8192", "data.token_budget=32768", "data.max_batch_size=64", "objective.num_anchors=64"]
+    for overrides in ([*recipe, "data.length_bucket=256"], [*recipe, "data.length_buckets=[256, 1024, 4096, 8192]"],
+                      [*recipe, "data.length_buckets=[256, 1024, 4096, 8192]", "objective.num_anchors_length=1024"],
+                      [*recipe], [*recipe, "objective.num_anchors_length=1024"],
+                      # a bucket past max_length is never padded to; unbucketed, the rounding of proportional
+                      # anchors makes a length between the ends the worst
+                      [*recipe, "data.max_length=4096", "data.length_buckets=[256, 1024, 4096, 8192]"],
+                      ["data.max_length=2238", "data.token_budget=7170", "data.max_batch_size=10",
+                       "objective.num_anchors=4", "objective.num_anchors_length=510"]):
+        cfg = build_config(overrides=overrides)
+        dc = cfg.data
         brute = max(rows * cfg.objective.anchors_per_row(padded)
-                    for rows, padded in (bucket_shape(n, cfg.data.buckets or 1, 32768, 64) for n in range(1, 8193)))
-        assert max_blocks(cfg) == brute
+                    for rows, padded in (bucket_shape(n, dc.buckets or 1, dc.token_budget, dc.max_batch_size)
+                                         for n in range(1, dc.max_length + 1)))
+        assert max_blocks(cfg) == brute, overrides
