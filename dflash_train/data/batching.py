@@ -2,8 +2,9 @@
 
 Two modes. Default: greedy length-grouped batches under the budget (fewest padded tokens; CPU).
 Bucket mode (`length_bucket` > 0 or a list of lengths, GPU with compile): lengths round up to a
-multiple of the bucket or to the next listed length, and each bucket has ONE batch shape, rows = budget // padded length (capped), short batches padded
-with empty rows, so compiled kernels see a handful of shapes.
+multiple of the bucket or to the next listed length, and each bucket has ONE batch shape, rows =
+budget // padded length (capped), short batches padded with empty rows, so compiled kernels see a
+handful of shapes.
 
 A batch holds at most `max_batch_size` sequences and at most `token_budget` padded tokens
 (count x longest). Sequences of similar length are grouped (within shuffled windows, so batches
@@ -14,7 +15,6 @@ it and continues at the saved (epoch, batch index), on any number of ranks.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,14 +27,21 @@ Buckets = int | Sequence[int]
 """A multiple every padded length rounds up to, or the ascending padded lengths themselves."""
 
 
-def padded_length(length: int, buckets: Buckets) -> int:
-    """The length a row of `length` tokens is padded to: the next multiple, or the first bucket holding it."""
+def padded_lengths(lengths: np.ndarray, buckets: Buckets) -> np.ndarray:
+    """The lengths rows of `lengths` tokens are padded to: the next multiple, or the first bucket holding each."""
+    lengths = np.asarray(lengths)
     if isinstance(buckets, int):
-        return -(-length // buckets) * buckets
-    i = bisect.bisect_left(buckets, length)
-    if i == len(buckets):
-        raise ValueError(f"a sequence of {length} tokens is longer than the longest length bucket ({buckets[-1]})")
-    return buckets[i]
+        return -(-lengths // buckets) * buckets
+    index = np.searchsorted(buckets, lengths)
+    if index.size and index.max() == len(buckets):
+        raise ValueError(
+            f"a sequence of {int(lengths.max())} tokens is longer than the longest length bucket ({buckets[-1]})")
+    return np.asarray(buckets)[index]
+
+
+def padded_length(length: int, buckets: Buckets) -> int:
+    """padded_lengths of one row, as a Python int (bucket shapes end up in JSON and tuple comparisons)."""
+    return int(padded_lengths(np.array([length]), buckets)[0])
 
 
 def bucket_shape(length: int, buckets: Buckets, token_budget: int, max_batch_size: int) -> tuple[int, int]:
@@ -48,12 +55,7 @@ def bucket_shape(length: int, buckets: Buckets, token_budget: int, max_batch_siz
 
 
 def _bucketed(lengths, order, buckets: Buckets, token_budget, max_batch_size) -> list[np.ndarray]:
-    if isinstance(buckets, int):
-        padded = -(-lengths // buckets) * buckets
-    else:
-        if len(lengths):
-            padded_length(int(lengths.max()), buckets)  # the longest fits, or a one-line error
-        padded = np.asarray(buckets)[np.searchsorted(buckets, lengths)]
+    padded = padded_lengths(lengths, buckets)
     batches = []
     for size in np.unique(padded):
         members = order[padded[order] == size]
