@@ -21,6 +21,7 @@ LONG_BUCKETS=${LONG_BUCKETS:-[256,512,768,1024,1536,2048,3072,4096,6144,8192]}  
 LONG_PROMPTS=${LONG_PROMPTS:-64}    # conversations of the long set evaluated
 LONG_BATCH=${LONG_BATCH:-32}        # of them decoded together: 32 contexts of up to 8K tokens hold ~12 GiB of SmolLM2 KV cache in fp32
 COMMON_ARGS=${COMMON_ARGS:-}       # overrides both arms take
+ARMS=${ARMS:-short long}           # the arms train, eval and table run (one of them: e.g. a rerun of that arm)
 export EVERY_PROMPTS=${EVERY_PROMPTS:-24000} MULTI_PROMPTS=${MULTI_PROMPTS:-4000} MULTI_TURNS=${MULTI_TURNS:-8}
 export DATA=${DATA:-$ROOT/data}
 LONG_DATA=$ROOT/long-data          # the same answers, tokenised at LONG_LENGTH
@@ -46,15 +47,21 @@ data() {  # prompts (unless already there), the long set, the target's answers, 
   DATA=$LONG_DATA RUN=$ROOT TRAIN_FILES=$answers TRAIN_ARGS="$COMMON_ARGS $LONG_ARGS" "${CHAIN[@]}" prepare
 }
 
-train() {  # the two arms one after the other, each compare_families.sh's FAMILY arm
-  ROOT=$ROOT/short DATA=$DATA ARMS=$FAMILY BUDGET=$BUDGET COMMON_ARGS="$COMMON_ARGS" bash "$HERE/compare_families.sh" train
-  ROOT=$ROOT/long DATA=$LONG_DATA ARMS=$FAMILY BUDGET=$BUDGET COMMON_ARGS="$COMMON_ARGS $LONG_ARGS" \
-    bash "$HERE/compare_families.sh" train
+train() {  # the arms one after the other, each compare_families.sh's FAMILY arm
+  local arm
+  for arm in $ARMS; do
+    if [ "$arm" = long ]; then
+      ROOT=$ROOT/long DATA=$LONG_DATA ARMS=$FAMILY BUDGET=$BUDGET COMMON_ARGS="$COMMON_ARGS $LONG_ARGS" \
+        bash "$HERE/compare_families.sh" train
+    else
+      ROOT=$ROOT/short DATA=$DATA ARMS=$FAMILY BUDGET=$BUDGET COMMON_ARGS="$COMMON_ARGS" bash "$HERE/compare_families.sh" train
+    fi
+  done
 }
 
-evaluate() {  # both arms side by side on the one GPU: the three short sets, then the long set
+evaluate() {  # the arms side by side on the one GPU: the three short sets, then the long set
   local pids=() arm data run
-  for arm in short long; do
+  for arm in $ARMS; do
     data=$DATA; [ $arm = long ] && data=$LONG_DATA
     run=$ROOT/$arm/$FAMILY
     (DATA=$data RUN=$run "${CHAIN[@]}" eval-sets
@@ -67,11 +74,11 @@ evaluate() {  # both arms side by side on the one GPU: the three short sets, the
 }
 
 table() {  # tau per set and arm, the long set's by context bucket; steps and tokens/s from each summary
-  python3 - "$ROOT" "$FAMILY" <<'EOF'
+  python3 - "$ROOT" "$FAMILY" $ARMS <<'EOF'
 import json, sys
 from pathlib import Path
 root, family = Path(sys.argv[1]), sys.argv[2]
-for arm in ("short", "long"):
+for arm in sys.argv[3:]:
     run = root / arm / family
     summary = json.loads((run / "summary.json").read_text())
     cells = []

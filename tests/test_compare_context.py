@@ -47,3 +47,8 @@ def test_the_context_comparison_trains_both_arms_and_reads_the_long_set_by_conte
     table = done.stdout.splitlines()
     assert [line.split()[0] for line in table if line.startswith(("short", "long "))] == ["short", "long"]
     assert sum("long set by context: 0-1K" in line for line in table) == 2
+    env["ARMS"] = "long"  # one arm alone: its table row, the other arm's run untouched
+    done = subprocess.run(["bash", str(ROOT / "examples" / "compare_context.sh"), "table"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [line.split()[0] for line in done.stdout.splitlines() if line.startswith(("short", "long "))] == ["long"]
