@@ -59,18 +59,21 @@ train() {  # the arms one after the other, each compare_families.sh's FAMILY arm
   done
 }
 
-evaluate() {  # the arms side by side on the one GPU: the three short sets, then the long set
+evaluate() {  # every arm's short sets and long set side by side on the one GPU
   local pids=() arm data run
   for arm in $ARMS; do
     data=$DATA; [ $arm = long ] && data=$LONG_DATA
     run=$ROOT/$arm/$FAMILY
-    (DATA=$data RUN=$run "${CHAIN[@]}" eval-sets
-     "${DT[@]}" eval --target "${TARGET:-smollm2}" --drafter "$run/export" --prompts "long=$LONG_FILE" \
-       --num-prompts "$LONG_PROMPTS" --max-new-tokens "${NEW_TOKENS:-256}" --device "${DEVICE:-cuda}" \
-       --batch-size "$LONG_BATCH" --dtype float32 --speed-prompts 0 --out "$run/eval/long") > "$ROOT/$arm/eval.log" 2>&1 &
+    DATA=$data RUN=$run "${CHAIN[@]}" eval-sets > "$ROOT/$arm/eval.log" 2>&1 &
+    pids+=($!)
+    "${DT[@]}" eval --target "${TARGET:-smollm2}" --drafter "$run/export" --prompts "long=$LONG_FILE" \
+      --num-prompts "$LONG_PROMPTS" --max-new-tokens "${NEW_TOKENS:-256}" --device "${DEVICE:-cuda}" \
+      --batch-size "$LONG_BATCH" --dtype float32 --speed-prompts 0 --out "$run/eval/long" > "$ROOT/$arm/eval_long.log" 2>&1 &
     pids+=($!)
   done
-  for pid in "${pids[@]}"; do wait "$pid"; done
+  local failed=0 pid
+  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+  return $failed
 }
 
 table() {  # tau per set and arm, the long set's by context bucket; steps and tokens/s from each summary
