@@ -23,13 +23,18 @@ pytestmark = [
 ]
 
 
+LISTED = [*DFLASH2, "data.length_bucket=0", "data.length_buckets=[48,96]", "objective.num_anchors_length=48"]
+"""DFlash2 with listed buckets and anchors in proportion past 48 tokens: 8 a row at 48, 16 at 96."""
+FAMILIES = pytest.mark.parametrize("family", [[], DFLASH2, LISTED], ids=["dflash", "dflash2", "dflash2-listed"])
+
+
 def learning_target():
     target = to_cuda(tiny_target(num_layers=4, hidden=64))
     target.lm_head_weight.mul_(20)  # as conftest's shared target: a head whose CE can fall in a few steps
     return target
 
 
-@pytest.mark.parametrize("family", [[], DFLASH2], ids=["dflash", "dflash2"])
+@FAMILIES
 def test_each_replay_gives_the_eager_step_whatever_ran_before(make_run_config, family):
     trainer = Trainer(make_run_config(overrides=[*GPU_RECIPE, *family, "train.cuda_graphs=true"]),
                       target=learning_target())
@@ -61,7 +66,7 @@ def test_each_replay_gives_the_eager_step_whatever_ran_before(make_run_config, f
             torch.testing.assert_close(g, w, rtol=2e-3, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", [[], DFLASH2], ids=["dflash", "dflash2"])
+@FAMILIES
 def test_a_run_with_captured_steps_trains_like_the_plain_run(make_run_config, family):
     records, trainers = {}, {}
     for graphs in (False, True):
