@@ -22,6 +22,9 @@ LONG_PROMPTS=${LONG_PROMPTS:-64}    # conversations of the long set evaluated
 LONG_BATCH=${LONG_BATCH:-32}        # of them decoded together: 32 contexts of up to 8K tokens hold ~12 GiB of SmolLM2 KV cache in fp32
 COMMON_ARGS=${COMMON_ARGS:-}       # overrides both arms take
 ARMS=${ARMS:-short long}           # the arms train, eval and table run (one of them: e.g. a rerun of that arm)
+for arm in $ARMS; do
+  case $arm in short|long) ;; *) echo "unknown arm '$arm' in ARMS (short, long)" >&2; exit 2 ;; esac
+done
 export EVERY_PROMPTS=${EVERY_PROMPTS:-24000} MULTI_PROMPTS=${MULTI_PROMPTS:-4000} MULTI_TURNS=${MULTI_TURNS:-8}
 export DATA=${DATA:-$ROOT/data}
 LONG_DATA=$ROOT/long-data          # the same answers, tokenised at LONG_LENGTH
@@ -48,14 +51,11 @@ data() {  # prompts (unless already there), the long set, the target's answers, 
 }
 
 train() {  # the arms one after the other, each compare_families.sh's FAMILY arm
-  local arm
+  local arm data extra
   for arm in $ARMS; do
-    if [ "$arm" = long ]; then
-      ROOT=$ROOT/long DATA=$LONG_DATA ARMS=$FAMILY BUDGET=$BUDGET COMMON_ARGS="$COMMON_ARGS $LONG_ARGS" \
-        bash "$HERE/compare_families.sh" train
-    else
-      ROOT=$ROOT/short DATA=$DATA ARMS=$FAMILY BUDGET=$BUDGET COMMON_ARGS="$COMMON_ARGS" bash "$HERE/compare_families.sh" train
-    fi
+    data=$DATA extra=""; [ $arm = long ] && data=$LONG_DATA extra=$LONG_ARGS
+    ROOT=$ROOT/$arm DATA=$data ARMS=$FAMILY BUDGET=$BUDGET COMMON_ARGS="$COMMON_ARGS $extra" \
+      bash "$HERE/compare_families.sh" train
   done
 }
 

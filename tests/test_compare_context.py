@@ -52,3 +52,7 @@ def test_the_context_comparison_trains_both_arms_and_reads_the_long_set_by_conte
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [line.split()[0] for line in done.stdout.splitlines() if line.startswith(("short", "long "))] == ["long"]
+    env["ARMS"] = "short lng"
+    done = subprocess.run(["bash", str(ROOT / "examples" / "compare_context.sh"), "table"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown arm 'lng' in ARMS (short, long)" in done.stderr
