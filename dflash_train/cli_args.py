@@ -172,8 +172,8 @@ def serve_check_args(p: argparse.ArgumentParser, show_all: bool) -> None:
                    help="llama.cpp's --spec-draft-n-max values to measure tokens/s at, e.g. 1,3,7,15; the fastest "
                    "lossless one is reported (default: the block's full length, block size - 1, always measured)")
     p.add_argument("--draft-p-min", dest="draft_p_min", type=float, default=0.0, help="llama.cpp's "
-                   "--spec-draft-p-min, and ours alike: a DSpark draft stops at its first slot whose confidence "
-                   "head reads below it (default: 0, off)")
+                   "--spec-draft-p-min, and ours alike: a DSpark or DFlash2 draft stops at its first slot whose "
+                   "confidence (DSpark's head, DFlash2's selector) reads below it (default: 0, off)")
     p.add_argument("--backend-sampling", dest="backend_sampling", action="store_true", help="llama.cpp's -bs: "
                    "the target picks its greedy token on the device, no logits copied to the host (default: off)")
     p.add_argument("--our-speed", dest="our_speed", action=argparse.BooleanOptionalAction, default=True,

@@ -129,7 +129,7 @@ class BatchedSpeculative:
             positions = torch.arange(self.context.shape[1], device=device).expand(len(active), -1)
             hidden, block = _draft(self.drafter, self.target, self.context, positions, starts, last, b)
         proposals, draft_logits = propose(self.drafter, self.target, hidden, block, self.temperature, self.generator)
-        limits = draft_limits(self.drafter, hidden, block, proposals, self.draft_p_min)
+        limits = draft_limits(self.drafter, self.target, hidden, block, proposals, self.draft_p_min)
         drafted = proposals.tolist()
         if ragged:
             hidden, features = ragged.extend(torch.cat([last[:, None], proposals], dim=1))
@@ -175,8 +175,9 @@ def batched_speculative(
 ) -> list[SpecResult]:
     """`speculative_generate` for each token-id prompt, `batch_size` rows at a time (BatchedSpeculative;
     no timings: decode_seconds stays 0). `cached`: through the target's ragged KV cache (default: when the
-    target supports it, `RaggedCache.supports`), else cache-free. `draft_p_min`: a DSpark drafter's draft
-    stops at its first slot of confidence below it, as llama.cpp's --spec-draft-p-min (0: off)."""
+    target supports it, `RaggedCache.supports`), else cache-free. `draft_p_min`: a DSpark or DFlash2
+    drafter's draft stops at its first slot of confidence below it, as llama.cpp's --spec-draft-p-min
+    (0: off)."""
     check_budget(max_new_tokens)
     if not prompts or min(map(len, prompts)) < 1:
         raise ValueError("batched_speculative needs at least one prompt, each of at least one token")

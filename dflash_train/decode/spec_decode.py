@@ -160,13 +160,14 @@ def propose(drafter: DFlashDraftModel, target: Target, hidden: torch.Tensor, blo
     return sample_tokens(logits, temperature, generator), logits
 
 
-def draft_limits(drafter: DFlashDraftModel, hidden: torch.Tensor, block_ids: torch.Tensor, proposals: torch.Tensor,
-                 p_min: float) -> torch.Tensor | None:
+def draft_limits(drafter: DFlashDraftModel, target: Target, hidden: torch.Tensor, block_ids: torch.Tensor,
+                 proposals: torch.Tensor, p_min: float) -> torch.Tensor | None:
     """[b] proposals the draft keeps when it stops at the first slot of confidence below `p_min`
-    (llama.cpp's --spec-draft-p-min, DSpark's confidence head); None: 0, every proposal is drafted.
+    (llama.cpp's --spec-draft-p-min: DSpark's confidence head, DFlash2's selector); None: 0, every
+    proposal is drafted.
     The target still checks the whole block; acceptance stops at the limit, so the decisions are a
     shorter draft's (the target's token after the kept proposals does not read the ones past them)."""
-    return None if p_min <= 0 else drafter.draft_limits(hidden, block_ids, proposals, p_min)
+    return None if p_min <= 0 else drafter.draft_limits(hidden, target.lm_head_weight, block_ids, proposals, p_min)
 
 
 def accept_greedy(proposals: torch.Tensor, target_logits: torch.Tensor, limit: int | None = None) -> tuple[int, int]:
@@ -249,7 +250,7 @@ class OneRowSpeculative:
         proposals, draft_logits = propose(self.drafter, self.target, hidden, block[None], self.temperature,
                                           self.generator)
         block[1:] = proposals[0]
-        limit = draft_limits(self.drafter, hidden, block[None], proposals, self.draft_p_min)
+        limit = draft_limits(self.drafter, self.target, hidden, block[None], proposals, self.draft_p_min)
         target_logits, features = _target_forward(self.target, block[None], self.cache, self.layer_ids)
         if self.temperature == 0:
             n, self.token = accept_greedy(block[1:], target_logits, None if limit is None else int(limit[0]))

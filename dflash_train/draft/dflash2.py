@@ -139,6 +139,15 @@ class CandidateSelector(nn.Module):
             path.append(ids[rows, i, chosen])
         return torch.stack(path, dim=1)
 
+    @torch.no_grad()
+    def confidences(self, hidden_BPH: torch.Tensor, logits_BPV: torch.Tensor, anchor_ids: torch.Tensor,
+                    path_BP: torch.Tensor) -> torch.Tensor:
+        """[b, P] the softmax of each position's scores at their argmax, after the path's previous token
+        (the anchor at position 1): the confidence llama.cpp's --spec-draft-p-min reads along the walk."""
+        ids, unary = self.candidates(logits_BPV)
+        predecessors = torch.cat([anchor_ids[:, None], path_BP[:, :-1]], dim=1)[..., None]  # [b, P, 1]
+        return self.scores(hidden_BPH, unary, ids, predecessors)[:, :, 0].softmax(-1).amax(-1)
+
 
 class DFlash2DraftModel(DFlashDraftModel):
     layer_class = DFlash2Layer
@@ -178,6 +187,14 @@ class DFlash2DraftModel(DFlashDraftModel):
                        block_ids: torch.Tensor) -> torch.Tensor:
         slots = hidden_BQH[:, 1:]
         return self.candidate_selector.walk(slots, slots @ lm_head_weight.T, block_ids[:, 0])
+
+    def draft_limits(self, hidden_BQH: torch.Tensor, lm_head_weight: torch.Tensor, block_ids: torch.Tensor,
+                     proposals: torch.Tensor, p_min: float) -> torch.Tensor:
+        """[b] proposals kept of the greedy walk `proposals` [b, Q-1]: those before the first position
+        whose selector confidence is below `p_min` (common/speculative.cpp, the `is_dflash2` branch)."""
+        slots = hidden_BQH[:, 1:]
+        conf = self.candidate_selector.confidences(slots, slots @ lm_head_weight.T, block_ids[:, 0], proposals)
+        return (conf >= p_min).long().cumprod(1).sum(1)
 
 
 def selector_inputs(drafter: DFlash2DraftModel, hidden_BQH: torch.Tensor, block_ids_BQ: torch.Tensor,

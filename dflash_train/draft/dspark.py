@@ -97,8 +97,8 @@ class DSparkDraftModel(DFlashDraftModel):
         return torch.stack(path, dim=1)
 
     @torch.no_grad()
-    def draft_limits(self, hidden_BQH: torch.Tensor, block_ids: torch.Tensor, proposals: torch.Tensor,
-                     p_min: float) -> torch.Tensor:
+    def draft_limits(self, hidden_BQH: torch.Tensor, lm_head_weight: torch.Tensor, block_ids: torch.Tensor,
+                     proposals: torch.Tensor, p_min: float) -> torch.Tensor:
         """[b] drafted tokens kept of `proposals` [b, Q-1] (the greedy chain): those before the first slot
         whose confidence is below `p_min`, as llama.cpp's draft loop cuts them (common/speculative.cpp,
         the `is_dspark` branch). Slot p's previous token is the chain's: the block's given token, then

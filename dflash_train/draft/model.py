@@ -308,11 +308,11 @@ class DFlashDraftModel(nn.Module):
         `forward`): each slot's argmax over the target's LM head."""
         return (hidden_BQH[:, 1:] @ lm_head_weight.T).argmax(-1)
 
-    def draft_limits(self, hidden_BQH: torch.Tensor, block_ids: torch.Tensor, proposals: torch.Tensor,
-                     p_min: float) -> torch.Tensor:
+    def draft_limits(self, hidden_BQH: torch.Tensor, lm_head_weight: torch.Tensor, block_ids: torch.Tensor,
+                     proposals: torch.Tensor, p_min: float) -> torch.Tensor:
         """[b] proposals kept when drafting stops below confidence `p_min` (decode.draft_p_min): only a
-        drafter with a confidence head has one (DSpark's)."""
-        raise ValueError(f"decode.draft_p_min > 0: a {self.config.family} drafter has no confidence head; set it to 0")
+        drafter with a confidence (DSpark's head, DFlash2's selector) has one."""
+        raise ValueError(f"decode.draft_p_min > 0: a {self.config.family} drafter has no confidence; set it to 0")
 
     def logit_bias(self, block_ids_BQ: torch.Tensor, labels_BQ: torch.Tensor):
         """A bias its family adds to the slots' logits in the loss (draft/logit_bias.py `LogitBias`,

@@ -31,8 +31,9 @@ class DecodeSettings(Section):
     batch_size: int = Field(64, ge=1)
     """Prompts decoded together for acceptance."""
     draft_p_min: float = Field(0.0, ge=0, le=1)
-    """A DSpark drafter with a confidence head ends each draft before its first slot whose confidence
-    is below this, as llama.cpp's --spec-draft-p-min (docs/design.md#dspark); 0: off, every slot drafted."""
+    """A DSpark drafter with a confidence head, or a DFlash2 drafter (its selector's softmax at the chosen
+    candidate), ends each draft before its first slot whose confidence is below this, as llama.cpp's
+    --spec-draft-p-min (docs/design.md#dspark); 0: off, every slot drafted."""
     acceptance_cache: Literal["auto", "ragged", "none"] = "auto"
     """How batched acceptance decoding runs the target: ragged = through one KV cache for rows of
     different lengths (a round costs the block alone); none = each round re-runs every row's whole

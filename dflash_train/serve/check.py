@@ -71,8 +71,8 @@ class ServeCheckSettings:
     """llama.cpp's --spec-draft-n-max values measured (draft_lengths.py); the block's full length
     always among them. Default: that one only."""
     draft_p_min: float = 0.0
-    """llama.cpp's --spec-draft-p-min, our decode's draft_p_min alike: a DSpark draft stops at its first
-    slot of confidence below it (the drafter needs a confidence head). 0: off."""
+    """llama.cpp's --spec-draft-p-min, our decode's draft_p_min alike: a draft stops at its first slot of
+    confidence below it (DSpark's confidence head, DFlash2's selector; DFlash has none). 0: off."""
     backend_sampling: bool = False
     """llama.cpp's -bs: the target's greedy pick made on the device, so a verification copies no logits
     to the host; the choice does not change an answer."""

@@ -90,7 +90,7 @@ class LlamaServer:
             # draft_length runs the drafter over draft_length + 1 tokens
             cmd += ["-md", str(drafter), "--spec-type", spec_type,
                     "--spec-draft-n-max", str(draft_length or block_size - 1), "-ctkd", kv_type, "-ctvd", kv_type]
-            if draft_p_min > 0:  # a DSpark draft stops at its first slot of lower confidence
+            if draft_p_min > 0:  # a DSpark or DFlash2 draft stops at its first slot of lower confidence
                 cmd += ["--spec-draft-p-min", str(draft_p_min)]
             if llama.cuda:
                 cmd += ["-ngld", GPU_LAYERS]

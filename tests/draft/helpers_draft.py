@@ -20,3 +20,23 @@ def tiny_draft_config(**overrides) -> DraftModelConfig:
 def tiny_drafter(seed: int = 0, **overrides) -> DFlashDraftModel:
     torch.manual_seed(seed)
     return DFlashDraftModel(tiny_draft_config(**overrides)).eval()
+
+
+def rounds_cut_by_p_min(target, drafter: DFlashDraftModel, p_min: float) -> int:
+    """Rounds whose draft `p_min` cut short on three prompts, after checking that both decoders cut the same
+    rounds, accept nothing past a cut, answer as the target alone does, and cut nothing when it is 0."""
+    from dflash_train.decode.batched import batched_speculative
+    from dflash_train.decode.spec_decode import speculative_generate, target_greedy
+
+    prompts, full = [[5, 9, 14, 3, 7], [11, 2, 8], [40, 41, 42, 43]], drafter.config.block_size - 1
+    cut = 0
+    for prompt, result in zip(prompts, batched_speculative(target, drafter, prompts, 24, draft_p_min=p_min)):
+        ids = torch.tensor([prompt])
+        assert result.tokens == target_greedy(target, ids, 24).tokens
+        one = speculative_generate(target, drafter, ids, 24, draft_p_min=p_min)
+        assert (one.tokens, one.acceptance_lengths, one.draft_lengths) == \
+            (result.tokens, result.acceptance_lengths, result.draft_lengths)
+        assert all(n - 1 <= d for n, d in zip(result.acceptance_lengths, result.draft_lengths))
+        cut += sum(d < full for d in result.draft_lengths)
+    assert all(d == full for r in batched_speculative(target, drafter, prompts, 24) for d in r.draft_lengths)
+    return cut

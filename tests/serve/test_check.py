@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from dflash_train.config_model import TargetConfig
 from dflash_train.data.prompts import load_prompts
 from dflash_train.decode.spec_decode import target_greedy
+from dflash_train.draft.dflash2 import DFlash2DraftModel
 from dflash_train.draft.dspark import DSparkDraftModel
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 from dflash_train.eval.export import draft_config_from_export, export_config
@@ -142,7 +143,7 @@ def chain_drafter(smollm2_export, confidence_head: bool = False) -> tuple[DraftM
     return cfg, model, len(bigrams)
 
 
-def save_export(cfg: DraftModelConfig, model: DSparkDraftModel, out):
+def save_export(cfg: DraftModelConfig, model: DFlashDraftModel, out):
     (out / "config.json").write_text(json.dumps(export_config(cfg, mask_token="<jupyter_start>")))
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}, out / "model.safetensors")
     return out
@@ -189,6 +190,33 @@ def test_llama_cpp_cuts_dspark_drafts_at_the_confidence_threshold_as_we_do(llama
     assert summary["engine_accepted"] > 0
     assert summary["engine_drafted"] < 3 * summary["engine_verification_steps"]  # some drafts were cut
     assert "whole blocks" in summary["our_static_decoder"]["error"]  # the static decoder cuts no draft
+
+
+@pytest.fixture(scope="module")
+def dflash2_export(smollm2_export, tmp_path_factory):
+    """A random-init DFlash2 drafter for SmolLM2 whose selector is random too, so its confidence along the
+    walk (the softmax of the chosen candidate's scores) spreads over (1/k, 1) and a threshold cuts some
+    drafts, the first slot's included."""
+    base = draft_config_from_export(smollm2_export)
+    cfg = DraftModelConfig(**{**vars(base), "family": "dflash2", "conv_kernel_size": 2, "conv_group_size": 16,
+                              "selector_rank": 8, "selector_top_k": 4})
+    torch.manual_seed(0)
+    model = DFlash2DraftModel(cfg)
+    sel = model.candidate_selector
+    with torch.no_grad():
+        for p in (sel.predecessor_codebook, sel.successor_codebook):
+            p.normal_(std=0.3)
+        sel.hidden_projection.weight.normal_(std=0.3)
+    return save_export(cfg, model, tmp_path_factory.mktemp("dflash2"))
+
+
+@pytest.mark.slow(seconds=90)
+def test_llama_cpp_cuts_dflash2_drafts_where_the_selector_is_unsure_as_we_do(llama, dflash2_export, work):
+    summary = serve_check(llama, settings(dflash2_export, work, draft_p_min=0.5, our_speed=False))
+    print(format_summary(summary))
+    assert summary["passed"], format_summary(summary)
+    assert summary["same_steps_and_accepted"] == {"matches": 2, "total": 2}
+    assert 0 < summary["engine_drafted"] < 3 * summary["engine_verification_steps"]  # some drafts were cut
 
 
 def test_counted_as_engine_counts_a_round_cut_to_no_draft_as_no_step():
