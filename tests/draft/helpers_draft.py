@@ -22,6 +22,14 @@ def tiny_drafter(seed: int = 0, **overrides) -> DFlashDraftModel:
     return DFlashDraftModel(tiny_draft_config(**overrides)).eval()
 
 
+def randomize_selector(model, std: float = 1.0) -> None:
+    """Draw a DFlash2 drafter's selector (both codebooks, then the gate's projection) from N(0, std): a fresh
+    successor codebook is zero, so every candidate would score its logit alone."""
+    sel = model.candidate_selector
+    for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
+        torch.nn.init.normal_(p, std=std)
+
+
 def rounds_cut_by_p_min(target, drafter: DFlashDraftModel, p_min: float) -> int:
     """Rounds whose draft `p_min` cut short on three prompts, after checking that both decoders cut the same
     rounds, accept nothing past a cut, answer as the target alone does, and cut nothing when it is 0."""

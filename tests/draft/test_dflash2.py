@@ -13,7 +13,7 @@ from dflash_train.draft.build import drafter_for
 from dflash_train.draft.dflash2 import DFlash2DraftModel, GroupedConv
 from dflash_train.draft.model import DFlashDraftModel, DraftModelConfig
 from dflash_train.eval.export import draft_config_from_export, export_config
-from draft.helpers_draft import rounds_cut_by_p_min
+from draft.helpers_draft import randomize_selector, rounds_cut_by_p_min
 
 
 def config(**kw) -> DraftModelConfig:
@@ -93,9 +93,7 @@ def random_selector_problem(seed: int, rows: int = 5, block_size: int = 4):
     cfg = config(block_size=block_size)
     model = DFlash2DraftModel(cfg).double()
     torch.manual_seed(seed)
-    sel = model.candidate_selector
-    for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
-        torch.nn.init.normal_(p)
+    randomize_selector(model)
     hidden = torch.randn(rows, cfg.block_size, cfg.hidden_size, dtype=torch.float64)
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.float64)
     blocks = torch.randint(0, cfg.vocab_size, (rows, cfg.block_size))
@@ -136,10 +134,8 @@ def test_decoding_with_p_min_stops_where_the_selector_is_unsure_and_stays_lossle
                               "selector_rank": 8, "selector_top_k": 4})
     drafter = DFlash2DraftModel(cfg).eval().requires_grad_(False)
     drafter.load_state_dict(v1.state_dict(), strict=False)
-    sel = drafter.candidate_selector
     torch.manual_seed(6)
-    for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
-        torch.nn.init.normal_(p, std=0.5)
+    randomize_selector(drafter, std=0.5)
     assert rounds_cut_by_p_min(target, drafter, 0.6) > 0
 
 

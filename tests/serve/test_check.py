@@ -25,6 +25,7 @@ from dflash_train.targets.model import load_target
 from dflash_train.serve.check import ServeCheckSettings, counted_as_engine, format_summary, serve_check
 from dflash_train.serve.llama_cpp import LlamaCppError, find_llama_cpp
 from dflash_train.serve.llama_server import ServerError
+from draft.helpers_draft import randomize_selector
 
 
 def test_counted_as_engine_stops_drafting_before_the_budget():
@@ -202,11 +203,7 @@ def dflash2_export(smollm2_export, tmp_path_factory):
                               "selector_rank": 8, "selector_top_k": 4})
     torch.manual_seed(0)
     model = DFlash2DraftModel(cfg)
-    sel = model.candidate_selector
-    with torch.no_grad():
-        for p in (sel.predecessor_codebook, sel.successor_codebook):
-            p.normal_(std=0.3)
-        sel.hidden_projection.weight.normal_(std=0.3)
+    randomize_selector(model, std=0.3)
     return save_export(cfg, model, tmp_path_factory.mktemp("dflash2"))
 
 
