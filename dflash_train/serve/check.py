@@ -189,8 +189,11 @@ def _engine_answers(llama: LlamaCpp, target_gguf: Path, drafter_gguf: Path | Non
                      threads=settings.threads, exact=settings.gguf_type == "f32",
                      draft_length=draft_length, spec_type=spec_type, draft_p_min=settings.draft_p_min,
                      backend_sampling=settings.backend_sampling) as server:
-        server.complete(prompt_ids[0], 8)  # warm-up: the first request pays one-time set-up
-        return [server.complete(ids, settings.max_new_tokens) for ids in prompt_ids]
+        warm_up = server.complete(prompt_ids[0], 8)  # the first request pays one-time set-up
+        answers = [server.complete(ids, settings.max_new_tokens) for ids in prompt_ids]
+    if drafter_gguf is not None:
+        server.time_drafting([warm_up, *answers])
+    return answers
 
 
 def summarize(results: list[PromptResult], settings: ServeCheckSettings, block_size: int, stop_ids: set[int],

@@ -79,9 +79,22 @@ def speed_row(draft_length: int, speculative: list[Completion], target_only: lis
         "verification_steps": steps, "accepted": accepted, "drafted": sum(c.drafted for c in speculative),
         "speedup": speedup,
         "round_cost_target_steps": round_cost(mean_accepted, speedup),
+        **round_times(speculative),
         "lossless": {"matches": sum(s.tokens == b.tokens for s, b in zip(speculative, target_only)),
                      "total": len(target_only), "near_ties": near_ties},
     }
+
+
+def round_times(speculative: list[Completion]) -> dict:
+    """Where a round's time goes, in llama.cpp's own clocks over all prompts: the generation time per
+    drafting round, and the part of it in the drafter's drafting pass (the rest: the target's
+    verification, the drafter reading the verified tokens' features, sampling and the server's own
+    work). Empty where llama.cpp's log did not give the drafter's time."""
+    calls = sum(c.draft_calls for c in speculative)
+    if not calls or any(c.draft_seconds is None for c in speculative):
+        return {}
+    return {"round_ms": 1000 * sum(c.seconds for c in speculative) / calls,
+            "drafting_ms": 1000 * sum(c.draft_seconds for c in speculative) / calls}
 
 
 def round_cost(mean_accepted_length: float | None, speedup: float | None) -> float | None:
@@ -109,8 +122,8 @@ def best_row(rows: list[dict]) -> dict | None:
 def format_rows(rows: list[dict], best: dict | None, target_only_rate: float) -> list[str]:
     """The per-length table and the best length, as serve-check prints them."""
     lines = [f"  {'draft length':>12}  {'tokens/s (median prompt)':>24}  {'mean accepted':>13}  {'speedup':>7}  "
-             f"{'a round costs (target steps)':>28}  lossless",
-             f"  {'target only':>12}  {target_only_rate:>24.1f}  {'':>13}  {'1.00x':>7}  {'1.00':>28}"]
+             f"{'a round costs (target steps)':>28}  {'drafting ms / round ms':>22}  lossless",
+             f"  {'target only':>12}  {target_only_rate:>24.1f}  {'':>13}  {'1.00x':>7}  {'1.00':>28}  {'':>22}"]
     for r in rows:
         tau = "n/a" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.3f}"
         speedup = "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x"
@@ -118,8 +131,9 @@ def format_rows(rows: list[dict], best: dict | None, target_only_rate: float) ->
         cost = "n/a" if cost is None else f"{cost:.2f}"
         ties = r["lossless"].get("near_ties", 0)
         lossless = f"{r['lossless']['matches']}/{r['lossless']['total']}" + (f" +{ties} near-ties" if ties else "")
+        split = f"{r['drafting_ms']:.2f} / {r['round_ms']:.2f}" if "round_ms" in r else "n/a"
         lines.append(f"  {r['draft_length']:>12}  {r['tokens_per_s']:>24.1f}  {tau:>13}  {speedup:>7}  {cost:>28}  "
-                     f"{lossless}")
+                     f"{split:>22}  {lossless}")
     if best is None:
         lines.append("  best draft length: none (no length gave lossless answers)")
     else:

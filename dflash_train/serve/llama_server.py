@@ -8,6 +8,7 @@ request at a time), so a request's mean accepted length is llama.cpp's own `1 + 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import time
@@ -24,6 +25,9 @@ START_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 1800
 GPU_LAYERS = "99"
 """-ngl / -ngld: more layers than any served model has, so all of them go to the GPU."""
+DRAFT_STATS = re.compile(r"statistics +\S+: #calls\(b,g,a\) = +\d+ +(\d+) +\d+,.*dur\(b,g,a\) = [\d.]+, ([\d.]+), [\d.]+ ms")
+"""llama.cpp's trace line (`-lv 4`) at each finished request: its drafter's calls and milliseconds spent
+drafting (common/speculative.cpp, `common_speculative_print_stats`), both counted since the server started."""
 SPEC_COUNTERS = {
     "drafted": "llamacpp:spec_decode_num_draft_tokens_total",
     "accepted": "llamacpp:spec_decode_num_accepted_tokens_total",
@@ -44,6 +48,9 @@ class Completion:
     accepted: int = 0
     steps: int = 0
     """Verification steps: target passes that checked a draft."""
+    draft_calls: int = 0
+    draft_seconds: float | None = None
+    """llama.cpp's own time in its drafter's passes (None: not in its log); `seconds` holds it too."""
 
     @property
     def mean_accepted_length(self) -> float | None:
@@ -94,6 +101,7 @@ class LlamaServer:
                 cmd += ["--spec-draft-p-min", str(draft_p_min)]
             if llama.cuda:
                 cmd += ["-ngld", GPU_LAYERS]
+            cmd += ["-lv", "4"]  # trace level: the drafter's own time at each request (DRAFT_STATS)
         self.cmd = cmd
         self.process: subprocess.Popen | None = None
 
@@ -156,6 +164,16 @@ class LlamaServer:
                               f"(log {self.log_file})") from None
         except (urllib.error.URLError, ConnectionError) as err:
             raise ServerError(f"llama-server {path}: {err}; {self.why_it_stopped()} (log {self.log_file})") from None
+
+    def time_drafting(self, completions: list[Completion]) -> None:
+        """Once the server has stopped (its log complete): each completion's drafter calls and seconds from
+        llama.cpp's trace lines, one line per request in the order sent; left unset where the log has not
+        exactly one line per completion (another llama.cpp's wording, or a request that failed)."""
+        totals = [(int(m[1]), float(m[2])) for m in DRAFT_STATS.finditer(self.log_file.read_text(errors="replace"))]
+        if len(totals) != len(completions):
+            return
+        for c, (calls, ms), (calls0, ms0) in zip(completions, totals, [(0, 0.0)] + totals[:-1]):
+            c.draft_calls, c.draft_seconds = calls - calls0, (ms - ms0) / 1000
 
     def spec_counters(self) -> dict[str, int]:
         values = {}

@@ -44,6 +44,16 @@ def answer(tokens, seconds, steps=0, accepted=0):
     return Completion(tokens=tokens, seconds=seconds, drafted=steps * 3, accepted=accepted, steps=steps)
 
 
+def test_a_row_splits_its_rounds_time_where_llama_cpp_timed_its_drafter():
+    base = [answer([1, 2], 1.0)]
+    spec = [answer([1, 2], 0.4, steps=2, accepted=1), answer([1, 2], 0.6, steps=2, accepted=1)]
+    assert "round_ms" not in speed_row(3, spec, base)  # a log without the drafter's time
+    for c, (calls, seconds) in zip(spec, [(2, 0.1), (3, 0.2)]):
+        c.draft_calls, c.draft_seconds = calls, seconds
+    row = speed_row(3, spec, base)
+    assert row["round_ms"] == pytest.approx(1000 * 1.0 / 5) and row["drafting_ms"] == pytest.approx(1000 * 0.3 / 5)
+
+
 def test_a_row_counts_speed_acceptance_and_losslessness():
     base = [answer([1, 2, 3, 4], 2.0), answer([5, 6], 1.0), answer([7, 8], 0.5)]  # 2, 2 and 4 tokens/s
     spec = [answer([1, 2, 3, 4], 0.5, steps=2, accepted=2), answer([5, 7], 1.0, steps=1, accepted=1),
@@ -82,7 +92,10 @@ def test_the_table_has_a_line_per_length_and_names_the_best():
     rows = [row(1, 11.0), row(3, 14.0)]
     lines = format_rows(rows, best_row(rows), 10.0)
     assert len(lines) == 2 + len(rows) + 1
-    assert lines[3].split() == ["3", "14.0", "1.500", "1.40x", "1.07", "2/2"]  # 1.5 tokens in 1.5 / 14 s, 1.07 steps of 1 / 10 s
+    # 1.5 tokens in 1.5 / 14 s, 1.07 steps of 1 / 10 s; no drafter time in the log
+    assert lines[3].split() == ["3", "14.0", "1.500", "1.40x", "1.07", "n/a", "2/2"]
+    timed = format_rows([row(3, 14.0) | {"round_ms": 107.14, "drafting_ms": 30.0}], None, 10.0)
+    assert timed[2].split()[5:8] == ["30.00", "/", "107.14"] and "drafting ms / round ms" in timed[0]
     assert "median prompt" in lines[0] and lines[1].split()[:3] == ["target", "only", "10.0"]
     assert "best draft length: 3 (--spec-draft-n-max 3): 14.0 tokens/s" in lines[-1] and "1.40x" in lines[-1]
     assert "none" in format_rows([row(7, 20.0, lossless=False)], None, 10.0)[-1]
